@@ -1,0 +1,230 @@
+//! The agent interface: what a claimed run executes. The sandbox implements it
+//! for WebAssembly components; until then (and for tests) built-in agents do.
+//!
+//! An agent sees only [`RunHost`], whose imports mirror the WIT host interface:
+//! `emit_event`, `check_cancel`. Every import is fenced: once the claim is lost,
+//! they refuse with [`HostError::Fenced`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+use crate::db::{self, ClaimToken, ConversationId, RunId};
+
+/// Event kinds only the host writes; guests cannot emit them.
+pub const RESERVED_KINDS: &[&str] = &[
+    "user_message_created",
+    "run_queued",
+    "run_started",
+    "complete",
+    "tool_call_started",
+    "tool_call_finished",
+    "keepalive",
+];
+/// Bytes of one event payload (the per-call payload limit's default).
+pub const EVENT_PAYLOAD_BYTES_MAX: usize = 1 << 20;
+/// Length of an event kind.
+pub const EVENT_KIND_BYTES_MAX: usize = 64;
+
+/// One turn's input.
+#[derive(Debug, Clone)]
+pub struct RunInput {
+    pub run_id: RunId,
+    pub conversation_id: ConversationId,
+    pub content: String,
+    pub config: Value,
+}
+
+/// Refusals of the host's imports (the WIT error variants).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HostError {
+    #[error("cancelled: a stop was requested")]
+    Cancelled,
+    #[error("fenced: this worker no longer holds the run")]
+    Fenced,
+    #[error("denied: {0}")]
+    Denied(String),
+    #[error("invalid: {0}")]
+    Invalid(String),
+    #[error("limit: {0}")]
+    Limit(String),
+    #[error("tool failed: {0}")]
+    ToolFailed(String),
+    #[error("host unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// How a turn ends when it does not return text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AgentError {
+    #[error("agent failed: {0}")]
+    Failed(String),
+    #[error(transparent)]
+    Host(#[from] HostError),
+}
+
+#[async_trait]
+pub trait Agent: Send + Sync + 'static {
+    /// Runs one turn and returns the final assistant text.
+    async fn run(&self, host: &mut RunHost, input: RunInput) -> Result<String, AgentError>;
+}
+
+/// The host side of one run: the imports an agent may call.
+pub struct RunHost {
+    pool: PgPool,
+    run_id: RunId,
+    token: ClaimToken,
+    next_seq: i32,
+    fenced: bool,
+    cancel_requested: Arc<AtomicBool>,
+    /// Text streamed so far as `content_delta`: kept as the partial answer if
+    /// the turn is cut off.
+    pub(crate) streamed: String,
+}
+
+impl RunHost {
+    pub(crate) fn new(pool: PgPool, run_id: RunId, token: ClaimToken, cancel_requested: Arc<AtomicBool>) -> Self {
+        // seq 1-2 belong to enqueue, seq 3 to the claim's run_started.
+        RunHost { pool, run_id, token, next_seq: 4, fenced: false, cancel_requested, streamed: String::new() }
+    }
+
+    pub fn run_id(&self) -> RunId {
+        self.run_id
+    }
+
+    /// Appends one event to the run's journal, fenced.
+    pub async fn emit_event(&mut self, kind: &str, payload: Value) -> Result<(), HostError> {
+        if self.fenced {
+            return Err(HostError::Fenced);
+        }
+        if kind.is_empty() || kind.len() > EVENT_KIND_BYTES_MAX {
+            return Err(HostError::Invalid(format!("event kind must be 1-{EVENT_KIND_BYTES_MAX} bytes")));
+        }
+        if RESERVED_KINDS.contains(&kind) {
+            return Err(HostError::Invalid(format!("event kind {kind:?} is reserved for the host")));
+        }
+        if !payload.is_object() {
+            return Err(HostError::Invalid("event payload must be a JSON object".into()));
+        }
+        let size = payload.to_string().len();
+        if size > EVENT_PAYLOAD_BYTES_MAX {
+            return Err(HostError::Limit(format!("event payload of {size} bytes exceeds {EVENT_PAYLOAD_BYTES_MAX}")));
+        }
+        if self.check_cancel() {
+            return Err(HostError::Cancelled);
+        }
+        let delta = if kind == "content_delta" {
+            payload.get("delta").and_then(Value::as_str).map(str::to_owned)
+        } else {
+            None
+        };
+        let appended = db::runs::append_events(&self.pool, self.run_id, self.token, self.next_seq, &[(kind, payload)])
+            .await
+            .map_err(|e| HostError::Unavailable(e.to_string()))?;
+        if !appended {
+            self.fenced = true;
+            return Err(HostError::Fenced);
+        }
+        self.next_seq += 1;
+        if let Some(d) = delta {
+            self.streamed.push_str(&d);
+        }
+        Ok(())
+    }
+
+    /// Streams a piece of the answer (`content_delta`).
+    pub async fn emit_delta(&mut self, delta: &str) -> Result<(), HostError> {
+        self.emit_event("content_delta", json!({ "delta": delta })).await
+    }
+
+    /// Whether a stop was requested for this run.
+    pub fn check_cancel(&self) -> bool {
+        self.cancel_requested.load(Ordering::Relaxed)
+    }
+}
+
+/// Agents by plugin name.
+#[derive(Clone, Default)]
+pub struct AgentRegistry {
+    agents: HashMap<String, Arc<dyn Agent>>,
+}
+
+impl AgentRegistry {
+    /// The built-in agents: `noop`, `echo` and `sleep`.
+    pub fn with_builtins() -> Self {
+        let mut r = AgentRegistry::default();
+        r.insert("noop", Arc::new(Noop));
+        r.insert("echo", Arc::new(Echo));
+        r.insert("sleep", Arc::new(Sleep));
+        r
+    }
+
+    pub fn insert(&mut self, name: &str, agent: Arc<dyn Agent>) {
+        self.agents.insert(name.to_string(), agent);
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<dyn Agent>> {
+        self.agents.get(name).cloned()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.agents.contains_key(name)
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.agents.keys().cloned().collect();
+        names.sort();
+        names
+    }
+}
+
+/// Returns at once with an empty answer: the queue's own cost, nothing else.
+pub struct Noop;
+
+#[async_trait]
+impl Agent for Noop {
+    async fn run(&self, _host: &mut RunHost, _input: RunInput) -> Result<String, AgentError> {
+        Ok(String::new())
+    }
+}
+
+/// Streams the user's message back word by word, then returns it.
+pub struct Echo;
+
+#[async_trait]
+impl Agent for Echo {
+    async fn run(&self, host: &mut RunHost, input: RunInput) -> Result<String, AgentError> {
+        for word in input.content.split_inclusive(' ') {
+            host.emit_delta(word).await?;
+        }
+        Ok(input.content)
+    }
+}
+
+/// A long turn for demos and tests: `config.steps` deltas (default 10), one
+/// every `config.step_ms` (default 100), honouring cancel between steps.
+pub struct Sleep;
+
+#[async_trait]
+impl Agent for Sleep {
+    async fn run(&self, host: &mut RunHost, input: RunInput) -> Result<String, AgentError> {
+        let steps = input.config.get("steps").and_then(Value::as_u64).unwrap_or(10).min(100_000);
+        let step_ms = input.config.get("step_ms").and_then(Value::as_u64).unwrap_or(100).min(3_600_000);
+        let mut text = String::new();
+        for i in 0..steps {
+            if host.check_cancel() {
+                return Err(HostError::Cancelled.into());
+            }
+            tokio::time::sleep(Duration::from_millis(step_ms)).await;
+            let piece = format!("step {i}. ");
+            host.emit_delta(&piece).await?;
+            text.push_str(&piece);
+        }
+        Ok(text)
+    }
+}

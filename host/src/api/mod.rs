@@ -1,0 +1,93 @@
+//! HTTP API (DESIGN.md section 5): axum routes, auth, the error type.
+
+mod error;
+mod runs;
+
+use axum::extract::{FromRef, FromRequest, FromRequestParts, Request, State};
+use axum::http::request::Parts;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+use sqlx::PgPool;
+
+pub use error::ApiError;
+
+use crate::agent::AgentRegistry;
+use crate::db::tokens::{self, Principal};
+
+/// Bytes of one request body.
+pub const BODY_BYTES_MAX: usize = 1 << 20;
+
+#[derive(Clone)]
+pub struct AppState {
+    pub pool: PgPool,
+    pub agents: AgentRegistry,
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/runs", post(runs::create_run))
+        .route("/v1/runs/{id}", get(runs::get_run))
+        .route("/v1/conversations", post(runs::create_conversation))
+        .route("/v1/conversations/{id}/runs", post(runs::create_run_in_conversation))
+        .route("/healthz", get(|| async { Json(json!({ "status": "ok" })) }))
+        .route("/readyz", get(readyz))
+        .fallback(|| async { ApiError::not_found("route") })
+        .layer(axum::extract::DefaultBodyLimit::max(BODY_BYTES_MAX))
+        .with_state(state)
+}
+
+async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
+    match crate::db::ready(&state.pool).await {
+        Ok(true) => (StatusCode::OK, Json(json!({ "status": "ready" }))).into_response(),
+        Ok(false) => ApiError::unavailable("migrations are not applied").into_response(),
+        Err(_) => ApiError::unavailable("the database is unavailable").into_response(),
+    }
+}
+
+/// The caller, from `Authorization: Bearer <token>`.
+pub struct Auth(pub Principal);
+
+impl<S> FromRequestParts<S> for Auth
+where
+    AppState: FromRef<S>,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let state = AppState::from_ref(state);
+        let header = parts
+            .headers
+            .get(axum::http::header::AUTHORIZATION)
+            .ok_or_else(|| ApiError::unauthenticated("missing Authorization: Bearer <token>"))?;
+        let token = header
+            .to_str()
+            .ok()
+            .and_then(|h| h.strip_prefix("Bearer "))
+            .map(str::trim)
+            .filter(|t| !t.is_empty() && t.len() <= 200)
+            .ok_or_else(|| ApiError::unauthenticated("Authorization must be `Bearer <token>`"))?;
+        match tokens::authenticate(&state.pool, token).await? {
+            Some(p) => Ok(Auth(p)),
+            None => Err(ApiError::unauthenticated("unknown token")),
+        }
+    }
+}
+
+/// `Json` whose rejections use the API's error shape and statuses.
+pub struct ApiJson<T>(pub T);
+
+impl<T, S> FromRequest<S> for ApiJson<T>
+where
+    Json<T>: FromRequest<S, Rejection = axum::extract::rejection::JsonRejection>,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        Ok(ApiJson(Json::<T>::from_request(req, state).await?.0))
+    }
+}

@@ -1,0 +1,136 @@
+//! Enqueue and read runs.
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::db::runs::{self, EnqueueError, NewRun, Owner};
+use crate::db::{ConversationId, RunId};
+
+use super::{ApiError, ApiJson, AppState, Auth};
+
+/// Characters of a user message.
+pub const CONTENT_CHARS_MAX: usize = 64 * 1024;
+/// Bytes of a run's config JSON.
+pub const CONFIG_BYTES_MAX: usize = 16 * 1024;
+/// Bytes of an idempotency key.
+pub const IDEMPOTENCY_KEY_BYTES_MAX: usize = 200;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateRun {
+    pub content: String,
+    pub plugin: String,
+    #[serde(default)]
+    pub conversation_id: Option<ConversationId>,
+    #[serde(default)]
+    pub config: Option<Value>,
+}
+
+fn owner(p: &crate::db::tokens::Principal) -> Owner {
+    Owner { user_id: p.user_id.clone(), tenant_id: p.tenant_id.clone() }
+}
+
+fn parse_id<T: std::str::FromStr>(raw: &str, what: &str) -> Result<T, ApiError> {
+    raw.parse().map_err(|_| ApiError::bad_request(format!("{what} id {raw:?} is not a UUID")))
+}
+
+pub async fn create_conversation(State(state): State<AppState>, Auth(p): Auth) -> Result<impl IntoResponse, ApiError> {
+    let (id, created_at) = runs::create_conversation(&state.pool, &owner(&p)).await?;
+    Ok((StatusCode::CREATED, Json(json!({ "id": id, "created_at": created_at }))))
+}
+
+pub async fn create_run(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<CreateRun>,
+) -> Result<impl IntoResponse, ApiError> {
+    enqueue(&state, &p, &headers, body).await
+}
+
+pub async fn create_run_in_conversation(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    ApiJson(mut body): ApiJson<CreateRun>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id: ConversationId = parse_id(&id, "conversation")?;
+    if body.conversation_id.is_some_and(|c| c != id) {
+        return Err(ApiError::invalid("conversation_id in the body differs from the one in the path"));
+    }
+    body.conversation_id = Some(id);
+    enqueue(&state, &p, &headers, body).await
+}
+
+async fn enqueue(
+    state: &AppState,
+    p: &crate::db::tokens::Principal,
+    headers: &HeaderMap,
+    body: CreateRun,
+) -> Result<impl IntoResponse, ApiError> {
+    if body.content.trim().is_empty() {
+        return Err(ApiError::invalid("content must not be empty"));
+    }
+    let chars = body.content.chars().count();
+    if chars > CONTENT_CHARS_MAX {
+        return Err(ApiError::invalid(format!("content has {chars} characters; the limit is {CONTENT_CHARS_MAX}")));
+    }
+    if !state.agents.contains(&body.plugin) {
+        return Err(ApiError::invalid(format!(
+            "unknown plugin {:?}; available: {}",
+            body.plugin,
+            state.agents.names().join(", ")
+        )));
+    }
+    let config = body.config.unwrap_or_else(|| json!({}));
+    if !config.is_object() {
+        return Err(ApiError::invalid("config must be a JSON object"));
+    }
+    let config_bytes = config.to_string().len();
+    if config_bytes > CONFIG_BYTES_MAX {
+        return Err(ApiError::invalid(format!("config is {config_bytes} bytes; the limit is {CONFIG_BYTES_MAX}")));
+    }
+    let idempotency_key = match headers.get("idempotency-key") {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .filter(|k| !k.is_empty() && k.len() <= IDEMPOTENCY_KEY_BYTES_MAX)
+                .ok_or_else(|| ApiError::bad_request(format!("Idempotency-Key must be 1-{IDEMPOTENCY_KEY_BYTES_MAX} visible ASCII bytes")))?,
+        ),
+    };
+    let request = json!({ "content": body.content, "plugin": body.plugin, "conversation_id": body.conversation_id, "config": config });
+    let owner = owner(p);
+    let new = NewRun {
+        owner: &owner,
+        conversation_id: body.conversation_id,
+        content: &body.content,
+        plugin: &body.plugin,
+        plugin_digest: None,
+        config: &config,
+        request: &request,
+        idempotency_key,
+    };
+    let enqueued = runs::enqueue(&state.pool, &new).await.map_err(|e| match e {
+        EnqueueError::ConversationNotFound(id) => ApiError::not_found(format!("conversation {id}")),
+        EnqueueError::Db(e) => e.into(),
+    })?;
+    Ok((StatusCode::ACCEPTED, Json(enqueued)))
+}
+
+pub async fn get_run(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id: RunId = parse_id(&id, "run")?;
+    let run = runs::get_run(&state.pool, id, &p.user_id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("run {id}")))?;
+    Ok(Json(run))
+}

@@ -1,0 +1,140 @@
+//! Command line and environment. Every flag has an `AGENT_HOST_*` fallback;
+//! durations are in milliseconds and validated at start.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::worker::WorkerConfig;
+
+#[derive(Debug, Parser)]
+#[command(name = "agent-host", version, about = "Durable AI-agent runs on plain PostgreSQL")]
+pub struct Cli {
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DbArgs {
+    /// PostgreSQL URL. Without it, a private cluster is started in --data-dir.
+    #[arg(long, env = "DATABASE_URL", global = true)]
+    pub database_url: Option<String>,
+    /// Separate URL for the LISTEN connection (keep it out of a transaction pooler).
+    #[arg(long, env = "AGENT_HOST_LISTEN_DATABASE_URL", global = true)]
+    pub listen_database_url: Option<String>,
+    /// Directory of the private cluster (used only without DATABASE_URL).
+    #[arg(long, env = "AGENT_HOST_DATA_DIR", default_value = ".agent-host", global = true)]
+    pub data_dir: PathBuf,
+    /// Connections in the process's pool.
+    #[arg(long, env = "AGENT_HOST_DB_POOL_MAX", default_value_t = 32, global = true)]
+    pub db_pool_max: u32,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the HTTP API and a worker (dispatcher, heartbeat, reaper).
+    Serve(ServeArgs),
+    /// Apply the embedded migrations and exit.
+    Migrate,
+    /// Manage API tokens.
+    #[command(subcommand)]
+    Tokens(TokensCommand),
+    /// Measure enqueue latency, pickup latency and drain throughput.
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokensCommand {
+    /// Create a token and print it (it is shown only once).
+    Create {
+        #[arg(long)]
+        user: String,
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        admin: bool,
+    },
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address of the HTTP API (port 0 picks a free port).
+    #[arg(long, env = "AGENT_HOST_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Create a demo token, enqueue a demo run and print how to watch it.
+    #[arg(long)]
+    pub demo: bool,
+    #[command(flatten)]
+    pub worker: WorkerArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct WorkerArgs {
+    /// Runs executed at once by this process.
+    #[arg(long, env = "AGENT_HOST_MAX_RUNS", default_value_t = crate::worker::MAX_RUNS_DEFAULT)]
+    pub max_runs: usize,
+    /// Lease a claim holds without a heartbeat.
+    #[arg(long, env = "AGENT_HOST_LEASE_MS", default_value_t = 30_000)]
+    pub lease_ms: u64,
+    /// Heartbeat interval (must be below the lease).
+    #[arg(long, env = "AGENT_HOST_HEARTBEAT_MS", default_value_t = 10_000)]
+    pub heartbeat_ms: u64,
+    /// Slack past the lease before the reaper ends a run.
+    #[arg(long, env = "AGENT_HOST_REAP_GRACE_MS", default_value_t = 30_000)]
+    pub reap_grace_ms: u64,
+    /// How often the reaper sweeps.
+    #[arg(long, env = "AGENT_HOST_REAP_INTERVAL_MS", default_value_t = 10_000)]
+    pub reap_interval_ms: u64,
+    /// Fallback poll of the dispatcher when no wake arrives.
+    #[arg(long, env = "AGENT_HOST_POLL_TICK_MS", default_value_t = 10_000)]
+    pub poll_tick_ms: u64,
+    /// Budget for in-flight runs to finish on SIGTERM/SIGINT.
+    #[arg(long, env = "AGENT_HOST_DRAIN_TIMEOUT_MS", default_value_t = 25_000)]
+    pub drain_timeout_ms: u64,
+    /// This process's name in claims (default: hostname-pid).
+    #[arg(long, env = "AGENT_HOST_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// Do not claim runs (serve the API and reap only).
+    #[arg(long, env = "AGENT_HOST_NO_DISPATCH")]
+    pub no_dispatch: bool,
+    /// Run without the LISTEN hub (every wait falls back to its poll).
+    #[arg(long, env = "AGENT_HOST_NO_HUB")]
+    pub no_hub: bool,
+}
+
+impl WorkerArgs {
+    pub fn to_config(&self) -> WorkerConfig {
+        let ms = Duration::from_millis;
+        WorkerConfig {
+            max_runs: self.max_runs,
+            lease: ms(self.lease_ms),
+            heartbeat: ms(self.heartbeat_ms),
+            reap_grace: ms(self.reap_grace_ms),
+            reap_interval: ms(self.reap_interval_ms),
+            poll_tick: ms(self.poll_tick_ms),
+            drain_timeout: ms(self.drain_timeout_ms),
+            worker_id: self.worker_id.clone().unwrap_or_else(crate::worker::default_worker_id),
+            dispatch: !self.no_dispatch,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Runs pre-enqueued for each drain pass.
+    #[arg(long, default_value_t = 20_000)]
+    pub runs: usize,
+    /// Runs in flight while draining.
+    #[arg(long, default_value_t = 10)]
+    pub in_flight: usize,
+    /// Passes of the drain and SQL-floor measurements (medians are reported).
+    #[arg(long, default_value_t = 5)]
+    pub passes: usize,
+    /// Samples for the latency measurements.
+    #[arg(long, default_value_t = 500)]
+    pub samples: usize,
+}

@@ -1,0 +1,288 @@
+//! A private PostgreSQL cluster for when no `DATABASE_URL` is given: started
+//! from the system's server binaries in a data directory of ours, reused when
+//! the host restarts with the same directory, stopped when the host exits
+//! (even by SIGKILL: a guard process waits on a pipe only we hold).
+//!
+//! PostgreSQL refuses to run as root, so as root the cluster runs as the
+//! `postgres` account, which then owns the data directory.
+
+use std::net::TcpListener;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use nix::unistd::{Gid, Uid, User};
+
+/// Name of the database the host uses inside its private cluster.
+pub const DATABASE: &str = "agent_host";
+const INSTALL_HINT: &str = "install Debian's `postgresql` package (apt-get install postgresql), \
+     point AGENT_HOST_PG_BIN at the directory holding initdb and pg_ctl, \
+     or set DATABASE_URL to use an existing server";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("PostgreSQL server binaries (initdb, pg_ctl) not found: {INSTALL_HINT}")]
+    BinariesMissing,
+    #[error("running as root, PostgreSQL must run as an unprivileged user, and no `postgres` account exists: create one (useradd postgres) or set DATABASE_URL")]
+    NoUnprivilegedUser,
+    #[error("{what} failed ({status}); see {log}")]
+    Command { what: String, status: String, log: String },
+    #[error("cluster I/O on {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+/// Options for a private cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    /// Directory that holds the cluster (`<dir>/pg`) and its log.
+    pub dir: PathBuf,
+    /// Trade durability for speed (fsync off): for tests only.
+    pub ephemeral: bool,
+    /// Delete the directory when the cluster stops: for tests only.
+    pub remove_on_exit: bool,
+}
+
+/// A running private cluster. Dropping it (or the process dying) stops it.
+pub struct Cluster {
+    pgdata: PathBuf,
+    bin_dir: PathBuf,
+    port: u16,
+    run_as: Option<(Uid, Gid)>,
+    /// Holding the write end of the guard's stdin keeps the guard waiting;
+    /// when this process ends, for whatever reason, the guard stops the cluster.
+    guard: Option<Child>,
+}
+
+impl Cluster {
+    pub fn start(opts: &ClusterOptions) -> Result<Cluster, ClusterError> {
+        let bin_dir = find_bin_dir().ok_or(ClusterError::BinariesMissing)?;
+        let run_as = if Uid::effective().is_root() {
+            let user = User::from_name("postgres")
+                .ok()
+                .flatten()
+                .ok_or(ClusterError::NoUnprivilegedUser)?;
+            Some((user.uid, user.gid))
+        } else {
+            None
+        };
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| ClusterError::Io { path, source }
+        };
+        std::fs::create_dir_all(&opts.dir).map_err(io(&opts.dir))?;
+        let dir = opts.dir.canonicalize().map_err(io(&opts.dir))?;
+        let pgdata = dir.join("pg");
+        if let Some((uid, gid)) = run_as {
+            // The server's account must be able to reach its data directory.
+            for ancestor in dir.ancestors() {
+                let meta = std::fs::metadata(ancestor).map_err(io(ancestor))?;
+                let mode = meta.permissions().mode();
+                if mode & 0o001 == 0 {
+                    std::fs::set_permissions(ancestor, std::fs::Permissions::from_mode(mode | 0o011))
+                        .map_err(io(ancestor))?;
+                }
+            }
+            if !pgdata.exists() {
+                std::fs::create_dir(&pgdata).map_err(io(&pgdata))?;
+            }
+            nix::unistd::chown(&pgdata, Some(uid), Some(gid))
+                .map_err(|e| ClusterError::Io { path: pgdata.clone(), source: e.into() })?;
+            std::fs::set_permissions(&pgdata, std::fs::Permissions::from_mode(0o700))
+                .map_err(io(&pgdata))?;
+        }
+        let mut cluster = Cluster { pgdata, bin_dir, port: 0, run_as, guard: None };
+        let log = cluster.log_path();
+
+        if !cluster.pgdata.join("PG_VERSION").exists() {
+            let mut initdb = cluster.command("initdb");
+            initdb
+                .arg("-D")
+                .arg(&cluster.pgdata)
+                .args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C"]);
+            if opts.ephemeral {
+                initdb.arg("--no-sync");
+            }
+            cluster.run(initdb, "initdb")?;
+            let mut conf = String::from(
+                "\n# agent-host private cluster\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = ''\nmax_connections = 300\n",
+            );
+            if opts.ephemeral {
+                conf.push_str("fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n");
+            }
+            let conf_path = cluster.pgdata.join("postgresql.conf");
+            let mut existing = std::fs::read_to_string(&conf_path).map_err(io(&conf_path))?;
+            existing.push_str(&conf);
+            std::fs::write(&conf_path, existing).map_err(io(&conf_path))?;
+        }
+
+        let started_here = match cluster.running_port() {
+            // Someone else's running cluster (another host on this directory):
+            // use it, and leave stopping it to whoever started it.
+            Some(port) => {
+                cluster.port = port;
+                false
+            }
+            None => {
+                cluster.port = free_port().map_err(io(&cluster.pgdata))?;
+                let mut start = cluster.command("pg_ctl");
+                start
+                    .arg("-D")
+                    .arg(&cluster.pgdata)
+                    .arg("-l")
+                    .arg(&log)
+                    .args(["-w", "-t", "60", "-o"])
+                    .arg(format!("-p {}", cluster.port))
+                    .arg("start");
+                cluster.run(start, "pg_ctl start")?;
+                true
+            }
+        };
+        if !started_here {
+            return Ok(cluster);
+        }
+
+        // The guard: waits for EOF on stdin, which comes when this process
+        // exits however it exits, then stops the cluster. It runs as us; the
+        // server's own commands run as the server's account.
+        let as_server = if cluster.run_as.is_some() { "runuser -u postgres -- " } else { "" };
+        let pg_ctl = cluster.bin_dir.join("pg_ctl");
+        let script = if opts.remove_on_exit {
+            format!(
+                "cat >/dev/null; {as_server}'{}' -D '{}' -m immediate -w stop >/dev/null 2>&1; rm -rf '{}'",
+                pg_ctl.display(),
+                cluster.pgdata.display(),
+                dir.display()
+            )
+        } else {
+            format!(
+                "cat >/dev/null; {as_server}'{}' -D '{}' -m fast -w stop >/dev/null 2>&1",
+                pg_ctl.display(),
+                cluster.pgdata.display()
+            )
+        };
+        let mut guard = Command::new("sh");
+        guard
+            .args(["-c", &script])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .current_dir("/")
+            // Its own process group: a Ctrl-C aimed at the host must not
+            // stop the database under a draining host.
+            .process_group(0);
+        cluster.guard = Some(guard.spawn().map_err(io(Path::new("sh")))?);
+        Ok(cluster)
+    }
+
+    /// Connection URL for a database of this cluster.
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{}", self.port, database)
+    }
+
+    /// Creates `database` unless it exists.
+    pub async fn ensure_database(&self, database: &str) -> Result<(), sqlx::Error> {
+        use sqlx::Connection;
+        let mut conn = sqlx::PgConnection::connect(&self.url("postgres")).await?;
+        let exists: bool = sqlx::query_scalar("SELECT exists (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(database)
+            .fetch_one(&mut conn)
+            .await?;
+        if !exists {
+            // Identifiers cannot be bound; quote it.
+            let quoted = format!("\"{}\"", database.replace('"', "\"\""));
+            sqlx::query(&format!("CREATE DATABASE {quoted}")).execute(&mut conn).await?;
+        }
+        conn.close().await
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.pgdata.join("server.log")
+    }
+
+    /// Stops the cluster now (fast shutdown) and waits for it.
+    pub fn stop(&mut self) {
+        if let Some(mut guard) = self.guard.take() {
+            drop(guard.stdin.take());
+            let _ = guard.wait();
+        }
+    }
+
+    fn running_port(&self) -> Option<u16> {
+        let mut status = self.command("pg_ctl");
+        status.arg("-D").arg(&self.pgdata).arg("status");
+        let out = status.stdout(Stdio::null()).stderr(Stdio::null()).status().ok()?;
+        if !out.success() {
+            return None;
+        }
+        // postmaster.pid: line 4 is the port.
+        let pid = std::fs::read_to_string(self.pgdata.join("postmaster.pid")).ok()?;
+        pid.lines().nth(3)?.trim().parse().ok()
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new(self.bin_dir.join(program));
+        cmd.current_dir("/").env_remove("PGDATA").process_group(0);
+        if let Some((uid, gid)) = self.run_as {
+            cmd.uid(uid.as_raw()).gid(gid.as_raw());
+        }
+        cmd
+    }
+
+    fn run(&self, mut cmd: Command, what: &str) -> Result<(), ClusterError> {
+        let out = cmd
+            .output()
+            .map_err(|source| ClusterError::Io { path: PathBuf::from(what), source })?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        Err(ClusterError::Command {
+            what: what.to_string(),
+            status: format!("{}: {}", out.status, stderr.trim()),
+            log: self.log_path().display().to_string(),
+        })
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Finds the directory of `initdb` and `pg_ctl`: `AGENT_HOST_PG_BIN`, then
+/// `PATH`, then Debian's `/usr/lib/postgresql/<version>/bin` (newest first).
+fn find_bin_dir() -> Option<PathBuf> {
+    let has_both = |dir: &Path| dir.join("initdb").is_file() && dir.join("pg_ctl").is_file();
+    if let Some(dir) = std::env::var_os("AGENT_HOST_PG_BIN") {
+        let dir = PathBuf::from(dir);
+        return has_both(&dir).then_some(dir);
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            if has_both(&dir) {
+                return Some(dir);
+            }
+        }
+    }
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let v = e.file_name().to_str()?.parse::<u32>().ok()?;
+            Some((v, e.path().join("bin")))
+        })
+        .filter(|(_, dir)| has_both(dir))
+        .collect();
+    versions.sort();
+    versions.pop().map(|(_, dir)| dir)
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}

@@ -1,0 +1,166 @@
+//! The only place that holds SQL. Everything else calls these functions with a
+//! pool or a transaction (`impl PgExecutor`).
+
+pub mod cluster;
+pub mod runs;
+pub mod tokens;
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+
+/// Channel every enqueue and every terminal write NOTIFYs (the wake chain).
+pub const RUN_ENQUEUED_CHANNEL: &str = "run_enqueued";
+
+macro_rules! typed_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, sqlx::Type)]
+        #[sqlx(transparent)]
+        #[serde(transparent)]
+        pub struct $name(pub Uuid);
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = uuid::Error;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Uuid::parse_str(s).map($name)
+            }
+        }
+    };
+}
+
+typed_id!(
+    /// Identity of one run (one turn of a conversation).
+    RunId
+);
+typed_id!(
+    /// Identity of a conversation: a sequence of turns, one running at a time.
+    ConversationId
+);
+typed_id!(
+    /// Identity of a transcript message.
+    MessageId
+);
+typed_id!(
+    /// The fence: stamped by the claim, presented by every worker write. A
+    /// worker whose token no longer matches writes nothing.
+    ClaimToken
+);
+
+impl RunId {
+    pub fn new() -> Self {
+        RunId(Uuid::now_v7())
+    }
+}
+impl ConversationId {
+    pub fn new() -> Self {
+        ConversationId(Uuid::now_v7())
+    }
+}
+impl MessageId {
+    pub fn new() -> Self {
+        MessageId(Uuid::now_v7())
+    }
+}
+impl Default for RunId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+impl Default for ConversationId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+impl Default for MessageId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The status of a run, and who owns each transition. The schema's trigger
+/// enforces the same table: terminal states are sticky.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunStatus {
+    /// Written by enqueue. Left by the dispatcher's claim (-> running) or by a
+    /// stop sweep (-> cancelled).
+    Queued,
+    /// Written by the claim. Left only by the claim holder's fenced finalize,
+    /// by the dispatcher's backstop (fenced), or by the reaper once the lease
+    /// has lapsed past the grace (re-checked in the write).
+    Running,
+    /// Terminal, written by the worker's fenced finalize.
+    Completed,
+    /// Terminal, written by the worker (agent error, drain timeout), the
+    /// backstop, or the reaper (worker lost).
+    Failed,
+    /// Terminal, written by a stop sweep (queued) or the worker (running).
+    Cancelled,
+}
+
+impl RunStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Queued => "queued",
+            RunStatus::Running => "running",
+            RunStatus::Completed => "completed",
+            RunStatus::Failed => "failed",
+            RunStatus::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn is_terminal(self) -> bool {
+        matches!(self, RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled)
+    }
+}
+
+impl FromStr for RunStatus {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "queued" => RunStatus::Queued,
+            "running" => RunStatus::Running,
+            "completed" => RunStatus::Completed,
+            "failed" => RunStatus::Failed,
+            "cancelled" => RunStatus::Cancelled,
+            other => return Err(format!("unknown run status {other:?}")),
+        })
+    }
+}
+
+/// Opens a pool. `max_connections` is a bound like every other.
+pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Error> {
+    let options = PgConnectOptions::from_str(url)?.application_name("agent-host");
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options)
+        .await
+}
+
+/// Applies the embedded migrations. Safe to call from many processes at once:
+/// sqlx serialises them with an advisory lock.
+pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    MIGRATOR.run(pool).await
+}
+
+/// Readiness: the database answers and every embedded migration is applied.
+pub async fn ready(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
+        .fetch_one(pool)
+        .await?;
+    Ok(applied as usize >= MIGRATOR.iter().count())
+}

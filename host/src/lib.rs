@@ -1,0 +1,14 @@
+//! agent-host: durable AI-agent runs on plain PostgreSQL.
+//!
+//! A run is a row. HTTP enqueues it (`api`), a dispatcher claims it (`worker`),
+//! an agent executes it behind the [`agent::Agent`] interface, and every write
+//! the worker makes goes through `db`, fenced by the claim token.
+
+pub mod agent;
+pub mod api;
+pub mod bench;
+pub mod config;
+pub mod db;
+pub mod hub;
+pub mod server;
+pub mod worker;

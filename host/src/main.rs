@@ -1,0 +1,42 @@
+use anyhow::Context;
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+use agent_host::config::{Cli, Command, TokensCommand};
+use agent_host::{bench, db, server};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_env("AGENT_HOST_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => server::serve(&cli.db, &args).await,
+        Command::Migrate => {
+            let mut database = server::open_database(&cli.db).await?;
+            let pool = server::connect_and_migrate(&database.url, 2).await?;
+            println!("migrations applied ({} in all)", db::MIGRATOR.iter().count());
+            pool.close().await;
+            if let Some(c) = database.cluster.as_mut() {
+                c.stop();
+            }
+            Ok(())
+        }
+        Command::Tokens(TokensCommand::Create { user, tenant, admin }) => {
+            let mut database = server::open_database(&cli.db).await?;
+            let pool = server::connect_and_migrate(&database.url, 2).await?;
+            let token = db::tokens::create(&pool, &user, &tenant, admin)
+                .await
+                .context("creating the token")?;
+            println!("{token}");
+            pool.close().await;
+            if let Some(c) = database.cluster.as_mut() {
+                c.stop();
+            }
+            Ok(())
+        }
+        Command::Bench(args) => bench::run(&cli.db, &args).await,
+    }
+}

@@ -1,0 +1,138 @@
+//! Process assembly: database (given or private), migrations, hub, worker,
+//! HTTP, and the ordered shutdown on SIGTERM/SIGINT.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use serde_json::json;
+use sqlx::PgPool;
+
+use crate::agent::AgentRegistry;
+use crate::api::{self, AppState};
+use crate::config::{DbArgs, ServeArgs};
+use crate::db::{self, cluster::Cluster, cluster::ClusterOptions};
+use crate::hub::Hub;
+use crate::worker::Worker;
+
+/// Bound on closing HTTP connections after the drain.
+const HTTP_SHUTDOWN_MAX: Duration = Duration::from_secs(5);
+
+/// The database this process uses, and the private cluster if it started one.
+pub struct Database {
+    pub url: String,
+    pub listen_url: String,
+    pub cluster: Option<Cluster>,
+}
+
+/// `DATABASE_URL` if given; otherwise a private cluster in the data directory.
+pub async fn open_database(args: &DbArgs) -> anyhow::Result<Database> {
+    let (url, cluster) = match &args.database_url {
+        Some(url) => (url.clone(), None),
+        None => {
+            let opts = ClusterOptions { dir: args.data_dir.clone(), ephemeral: false, remove_on_exit: false };
+            let cluster = tokio::task::spawn_blocking(move || Cluster::start(&opts))
+                .await?
+                .context("starting the private PostgreSQL cluster")?;
+            cluster
+                .ensure_database(db::cluster::DATABASE)
+                .await
+                .context("creating the database in the private cluster")?;
+            tracing::info!(url = %cluster.url(db::cluster::DATABASE), "private PostgreSQL cluster running");
+            (cluster.url(db::cluster::DATABASE), Some(cluster))
+        }
+    };
+    let listen_url = args.listen_database_url.clone().unwrap_or_else(|| url.clone());
+    Ok(Database { url, listen_url, cluster })
+}
+
+/// Connects and applies the embedded migrations.
+pub async fn connect_and_migrate(url: &str, pool_max: u32) -> anyhow::Result<PgPool> {
+    let pool = db::connect(url, pool_max).await.context("connecting to PostgreSQL")?;
+    db::migrate(&pool).await.context("applying migrations")?;
+    Ok(pool)
+}
+
+pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
+    let config = args.worker.to_config();
+    config.validate()?;
+    let mut database = open_database(db_args).await?;
+    let pool = connect_and_migrate(&database.url, db_args.db_pool_max).await?;
+    let hub = (!args.worker.no_hub).then(|| Hub::start(database.listen_url.clone()));
+    let agents = AgentRegistry::with_builtins();
+    let worker = Worker::start(pool.clone(), hub, agents.clone(), config).await?;
+
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let app = api::router(AppState { pool: pool.clone(), agents });
+    // A line scripts and tests read to find the port.
+    println!("agent-host listening on http://{addr}");
+    if args.demo {
+        demo(&pool, addr).await?;
+    }
+
+    let http_stop = tokio_util::sync::CancellationToken::new();
+    let stop = http_stop.clone();
+    let mut http = tokio::spawn(async move {
+        axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await
+    });
+    tokio::select! {
+        _ = shutdown_signal() => {}
+        r = &mut http => {
+            r??;
+            anyhow::bail!("the HTTP server stopped unexpectedly");
+        }
+    }
+    tracing::info!("shutting down: draining runs");
+    let report = worker.drain().await;
+    tracing::info!(?report, "drain finished");
+    http_stop.cancel();
+    let _ = tokio::time::timeout(HTTP_SHUTDOWN_MAX, http).await;
+    pool.close().await;
+    if let Some(c) = database.cluster.as_mut() {
+        tokio::task::block_in_place(|| c.stop());
+    }
+    Ok(())
+}
+
+async fn demo(pool: &PgPool, addr: std::net::SocketAddr) -> anyhow::Result<()> {
+    let token = db::tokens::create(pool, "demo", "demo", true).await?;
+    let owner = db::runs::Owner { user_id: "demo".into(), tenant_id: "demo".into() };
+    let config = json!({ "steps": 20, "step_ms": 200 });
+    let request = json!({ "content": "demo", "plugin": "sleep", "config": config });
+    let run = db::runs::enqueue(
+        pool,
+        &db::runs::NewRun {
+            owner: &owner,
+            conversation_id: None,
+            content: "Count to twenty, slowly.",
+            plugin: "sleep",
+            plugin_digest: None,
+            config: &config,
+            request: &request,
+            idempotency_key: None,
+        },
+    )
+    .await?;
+    println!(
+        "\ndemo token: {token}\n\
+         demo run:   {run_id} (plugin sleep, 20 steps of 200 ms)\n\n\
+         watch it:   curl -s -H 'Authorization: Bearer {token}' http://{addr}/v1/runs/{run_id}\n\
+         start one:  curl -s -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' \\\n\
+         \x20           -d '{{\"content\":\"hello there\",\"plugin\":\"echo\"}}' http://{addr}/v1/runs\n",
+        run_id = run.run_id
+    );
+    Ok(())
+}
+
+/// SIGTERM (the orchestrator) or SIGINT (Ctrl-C).
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

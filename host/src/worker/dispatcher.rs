@@ -1,0 +1,99 @@
+//! The claim loop. Acquire-before-pull: a slot is taken before a row is
+//! claimed, so a saturated process never strands a claimed row it has no
+//! capacity to run; overload shows up as queue depth instead.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::db::{self, runs::Claim, RUN_ENQUEUED_CHANNEL};
+use crate::hub::{Hub, Subscription};
+
+use super::{run_task, Shared};
+
+/// Immediate re-claims after an index conflict before waiting for a wake.
+const CONFLICT_RETRIES_MAX: u32 = 3;
+/// Pause after a failed claim (database down): bounded by the poll tick.
+const ERROR_BACKOFF: Duration = Duration::from_millis(500);
+
+pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
+    // Subscribe once, before the first claim: a wake that lands between a
+    // claim that found nothing and the wait is then still queued for us.
+    let mut wakes = match &hub {
+        Some(hub) => Some(hub.subscribe(RUN_ENQUEUED_CHANNEL).await),
+        None => None,
+    };
+    let mut conflicts = 0;
+    loop {
+        let first = tokio::select! {
+            biased;
+            _ = shared.stop_claiming.cancelled() => return,
+            permit = shared.slots.clone().acquire_owned() => match permit {
+                Ok(p) => p,
+                Err(_) => return,
+            },
+        };
+        let mut permits = vec![first];
+        while let Ok(p) = shared.slots.clone().try_acquire_owned() {
+            permits.push(p);
+        }
+        if let Some(w) = wakes.as_mut() {
+            // We are about to read the rows; wakes so far are answered.
+            w.drain();
+        }
+        let claim = Claim {
+            limit: permits.len() as i64,
+            lease: shared.config.lease,
+            worker_id: &shared.config.worker_id,
+            prefilter: true,
+        };
+        let claimed = match db::runs::claim(&shared.pool, &claim).await {
+            Ok(rows) => rows,
+            Err(e) if db::runs::is_running_conflict(&e) => {
+                shared.stats.claim_conflicts.fetch_add(1, Ordering::Relaxed);
+                drop(permits);
+                conflicts += 1;
+                if conflicts <= CONFLICT_RETRIES_MAX {
+                    continue;
+                }
+                conflicts = 0;
+                idle_wait(&shared, wakes.as_mut(), shared.config.poll_tick).await;
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "claim failed");
+                drop(permits);
+                idle_wait(&shared, wakes.as_mut(), ERROR_BACKOFF.min(shared.config.poll_tick)).await;
+                continue;
+            }
+        };
+        conflicts = 0;
+        if claimed.is_empty() {
+            drop(permits);
+            idle_wait(&shared, wakes.as_mut(), shared.config.poll_tick).await;
+            continue;
+        }
+        shared.stats.claimed.fetch_add(claimed.len() as u64, Ordering::Relaxed);
+        // Surplus slots go back before the runs start.
+        permits.truncate(claimed.len());
+        for (row, permit) in claimed.into_iter().zip(permits) {
+            run_task::spawn(&shared, row, permit);
+        }
+    }
+}
+
+/// Blocks on the hub with `timeout` as the fallback ceiling on a missed wake.
+async fn idle_wait(shared: &Shared, wakes: Option<&mut Subscription>, timeout: Duration) {
+    let wait = async {
+        match wakes {
+            Some(w) => {
+                let _ = tokio::time::timeout(timeout, w.recv()).await;
+            }
+            None => tokio::time::sleep(timeout).await,
+        }
+    };
+    tokio::select! {
+        _ = shared.stop_claiming.cancelled() => {}
+        _ = wait => {}
+    }
+}

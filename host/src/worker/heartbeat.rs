@@ -1,0 +1,60 @@
+//! One heartbeat per process: every interval, renew the lease of every run
+//! this process holds in one fenced statement. A run missing from the answer
+//! was lost (reaped, or ended by someone else): it is stopped at once.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::db;
+
+use super::Shared;
+
+pub(super) async fn run(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(shared.config.heartbeat);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shared.stop_services.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        beat(&shared).await;
+    }
+}
+
+async fn beat(shared: &Shared) {
+    let held: Vec<_> = shared
+        .held
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(id, h)| (*id, h.token))
+        .collect();
+    if held.is_empty() {
+        return;
+    }
+    let alive = match db::runs::heartbeat(&shared.pool, &held, shared.config.lease).await {
+        Ok(alive) => alive,
+        Err(e) => {
+            // Not a verdict: the lease may still be ours. If it lapses, the
+            // reaper decides and the fence keeps our later writes out.
+            shared.stats.heartbeat_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, runs = held.len(), "heartbeat failed");
+            return;
+        }
+    };
+    let alive: std::collections::HashMap<_, _> = alive.into_iter().collect();
+    let map = shared.held.lock().unwrap();
+    for (id, token) in held {
+        let Some(h) = map.get(&id) else { continue };
+        if h.token != token {
+            continue;
+        }
+        match alive.get(&id) {
+            Some(cancel) => h.cancel_requested.store(*cancel, Ordering::Relaxed),
+            None => {
+                tracing::warn!(run_id = %id, "heartbeat found the claim gone; stopping the run");
+                h.lost.cancel();
+            }
+        }
+    }
+}

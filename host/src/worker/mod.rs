@@ -1,0 +1,252 @@
+//! The worker side of a process: dispatcher (claim loop), run tasks,
+//! heartbeat, reaper, and the two-phase drain.
+
+mod dispatcher;
+mod heartbeat;
+mod reaper;
+mod run_task;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::agent::AgentRegistry;
+use crate::db::{ClaimToken, RunId};
+use crate::hub::Hub;
+
+pub use reaper::sweep as reap_sweep;
+
+/// Article defaults.
+pub const LEASE_DEFAULT: Duration = Duration::from_secs(30);
+pub const HEARTBEAT_DEFAULT: Duration = Duration::from_secs(10);
+pub const REAP_GRACE_DEFAULT: Duration = Duration::from_secs(30);
+pub const REAP_INTERVAL_DEFAULT: Duration = Duration::from_secs(10);
+pub const POLL_TICK_DEFAULT: Duration = Duration::from_secs(10);
+pub const DRAIN_TIMEOUT_DEFAULT: Duration = Duration::from_secs(25);
+pub const MAX_RUNS_DEFAULT: usize = 16;
+/// Rows one reaper pass ends at most; the next pass takes the rest.
+pub const REAP_BATCH_MAX: i64 = 100;
+/// Bound on waiting for aborted runs to write their ending after a drain timeout.
+pub const ABORT_WAIT_MAX: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Runs executed at once (the semaphore the claim waits on).
+    pub max_runs: usize,
+    pub lease: Duration,
+    pub heartbeat: Duration,
+    pub reap_grace: Duration,
+    pub reap_interval: Duration,
+    /// The dispatcher's fallback poll when no wake arrives.
+    pub poll_tick: Duration,
+    pub drain_timeout: Duration,
+    pub worker_id: String,
+    /// Run the claim loop (false: this process only reaps and serves).
+    pub dispatch: bool,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            max_runs: MAX_RUNS_DEFAULT,
+            lease: LEASE_DEFAULT,
+            heartbeat: HEARTBEAT_DEFAULT,
+            reap_grace: REAP_GRACE_DEFAULT,
+            reap_interval: REAP_INTERVAL_DEFAULT,
+            poll_tick: POLL_TICK_DEFAULT,
+            drain_timeout: DRAIN_TIMEOUT_DEFAULT,
+            worker_id: default_worker_id(),
+            dispatch: true,
+        }
+    }
+}
+
+pub fn default_worker_id() -> String {
+    let host = nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "host".into());
+    format!("{host}-{}", std::process::id())
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    #[error("heartbeat ({heartbeat:?}) must be shorter than the lease ({lease:?}), or a healthy worker loses its runs")]
+    HeartbeatNotBelowLease { heartbeat: Duration, lease: Duration },
+    #[error("{0} must be greater than zero")]
+    Zero(&'static str),
+    #[error("max runs must be between 1 and 10000, not {0}")]
+    MaxRuns(usize),
+    #[error("worker id must be 1-200 bytes")]
+    WorkerId,
+}
+
+impl WorkerConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (name, d) in [
+            ("lease", self.lease),
+            ("heartbeat", self.heartbeat),
+            ("reap interval", self.reap_interval),
+            ("poll tick", self.poll_tick),
+        ] {
+            if d.is_zero() {
+                return Err(ConfigError::Zero(name));
+            }
+        }
+        if self.heartbeat >= self.lease {
+            return Err(ConfigError::HeartbeatNotBelowLease { heartbeat: self.heartbeat, lease: self.lease });
+        }
+        if !(1..=10_000).contains(&self.max_runs) {
+            return Err(ConfigError::MaxRuns(self.max_runs));
+        }
+        if self.worker_id.is_empty() || self.worker_id.len() > 200 {
+            return Err(ConfigError::WorkerId);
+        }
+        Ok(())
+    }
+}
+
+/// A run this process holds: what the heartbeat presents and whom it tells
+/// when the run is lost.
+struct Held {
+    token: ClaimToken,
+    /// Cancelled when the fence shows the claim is gone: the run stops at once.
+    lost: CancellationToken,
+    cancel_requested: Arc<AtomicBool>,
+}
+
+/// Counters a person (and `/metrics`) can read.
+#[derive(Debug, Default)]
+pub struct WorkerStats {
+    pub claimed: AtomicU64,
+    pub finished: AtomicU64,
+    pub fenced: AtomicU64,
+    pub backstopped: AtomicU64,
+    pub reaped: AtomicU64,
+    pub claim_conflicts: AtomicU64,
+    pub heartbeat_errors: AtomicU64,
+}
+
+pub(crate) struct Shared {
+    pool: PgPool,
+    agents: AgentRegistry,
+    config: WorkerConfig,
+    held: Mutex<HashMap<RunId, Held>>,
+    slots: Arc<Semaphore>,
+    tasks: TaskTracker,
+    /// Phase 1 of the drain: stop claiming.
+    stop_claiming: CancellationToken,
+    /// After the drain budget: abort the runs still in flight.
+    abort_runs: CancellationToken,
+    /// Background services (heartbeat, reaper) stop last.
+    stop_services: CancellationToken,
+    stats: Arc<WorkerStats>,
+    draining: AtomicBool,
+}
+
+/// The running worker services of one process.
+pub struct Worker {
+    shared: Arc<Shared>,
+    dispatcher: Option<JoinHandle<()>>,
+    services: Vec<JoinHandle<()>>,
+}
+
+/// What a drain did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DrainReport {
+    /// Runs that finished within the drain budget.
+    pub finished_in_budget: bool,
+    /// Runs aborted after the budget (each ended failed, fenced, or left to the reaper).
+    pub aborted: usize,
+}
+
+impl Worker {
+    /// Starts the reaper (after one boot sweep), the heartbeat, and, if
+    /// configured, the dispatcher.
+    pub async fn start(
+        pool: PgPool,
+        hub: Option<Hub>,
+        agents: AgentRegistry,
+        config: WorkerConfig,
+    ) -> Result<Worker, ConfigError> {
+        config.validate()?;
+        let shared = Arc::new(Shared {
+            pool,
+            agents,
+            slots: Arc::new(Semaphore::new(config.max_runs)),
+            config,
+            held: Mutex::new(HashMap::new()),
+            tasks: TaskTracker::new(),
+            stop_claiming: CancellationToken::new(),
+            abort_runs: CancellationToken::new(),
+            stop_services: CancellationToken::new(),
+            stats: Arc::new(WorkerStats::default()),
+            draining: AtomicBool::new(false),
+        });
+        // The boot reconciler: a full-cluster restart leaves orphans no
+        // running loop noticed. Errors here are not fatal; the loop retries.
+        if let Err(e) = reaper::sweep(&shared.pool, shared.config.reap_grace, &shared.stats).await {
+            tracing::warn!(error = %e, "boot reap sweep failed; the reaper loop will retry");
+        }
+        let services = vec![
+            tokio::spawn(heartbeat::run(shared.clone())),
+            tokio::spawn(reaper::run(shared.clone())),
+        ];
+        let dispatcher = shared
+            .config
+            .dispatch
+            .then(|| tokio::spawn(dispatcher::run(shared.clone(), hub)));
+        Ok(Worker { shared, dispatcher, services })
+    }
+
+    pub fn stats(&self) -> Arc<WorkerStats> {
+        self.shared.stats.clone()
+    }
+
+    /// Runs this process holds right now.
+    pub fn in_flight(&self) -> usize {
+        self.shared.held.lock().unwrap().len()
+    }
+
+    /// The two-phase drain. Phase 1 stops claiming (milliseconds: the loop is
+    /// parked on the semaphore or the idle wait). Phase 2 lets in-flight runs
+    /// finish within the drain budget; whatever outlives it is aborted and
+    /// ends failed (fenced), or is left to the reaper if even that fails.
+    pub async fn drain(mut self) -> DrainReport {
+        self.shared.draining.store(true, Ordering::Relaxed);
+        self.shared.stop_claiming.cancel();
+        if let Some(d) = self.dispatcher.take() {
+            let _ = d.await;
+        }
+        self.shared.tasks.close();
+        let finished_in_budget =
+            tokio::time::timeout(self.shared.config.drain_timeout, self.shared.tasks.wait()).await.is_ok();
+        let mut aborted = 0;
+        if !finished_in_budget {
+            aborted = self.shared.tasks.len();
+            tracing::warn!(aborted, "drain budget spent; aborting runs still in flight");
+            self.shared.abort_runs.cancel();
+            let _ = tokio::time::timeout(ABORT_WAIT_MAX, self.shared.tasks.wait()).await;
+        }
+        self.shared.stop_services.cancel();
+        for s in self.services.drain(..) {
+            let _ = s.await;
+        }
+        DrainReport { finished_in_budget, aborted }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.shared.stop_claiming.cancel();
+        self.shared.stop_services.cancel();
+        self.shared.abort_runs.cancel();
+    }
+}

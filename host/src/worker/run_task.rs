@@ -1,0 +1,114 @@
+//! One claimed run: execute the agent, write the ending (fenced), release the
+//! slot. A backstop gives a run whose task died without an ending (panic,
+//! error) a failed ending; a run whose claim was lost writes nothing more.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::agent::{AgentError, HostError, RunHost, RunInput};
+use crate::db::{self, runs::ClaimedRun, runs::Finish, RunStatus};
+
+use super::{Held, Shared};
+
+/// How a run task ended.
+enum Outcome {
+    /// Its ending is written.
+    Finalized,
+    /// The claim was lost (reaped, or ended by someone else): write nothing.
+    Lost,
+    /// No ending was written and the claim may still be ours.
+    Unfinalized(String),
+}
+
+pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphorePermit) {
+    let lost = CancellationToken::new();
+    let cancel_requested = Arc::new(AtomicBool::new(false));
+    shared.held.lock().unwrap().insert(
+        row.id,
+        Held { token: row.claim_token, lost: lost.clone(), cancel_requested: cancel_requested.clone() },
+    );
+    let span = tracing::info_span!("run", run_id = %row.id, plugin = %row.plugin);
+    let shared2 = shared.clone();
+    shared.tasks.spawn(
+        async move {
+            let shared = shared2;
+            let (id, token) = (row.id, row.claim_token);
+            // The run itself runs in its own task, so a panic in it is a
+            // JoinError here rather than a lost ending.
+            let outcome = tokio::spawn(execute(shared.clone(), row, lost, cancel_requested))
+                .in_current_span()
+                .await
+                .unwrap_or_else(|e| Outcome::Unfinalized(format!("host error: run task {e}")));
+            match outcome {
+                Outcome::Finalized => {
+                    shared.stats.finished.fetch_add(1, Ordering::Relaxed);
+                }
+                Outcome::Lost => {
+                    shared.stats.fenced.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!("run lost to the fence; standing down");
+                }
+                Outcome::Unfinalized(reason) => {
+                    // The backstop: a run never stays running because its task died.
+                    shared.stats.backstopped.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(%reason, "run ended without a terminal write; backstop ends it failed");
+                    let finish = Finish { status: RunStatus::Failed, error: Some(&reason), assistant: None };
+                    match db::runs::finish(&shared.pool, id, token, &finish).await {
+                        Ok(_) => {}
+                        Err(e) => tracing::error!(error = %e, "backstop write failed; the reaper will end the run"),
+                    }
+                }
+            }
+            shared.held.lock().unwrap().remove(&id);
+            drop(permit);
+        }
+        .instrument(span),
+    );
+}
+
+async fn execute(
+    shared: Arc<Shared>,
+    row: ClaimedRun,
+    lost: CancellationToken,
+    cancel_requested: Arc<AtomicBool>,
+) -> Outcome {
+    let Some(agent) = shared.agents.get(&row.plugin) else {
+        return finalize(&shared, &row, Err(AgentError::Failed(format!("plugin {:?} is not available on this host", row.plugin))), "").await;
+    };
+    let mut host = RunHost::new(shared.pool.clone(), row.id, row.claim_token, cancel_requested);
+    let input = RunInput {
+        run_id: row.id,
+        conversation_id: row.conversation_id,
+        content: row.content.clone(),
+        config: row.config.clone(),
+    };
+    let result = tokio::select! {
+        // The fence tripped (heartbeat found the claim gone): stop at once.
+        _ = lost.cancelled() => return Outcome::Lost,
+        _ = shared.abort_runs.cancelled() => Err(AgentError::Failed("drain timeout: the host shut down before the run finished".into())),
+        r = agent.run(&mut host, input) => r,
+    };
+    let streamed = std::mem::take(&mut host.streamed);
+    finalize(&shared, &row, result, &streamed).await
+}
+
+async fn finalize(shared: &Shared, row: &ClaimedRun, result: Result<String, AgentError>, streamed: &str) -> Outcome {
+    let (status, error, assistant) = match &result {
+        Ok(text) => (RunStatus::Completed, None, Some((text.as_str(), "complete"))),
+        Err(AgentError::Host(HostError::Fenced)) => return Outcome::Lost,
+        Err(AgentError::Host(HostError::Cancelled)) => {
+            (RunStatus::Cancelled, None, (!streamed.is_empty()).then_some((streamed, "partial")))
+        }
+        Err(e) => (RunStatus::Failed, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, "partial"))),
+    };
+    let finish = Finish { status, error: error.as_deref(), assistant };
+    match db::runs::finish(&shared.pool, row.id, row.claim_token, &finish).await {
+        Ok(true) => Outcome::Finalized,
+        // Zero rows: someone else ended this run. Stand down.
+        Ok(false) => Outcome::Lost,
+        Err(e) => Outcome::Unfinalized(format!("host error: terminal write failed: {e}")),
+    }
+}
