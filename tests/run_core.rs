@@ -1,0 +1,553 @@
+//! The run core against a real PostgreSQL: enqueue, claim, fence, heartbeat,
+//! reaper, backstop, wake chain, drain. Each test reproduces a failure the
+//! reference article names and shows the mechanism holds.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
+use agent_host::db::runs::{self, Claim, Finish};
+use agent_host::db::{RunId, RunStatus, RUN_ENQUEUED_CHANNEL};
+use agent_host::hub::Hub;
+use agent_host::worker::{self, Worker, WorkerConfig, WorkerStats};
+use async_trait::async_trait;
+use serde_json::json;
+use sqlx::postgres::PgListener;
+use support::*;
+
+const LONG: Duration = Duration::from_secs(30);
+
+fn claim_args(worker_id: &str, limit: i64, prefilter: bool) -> Claim<'_> {
+    Claim { limit, lease: Duration::from_secs(30), worker_id, prefilter }
+}
+
+#[tokio::test]
+async fn enqueue_commits_message_run_journal_and_wake_together() {
+    let db = TestDb::new().await;
+    let mut listener = PgListener::connect(&db.url).await.unwrap();
+    listener.listen(RUN_ENQUEUED_CHANNEL).await.unwrap();
+
+    let e = enqueue(&db.pool, None, "noop", json!({})).await;
+    assert_eq!(e.status, RunStatus::Queued);
+
+    let n = tokio::time::timeout(LONG, listener.recv()).await.unwrap().unwrap();
+    assert_eq!(n.payload(), e.conversation_id.to_string());
+    let (status, snapshot): (String, serde_json::Value) =
+        sqlx::query_as("SELECT status, request FROM agent_run WHERE id = $1")
+            .bind(e.run_id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(status, "queued");
+    assert_eq!(snapshot["plugin"], "noop");
+    let msg: (String, String) = sqlx::query_as("SELECT role, status FROM message WHERE id = $1")
+        .bind(e.user_message_id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(msg, ("user".into(), "queued".into()));
+    assert_eq!(
+        journal(&db.pool, e.run_id).await,
+        vec![(1, "user_message_created".into()), (2, "run_queued".into())]
+    );
+}
+
+#[tokio::test]
+async fn failed_enqueue_leaves_nothing_and_wakes_nobody() {
+    let db = TestDb::new().await;
+    // Make the last insert of the enqueue transaction fail.
+    sqlx::raw_sql(
+        "CREATE FUNCTION fail_insert() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN RAISE EXCEPTION 'injected failure'; END $$;
+         CREATE TRIGGER fail_journal BEFORE INSERT ON run_event FOR EACH ROW EXECUTE FUNCTION fail_insert();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut listener = PgListener::connect(&db.url).await.unwrap();
+    listener.listen(RUN_ENQUEUED_CHANNEL).await.unwrap();
+
+    let owner = owner();
+    let config = json!({});
+    let err = runs::enqueue(
+        &db.pool,
+        &runs::NewRun {
+            owner: &owner,
+            conversation_id: None,
+            content: "lost",
+            plugin: "noop",
+            plugin_digest: None,
+            config: &config,
+            request: &config,
+            idempotency_key: None,
+        },
+    )
+    .await;
+    assert!(err.is_err());
+    for table in ["conversation", "message", "agent_run", "run_event"] {
+        let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(n, 0, "{table} kept a row of a rolled-back enqueue");
+    }
+    // Notifications arrive in commit order: if the failed enqueue had woken
+    // anyone, its wake would come before this one.
+    sqlx::raw_sql("DROP TRIGGER fail_journal ON run_event").execute(&db.pool).await.unwrap();
+    let ok = enqueue(&db.pool, None, "noop", json!({})).await;
+    let n = tokio::time::timeout(LONG, listener.recv()).await.unwrap().unwrap();
+    assert_eq!(n.payload(), ok.conversation_id.to_string());
+}
+
+#[tokio::test]
+async fn terminal_states_are_sticky_in_the_schema() {
+    let db = TestDb::new().await;
+    let e = enqueue(&db.pool, None, "noop", json!({})).await;
+    let claimed = runs::claim(&db.pool, &claim_args("w", 1, true)).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("done", "complete")) };
+    assert!(runs::finish(&db.pool, e.run_id, claimed[0].claim_token, &finish).await.unwrap());
+    for to in ["running", "queued", "failed", "cancelled"] {
+        let r = sqlx::query("UPDATE agent_run SET status = $2 WHERE id = $1")
+            .bind(e.run_id)
+            .bind(to)
+            .execute(&db.pool)
+            .await;
+        let err = r.expect_err("leaving a terminal state must fail");
+        assert!(err.to_string().contains("illegal status transition"), "{err}");
+    }
+    // A second ending cannot be written even by hand.
+    let r = sqlx::query("INSERT INTO run_event (run_id, seq, type, payload) VALUES ($1, 99, 'complete', '{}')")
+        .bind(e.run_id)
+        .execute(&db.pool)
+        .await;
+    assert!(r.is_err());
+}
+
+#[tokio::test]
+async fn claim_stamps_the_lease_and_journals_run_started() {
+    let db = TestDb::new().await;
+    let e = enqueue(&db.pool, None, "noop", json!({"k": 1})).await;
+    let claimed = runs::claim(&db.pool, &claim_args("w1", 5, true)).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    let c = &claimed[0];
+    assert_eq!((c.id, c.content.as_str(), c.config["k"].as_i64()), (e.run_id, "hello agent", Some(1)));
+    let (worker, lease_s, msg_status): (String, f64, String) = sqlx::query_as(
+        "SELECT r.worker_id, extract(epoch FROM r.claim_expires_at - r.last_heartbeat_at)::float8, m.status
+         FROM agent_run r JOIN message m ON m.id = r.user_message_id WHERE r.id = $1",
+    )
+    .bind(e.run_id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(worker, "w1");
+    assert!((lease_s - 30.0).abs() < 0.01, "lease {lease_s}");
+    assert_eq!(msg_status, "complete");
+    assert_eq!(journal(&db.pool, e.run_id).await.last().unwrap(), &(3, "run_started".to_string()));
+    // Nothing left to claim.
+    assert!(runs::claim(&db.pool, &claim_args("w2", 5, true)).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn two_turns_of_one_conversation_never_run_together() {
+    let db = TestDb::new().await;
+    let t1 = enqueue(&db.pool, None, "noop", json!({})).await;
+    let t2 = enqueue(&db.pool, Some(t1.conversation_id), "noop", json!({})).await;
+
+    // Turn 1 is claimed; turn 2 waits behind it whatever the claimer does.
+    let first = runs::claim(&db.pool, &claim_args("a", 10, true)).await.unwrap();
+    assert_eq!(first.iter().map(|c| c.id).collect::<Vec<_>>(), vec![t1.run_id]);
+    assert!(runs::claim(&db.pool, &claim_args("b", 10, true)).await.unwrap().is_empty());
+
+    // Without the pre-filter, the claimer reaches for turn 2 and the partial
+    // unique index turns it away: "claimed nothing this round", not a second
+    // running turn.
+    let err = runs::claim(&db.pool, &claim_args("c", 10, false)).await.unwrap_err();
+    assert!(runs::is_running_conflict(&err), "{err}");
+    assert_eq!(status(&db.pool, t2.run_id).await, "queued");
+
+    // Once turn 1 ends, turn 2 is claimable.
+    let finish = Finish { status: RunStatus::Completed, error: None, assistant: None };
+    assert!(runs::finish(&db.pool, t1.run_id, first[0].claim_token, &finish).await.unwrap());
+    let next = runs::claim(&db.pool, &claim_args("b", 10, false)).await.unwrap();
+    assert_eq!(next.iter().map(|c| c.id).collect::<Vec<_>>(), vec![t2.run_id]);
+}
+
+/// Many claimers racing without the pre-filter over conversations of several
+/// turns: the index alone keeps one running turn per conversation, and turns
+/// run in their order.
+#[tokio::test]
+async fn racing_claimers_without_prefilter_keep_one_turn_per_conversation() {
+    let db = TestDb::new().await;
+    let mut order: HashMap<RunId, (uuid::Uuid, usize)> = HashMap::new();
+    for _ in 0..20 {
+        let mut conv = None;
+        for turn in 0..4 {
+            let e = enqueue(&db.pool, conv, "noop", json!({})).await;
+            conv = Some(e.conversation_id);
+            order.insert(e.run_id, (e.conversation_id.0, turn));
+        }
+    }
+    let running: Arc<Mutex<HashMap<uuid::Uuid, RunId>>> = Default::default();
+    let finished: Arc<Mutex<Vec<RunId>>> = Default::default();
+    let conflicts = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for w in 0..6 {
+        let pool = db.pool(2).await;
+        let (running, finished, conflicts) = (running.clone(), finished.clone(), conflicts.clone());
+        tasks.push(tokio::spawn(async move {
+            let id = format!("w{w}");
+            let mut empty_rounds = 0;
+            while empty_rounds < 50 {
+                let claimed = match runs::claim(&pool, &claim_args(&id, 3, false)).await {
+                    Ok(c) => c,
+                    Err(e) if runs::is_running_conflict(&e) => {
+                        conflicts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        continue;
+                    }
+                    Err(e) => panic!("{e}"),
+                };
+                if claimed.is_empty() {
+                    empty_rounds += 1;
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                empty_rounds = 0;
+                for c in &claimed {
+                    let prev = running.lock().unwrap().insert(c.conversation_id.0, c.id);
+                    assert!(prev.is_none(), "two running turns in conversation {}", c.conversation_id);
+                }
+                for c in claimed {
+                    running.lock().unwrap().remove(&c.conversation_id.0);
+                    finished.lock().unwrap().push(c.id);
+                    let finish = Finish { status: RunStatus::Completed, error: None, assistant: None };
+                    assert!(runs::finish(&pool, c.id, c.claim_token, &finish).await.unwrap());
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let finished = finished.lock().unwrap().clone();
+    assert_eq!(finished.len(), order.len(), "every run claimed exactly once");
+    // Turns finished in their order within each conversation.
+    let mut last_turn: HashMap<uuid::Uuid, usize> = HashMap::new();
+    let rows: Vec<(RunId,)> = sqlx::query_as("SELECT id FROM agent_run ORDER BY finished_at, started_at")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    for (id,) in rows {
+        let (conv, turn) = order[&id];
+        if let Some(prev) = last_turn.insert(conv, turn) {
+            assert!(prev < turn, "turn {turn} of {conv} finished before turn {prev}");
+        }
+    }
+}
+
+/// Counts executions per run, so a double claim would show.
+struct Counting(Arc<Mutex<HashMap<RunId, usize>>>);
+
+#[async_trait]
+impl Agent for Counting {
+    async fn run(&self, host: &mut RunHost, input: RunInput) -> Result<String, AgentError> {
+        *self.0.lock().unwrap().entry(input.run_id).or_default() += 1;
+        host.emit_delta("x").await?;
+        Ok("done".into())
+    }
+}
+
+#[tokio::test]
+async fn racing_dispatchers_execute_every_run_exactly_once() {
+    let db = TestDb::new().await;
+    let counts: Arc<Mutex<HashMap<RunId, usize>>> = Default::default();
+    let mut agents = AgentRegistry::with_builtins();
+    agents.insert("count", Arc::new(Counting(counts.clone())));
+    let mut ids = Vec::new();
+    for i in 0..300 {
+        // 100 conversations of three turns each.
+        let conv = if i % 3 == 0 { None } else { Some(ids.last().map(|(_, c)| *c).unwrap()) };
+        let e = enqueue(&db.pool, conv, "count", json!({})).await;
+        ids.push((e.run_id, e.conversation_id));
+    }
+    let mut workers = Vec::new();
+    for w in 0..4 {
+        let pool = db.pool(6).await;
+        let hub = Hub::start(db.url.clone());
+        workers.push(Worker::start(pool, Some(hub), agents.clone(), fast_config(&format!("w{w}"))).await.unwrap());
+    }
+    let pool = db.pool.clone();
+    wait_for("every run to complete", Duration::from_secs(60), || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'completed'")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            n == 300
+        }
+    })
+    .await;
+    let claimed: u64 = workers.iter().map(|w| w.stats().claimed.load(std::sync::atomic::Ordering::Relaxed)).sum();
+    for w in workers {
+        w.drain().await;
+    }
+    let counts = counts.lock().unwrap().clone();
+    assert_eq!(counts.len(), 300);
+    assert!(counts.values().all(|&n| n == 1), "a run executed twice: {counts:?}");
+    assert_eq!(claimed, 300);
+    for (id, _) in &ids {
+        let j = assert_journal_sound(&db.pool, *id).await;
+        assert_eq!(j.last().unwrap().1, "complete");
+    }
+    let assistant: i64 = sqlx::query_scalar("SELECT count(*) FROM message WHERE role = 'assistant' AND status = 'complete'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(assistant, 300);
+}
+
+/// The second zombie, made deterministic: the reaper reads the orphan list,
+/// then the worker's heartbeat lands, then the reap fires. The reap re-checks
+/// the lease in its write and changes nothing.
+#[tokio::test]
+async fn heartbeat_between_reaper_read_and_write_keeps_the_run() {
+    let db = TestDb::new().await;
+    let e = enqueue(&db.pool, None, "noop", json!({})).await;
+    // A lease of zero: expired the moment it is written.
+    let c = runs::claim(&db.pool, &Claim { limit: 1, lease: Duration::ZERO, worker_id: "slow", prefilter: true })
+        .await
+        .unwrap()
+        .remove(0);
+    let expired = runs::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
+    assert_eq!(expired.iter().map(|x| x.id).collect::<Vec<_>>(), vec![e.run_id]);
+
+    // The worker comes back from its pause: its heartbeat lands.
+    let alive = runs::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30)).await.unwrap();
+    assert_eq!(alive, vec![(c.id, false)]);
+
+    // The reap built on the stale read is a no-op.
+    assert!(!runs::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
+    assert_eq!(status(&db.pool, e.run_id).await, "running");
+    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("ok", "complete")) };
+    assert!(runs::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
+    assert_eq!(journal(&db.pool, e.run_id).await.iter().filter(|(_, t)| t == "complete").count(), 1);
+}
+
+/// The first zombie: a worker reaped while paused wakes and tries to narrate
+/// and to finish. Every write is fenced: nothing changes, one ending.
+#[tokio::test]
+async fn reaped_worker_writes_change_nothing() {
+    let db = TestDb::new().await;
+    let e = enqueue(&db.pool, None, "noop", json!({})).await;
+    let c = runs::claim(&db.pool, &Claim { limit: 1, lease: Duration::ZERO, worker_id: "zombie", prefilter: true })
+        .await
+        .unwrap()
+        .remove(0);
+    assert!(runs::append_events(&db.pool, c.id, c.claim_token, 4, &[("content_delta", json!({"delta": "a"}))])
+        .await
+        .unwrap());
+    let expired = runs::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
+    assert!(runs::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
+    let after_reap = journal(&db.pool, e.run_id).await;
+    assert_eq!(after_reap.last().unwrap(), &(5, "complete".to_string()));
+
+    // The zombie resumes.
+    assert!(!runs::append_events(&db.pool, c.id, c.claim_token, 5, &[("content_delta", json!({"delta": "b"}))])
+        .await
+        .unwrap());
+    assert!(runs::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30)).await.unwrap().is_empty());
+    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("late", "complete")) };
+    assert!(!runs::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
+
+    assert_eq!(status(&db.pool, e.run_id).await, "failed");
+    assert_eq!(journal(&db.pool, e.run_id).await, after_reap);
+    let assistant: i64 = sqlx::query_scalar("SELECT count(*) FROM message WHERE role = 'assistant'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(assistant, 0);
+    let error: String = sqlx::query_scalar("SELECT error FROM agent_run WHERE id = $1")
+        .bind(e.run_id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(error.contains("worker lost") && error.contains("zombie"), "{error}");
+}
+
+/// A worker whose run is reaped under it learns from its next heartbeat and
+/// stops the run at once, writing nothing more.
+#[tokio::test]
+async fn worker_stops_a_run_whose_claim_was_lost() {
+    let db = TestDb::new().await;
+    let e = enqueue(&db.pool, None, "sleep", json!({ "steps": 10_000, "step_ms": 20 })).await;
+    let mut config = fast_config("victim");
+    config.reap_interval = Duration::from_secs(3600); // only the test reaps here
+    let w = Worker::start(db.pool.clone(), None, AgentRegistry::with_builtins(), config).await.unwrap();
+    wait_status(&db.pool, e.run_id, "running", LONG).await;
+
+    // Someone decided the worker was dead: its lease is forced into the past
+    // and another process's reaper ends the run.
+    sqlx::query("UPDATE agent_run SET claim_expires_at = now() - interval '1 hour' WHERE id = $1")
+        .bind(e.run_id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let stats = WorkerStats::default();
+    assert_eq!(worker::reap_sweep(&db.pool, Duration::ZERO, &stats).await.unwrap(), 1);
+
+    let ws = w.stats();
+    wait_for("the worker to stand down", LONG, || {
+        let ws = ws.clone();
+        async move { ws.fenced.load(std::sync::atomic::Ordering::Relaxed) == 1 }
+    })
+    .await;
+    assert_eq!(w.in_flight(), 0);
+    assert_eq!(status(&db.pool, e.run_id).await, "failed");
+    assert_journal_sound(&db.pool, e.run_id).await;
+    w.drain().await;
+}
+
+struct Panics;
+
+#[async_trait]
+impl Agent for Panics {
+    async fn run(&self, _host: &mut RunHost, _input: RunInput) -> Result<String, AgentError> {
+        panic!("agent bug");
+    }
+}
+
+struct Fails;
+
+#[async_trait]
+impl Agent for Fails {
+    async fn run(&self, host: &mut RunHost, _input: RunInput) -> Result<String, AgentError> {
+        host.emit_delta("partial ").await?;
+        Err(AgentError::Failed("model unavailable".into()))
+    }
+}
+
+#[tokio::test]
+async fn backstop_ends_a_panicked_run_failed_and_errors_keep_partial_text() {
+    let db = TestDb::new().await;
+    let mut agents = AgentRegistry::with_builtins();
+    agents.insert("panics", Arc::new(Panics));
+    agents.insert("fails", Arc::new(Fails));
+    let p = enqueue(&db.pool, None, "panics", json!({})).await;
+    let f = enqueue(&db.pool, None, "fails", json!({})).await;
+    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents, fast_config("w")).await.unwrap();
+    wait_status(&db.pool, p.run_id, "failed", LONG).await;
+    wait_status(&db.pool, f.run_id, "failed", LONG).await;
+    let error = |id: RunId| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT error FROM agent_run WHERE id = $1")
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert!(error(p.run_id).await.contains("panicked"), "{}", error(p.run_id).await);
+    assert!(error(f.run_id).await.contains("model unavailable"));
+    assert_eq!(w.stats().backstopped.load(std::sync::atomic::Ordering::Relaxed), 1);
+    let partial: (String, String) =
+        sqlx::query_as("SELECT content, status FROM message WHERE run_id = $1 AND role = 'assistant'")
+            .bind(f.run_id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(partial, ("partial ".into(), "partial".into()));
+    for id in [p.run_id, f.run_id] {
+        let j = assert_journal_sound(&db.pool, id).await;
+        assert_eq!(j.last().unwrap().1, "complete");
+    }
+    w.drain().await;
+}
+
+/// Every terminal path knocks on the queue: the next turn of a conversation
+/// starts on the wake, not on the poll tick (set to a minute here).
+#[tokio::test]
+async fn wake_chain_starts_the_next_turn_without_waiting_for_the_tick() {
+    let db = TestDb::new().await;
+    let mut config = fast_config("w");
+    config.poll_tick = Duration::from_secs(60);
+    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), config)
+        .await
+        .unwrap();
+    let t1 = enqueue(&db.pool, None, "sleep", json!({ "steps": 2, "step_ms": 50 })).await;
+    let t2 = enqueue(&db.pool, Some(t1.conversation_id), "echo", json!({})).await;
+    let t3 = enqueue(&db.pool, Some(t1.conversation_id), "echo", json!({})).await;
+    // Far below the one-minute tick: only the wake chain can do this.
+    wait_status(&db.pool, t3.run_id, "completed", Duration::from_secs(10)).await;
+    for id in [t1.run_id, t2.run_id] {
+        assert_eq!(status(&db.pool, id).await, "completed");
+    }
+    w.drain().await;
+}
+
+#[tokio::test]
+async fn drain_lets_short_runs_finish_and_ends_long_ones_failed() {
+    let db = TestDb::new().await;
+    let mut config = fast_config("w");
+    config.drain_timeout = Duration::from_millis(1_500);
+    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), config)
+        .await
+        .unwrap();
+    let short = enqueue(&db.pool, None, "sleep", json!({ "steps": 5, "step_ms": 100 })).await;
+    let long = enqueue(&db.pool, None, "sleep", json!({ "steps": 1000, "step_ms": 100 })).await;
+    wait_status(&db.pool, short.run_id, "running", LONG).await;
+    wait_status(&db.pool, long.run_id, "running", LONG).await;
+    let report = w.drain().await;
+    assert!(!report.finished_in_budget);
+    assert_eq!(report.aborted, 1);
+    assert_eq!(status(&db.pool, short.run_id).await, "completed");
+    assert_eq!(status(&db.pool, long.run_id).await, "failed");
+    let error: String = sqlx::query_scalar("SELECT error FROM agent_run WHERE id = $1")
+        .bind(long.run_id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(error.contains("drain timeout"), "{error}");
+    // Phase 1 stopped claiming: a run queued now stays queued.
+    let after = enqueue(&db.pool, None, "noop", json!({})).await;
+    assert_eq!(status(&db.pool, after.run_id).await, "queued");
+}
+
+/// Restart after every process died: the boot sweep ends orphans before the
+/// new process does anything else.
+#[tokio::test]
+async fn boot_reconciler_ends_orphans_of_a_dead_cluster() {
+    let db = TestDb::new().await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(enqueue(&db.pool, None, "noop", json!({})).await.run_id);
+    }
+    // Claimed by processes that no longer exist, with leases long lapsed.
+    runs::claim(&db.pool, &Claim { limit: 3, lease: Duration::ZERO, worker_id: "gone", prefilter: true })
+        .await
+        .unwrap();
+    let mut config = fast_config("reborn");
+    config.reap_interval = Duration::from_secs(3600);
+    config.reap_grace = Duration::ZERO;
+    config.dispatch = false;
+    let w = Worker::start(db.pool.clone(), None, AgentRegistry::with_builtins(), config).await.unwrap();
+    for id in &ids {
+        assert_eq!(status(&db.pool, *id).await, "failed");
+        assert_journal_sound(&db.pool, *id).await;
+    }
+    w.drain().await;
+}
+
+#[test]
+fn config_is_validated() {
+    let mut c = WorkerConfig::default();
+    c.validate().unwrap();
+    c.heartbeat = c.lease;
+    assert!(matches!(c.validate(), Err(worker::ConfigError::HeartbeatNotBelowLease { .. })));
+    let c = WorkerConfig { max_runs: 0, ..WorkerConfig::default() };
+    assert!(c.validate().is_err());
+}

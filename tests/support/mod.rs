@@ -1,0 +1,190 @@
+//! Test support: one private PostgreSQL cluster per test binary (or the
+//! server in DATABASE_URL), a migrated template, and a fresh database per test.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use agent_host::db::cluster::{Cluster, ClusterOptions};
+use agent_host::db::runs::{self, Enqueued, NewRun, Owner};
+use agent_host::db::{self, ConversationId, RunId};
+use agent_host::worker::WorkerConfig;
+use serde_json::{json, Value};
+use sqlx::{Connection, PgPool};
+
+const TEMPLATE: &str = "agent_host_test_template";
+
+struct Server {
+    /// Base URL without a database name, e.g. postgres://postgres@127.0.0.1:5432
+    base: String,
+    _cluster: Option<Cluster>,
+}
+
+fn server() -> &'static Server {
+    static SERVER: OnceLock<Server> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        // A thread of its own: we may be inside a test's runtime.
+        std::thread::spawn(|| {
+            let (base, cluster) = match std::env::var("DATABASE_URL") {
+                Ok(url) => {
+                    let base = url.rsplit_once('/').map(|(b, _)| b.to_string()).unwrap_or(url);
+                    (base, None)
+                }
+                Err(_) => {
+                    let dir = std::env::temp_dir().join(format!("agent-host-test-{}", std::process::id()));
+                    let cluster = Cluster::start(&ClusterOptions { dir, ephemeral: true, remove_on_exit: true })
+                        .expect("starting the test cluster");
+                    let url = cluster.url("postgres");
+                    (url.rsplit_once('/').unwrap().0.to_string(), Some(cluster))
+                }
+            };
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres")).await.unwrap();
+                sqlx::query(&format!("DROP DATABASE IF EXISTS {TEMPLATE}")).execute(&mut admin).await.unwrap();
+                sqlx::query(&format!("CREATE DATABASE {TEMPLATE}")).execute(&mut admin).await.unwrap();
+                let pool = db::connect(&format!("{base}/{TEMPLATE}"), 1).await.unwrap();
+                db::migrate(&pool).await.unwrap();
+                pool.close().await;
+                admin.close().await.unwrap();
+            });
+            Server { base, _cluster: cluster }
+        })
+        .join()
+        .expect("test database setup")
+    })
+}
+
+/// A fresh, migrated database of its own.
+pub struct TestDb {
+    pub url: String,
+    pub pool: PgPool,
+}
+
+impl TestDb {
+    pub async fn new() -> TestDb {
+        let server = server();
+        let name = format!("t_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = sqlx::PgConnection::connect(&format!("{}/postgres", server.base)).await.unwrap();
+        sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {TEMPLATE}"))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        admin.close().await.unwrap();
+        let url = format!("{}/{name}", server.base);
+        let pool = db::connect(&url, 20).await.unwrap();
+        TestDb { url, pool }
+    }
+
+    /// Another pool on the same database (another "process" in spirit).
+    pub async fn pool(&self, max: u32) -> PgPool {
+        db::connect(&self.url, max).await.unwrap()
+    }
+}
+
+pub fn owner() -> Owner {
+    Owner { user_id: "alice".into(), tenant_id: "acme".into() }
+}
+
+pub async fn enqueue(pool: &PgPool, conversation: Option<ConversationId>, plugin: &str, config: Value) -> Enqueued {
+    enqueue_as(pool, &owner(), conversation, plugin, config).await
+}
+
+pub async fn enqueue_as(
+    pool: &PgPool,
+    owner: &Owner,
+    conversation: Option<ConversationId>,
+    plugin: &str,
+    config: Value,
+) -> Enqueued {
+    let request = json!({ "plugin": plugin });
+    runs::enqueue(
+        pool,
+        &NewRun {
+            owner,
+            conversation_id: conversation,
+            content: "hello agent",
+            plugin,
+            plugin_digest: None,
+            config: &config,
+            request: &request,
+            idempotency_key: None,
+        },
+    )
+    .await
+    .unwrap()
+}
+
+/// Short leases and ticks, set through configuration.
+pub fn fast_config(worker_id: &str) -> WorkerConfig {
+    WorkerConfig {
+        max_runs: 8,
+        lease: Duration::from_millis(1_000),
+        heartbeat: Duration::from_millis(200),
+        reap_grace: Duration::from_millis(300),
+        reap_interval: Duration::from_millis(100),
+        poll_tick: Duration::from_millis(500),
+        drain_timeout: Duration::from_secs(5),
+        worker_id: worker_id.into(),
+        dispatch: true,
+    }
+}
+
+/// Polls `cond` until it holds or `within` passes (then panics with `what`).
+pub async fn wait_for<F, Fut>(what: &str, within: Duration, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    loop {
+        tick.tick().await;
+        if cond().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out after {within:?} waiting for {what}");
+    }
+}
+
+pub async fn status(pool: &PgPool, id: RunId) -> String {
+    sqlx::query_scalar("SELECT status FROM agent_run WHERE id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+pub async fn wait_status(pool: &PgPool, id: RunId, want: &str, within: Duration) {
+    let p = pool.clone();
+    wait_for(&format!("run {id} to be {want}"), within, || {
+        let p = p.clone();
+        async move { status(&p, id).await == want }
+    })
+    .await;
+}
+
+/// The journal of a run as (seq, type).
+pub async fn journal(pool: &PgPool, id: RunId) -> Vec<(i32, String)> {
+    sqlx::query_as("SELECT seq, type FROM run_event WHERE run_id = $1 ORDER BY seq")
+        .bind(id)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Journal invariants every run keeps: seq 1..n without gaps, at most one
+/// `complete`, and nothing after it.
+pub async fn assert_journal_sound(pool: &PgPool, id: RunId) -> Vec<(i32, String)> {
+    let j = journal(pool, id).await;
+    for (i, (seq, _)) in j.iter().enumerate() {
+        assert_eq!(*seq, i as i32 + 1, "run {id}: seq gap in {j:?}");
+    }
+    let completes: Vec<_> = j.iter().filter(|(_, t)| t == "complete").collect();
+    assert!(completes.len() <= 1, "run {id}: {} complete events", completes.len());
+    if let Some((seq, _)) = completes.first() {
+        assert_eq!(*seq as usize, j.len(), "run {id}: events after complete: {j:?}");
+    }
+    j
+}
