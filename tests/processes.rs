@@ -1,0 +1,166 @@
+//! Process failures with real processes: SIGKILL, SIGSTOP, SIGTERM, and a
+//! restart after every process died.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use serde_json::json;
+use support::process::{HostProcess, FAST};
+use support::*;
+
+const LONG: Duration = Duration::from_secs(30);
+const FOREVER: &str = r#"{"steps": 100000, "step_ms": 50}"#;
+
+async fn worker_of(db: &TestDb, id: agent_host::db::RunId) -> Option<String> {
+    sqlx::query_scalar("SELECT worker_id FROM agent_run WHERE id = $1")
+        .bind(id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+async fn completes(db: &TestDb, id: agent_host::db::RunId) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM run_event WHERE run_id = $1 AND type = 'complete'")
+        .bind(id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_mid_run_ends_it_failed_and_the_next_turn_runs() {
+    let db = TestDb::new().await;
+    let a = HostProcess::spawn(&db.url, "A", FAST);
+    let t1 = enqueue(&db.pool, None, "sleep", serde_json::from_str(FOREVER).unwrap()).await;
+    let t2 = enqueue(&db.pool, Some(t1.conversation_id), "echo", json!({})).await;
+    wait_status(&db.pool, t1.run_id, "running", LONG).await;
+    assert_eq!(worker_of(&db, t1.run_id).await.as_deref(), Some("A"));
+    let b = HostProcess::spawn(&db.url, "B", FAST);
+
+    a.signal(Signal::SIGKILL);
+    let killed = Instant::now();
+    // lease 1 s + grace 0.3 s + reap interval 0.1 s, plus room for a busy machine.
+    wait_status(&db.pool, t1.run_id, "failed", Duration::from_secs(15)).await;
+    let took = killed.elapsed();
+    eprintln!("SIGKILL to failed: {took:?}");
+    assert!(took >= Duration::from_millis(300), "reaped before the lease could lapse: {took:?}");
+    assert_eq!(completes(&db, t1.run_id).await, 1);
+    assert_journal_sound(&db.pool, t1.run_id).await;
+
+    // The wake chain: the conversation's next turn runs on B.
+    wait_status(&db.pool, t2.run_id, "completed", LONG).await;
+    assert_eq!(worker_of(&db, t2.run_id).await.as_deref(), Some("B"));
+    drop(b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_worker_is_reaped_and_its_writes_after_resuming_change_nothing() {
+    let db = TestDb::new().await;
+    let a = HostProcess::spawn(&db.url, "A", FAST);
+    let run = enqueue(&db.pool, None, "sleep", json!({ "steps": 100000, "step_ms": 20 })).await;
+    wait_status(&db.pool, run.run_id, "running", LONG).await;
+    // Let it narrate a little, so it has writes in flight when paused.
+    let pool = db.pool.clone();
+    wait_for("a few deltas", LONG, || {
+        let pool = pool.clone();
+        async move { journal(&pool, run.run_id).await.len() >= 6 }
+    })
+    .await;
+
+    a.signal(Signal::SIGSTOP);
+    let b = HostProcess::spawn(&db.url, "B", FAST);
+    wait_status(&db.pool, run.run_id, "failed", Duration::from_secs(15)).await;
+    let ended = journal(&db.pool, run.run_id).await;
+
+    a.signal(Signal::SIGCONT);
+    // A learns from its fence (a refused append or its heartbeat) and stands down.
+    a.wait_log("standing down", LONG).await;
+    assert_eq!(journal(&db.pool, run.run_id).await, ended, "a zombie's write changed the journal");
+    assert_eq!(status(&db.pool, run.run_id).await, "failed");
+    assert_eq!(completes(&db, run.run_id).await, 1);
+    assert_journal_sound(&db.pool, run.run_id).await;
+
+    // A is healthy again and takes new work.
+    let next = enqueue(&db.pool, None, "echo", json!({})).await;
+    wait_status(&db.pool, next.run_id, "completed", LONG).await;
+    drop(b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_runs_within_the_budget() {
+    let db = TestDb::new().await;
+    let mut args = FAST.to_vec();
+    args.extend(["--drain-timeout-ms", "2000"]);
+    let mut a = HostProcess::spawn(&db.url, "A", &args);
+    let short = enqueue(&db.pool, None, "sleep", json!({ "steps": 8, "step_ms": 100 })).await;
+    let long = enqueue(&db.pool, None, "sleep", serde_json::from_str(FOREVER).unwrap()).await;
+    wait_status(&db.pool, short.run_id, "running", LONG).await;
+    wait_status(&db.pool, long.run_id, "running", LONG).await;
+
+    let started = Instant::now();
+    a.signal(Signal::SIGTERM);
+    let exit = a.wait_exit(LONG).await;
+    let took = started.elapsed();
+    assert!(exit.success(), "exit {exit:?}; log:\n{}", a.log());
+    assert!(took < Duration::from_secs(10), "drain took {took:?}");
+    assert_eq!(status(&db.pool, short.run_id).await, "completed");
+    assert_eq!(status(&db.pool, long.run_id).await, "failed");
+    let error: String = sqlx::query_scalar("SELECT error FROM agent_run WHERE id = $1")
+        .bind(long.run_id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(error.contains("drain timeout"), "{error}");
+    let running: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'running'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(running, 0);
+    // Phase 1 stopped claiming before the drain: nothing new was taken.
+    assert_journal_sound(&db.pool, long.run_id).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_after_every_process_died_leaves_no_run_running() {
+    let db = TestDb::new().await;
+    let a = HostProcess::spawn(&db.url, "A", FAST);
+    let b = HostProcess::spawn(&db.url, "B", FAST);
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        ids.push(enqueue(&db.pool, None, "sleep", serde_json::from_str(FOREVER).unwrap()).await.run_id);
+    }
+    for id in &ids {
+        wait_status(&db.pool, *id, "running", LONG).await;
+    }
+    a.signal(Signal::SIGKILL);
+    b.signal(Signal::SIGKILL);
+    drop((a, b));
+    // Every lease lapses past the grace with no process left to notice.
+    let pool = db.pool.clone();
+    wait_for("all leases to lapse past the grace", LONG, || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM agent_run WHERE status = 'running' AND claim_expires_at < now() - interval '300 ms'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            n == 4
+        }
+    })
+    .await;
+
+    // The reborn process's loop would not sweep for an hour: only the boot
+    // reconciler can end the orphans before it reports ready.
+    let mut args = FAST.to_vec();
+    args.extend(["--reap-interval-ms", "3600000", "--no-dispatch"]);
+    let c = HostProcess::spawn(&db.url, "C", &args);
+    for id in &ids {
+        assert_eq!(status(&db.pool, *id).await, "failed");
+        assert_eq!(completes(&db, *id).await, 1);
+    }
+    drop(c);
+}

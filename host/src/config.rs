@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::worker::WorkerConfig;
 
 #[derive(Debug, Parser)]
-#[command(name = "agent-host", version, about = "Durable AI-agent runs on plain PostgreSQL")]
+#[command(name = "agent-host", version, about = "Durable AI-agent runs on plain PostgreSQL", args_override_self = true)]
 pub struct Cli {
     #[command(flatten)]
     pub db: DbArgs,

@@ -2,6 +2,8 @@
 //! server in DATABASE_URL), a migrated template, and a fresh database per test.
 #![allow(dead_code)]
 
+pub mod process;
+
 use std::future::Future;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
