@@ -1,6 +1,375 @@
-//! The benchmark (`agent-host bench`).
-use crate::config::{BenchArgs, DbArgs};
+//! `agent-host bench`: the documented benchmark. Prints enqueue latency over
+//! HTTP, pickup latency (enqueue commit to agent start, idle worker), drain
+//! throughput of pre-enqueued no-op runs, the same SQL statements run without
+//! the host (the SQL floor), and their ratio. Medians over passes; the machine
+//! is shared and noisy, so single figures mean little.
 
-pub async fn run(_db: &DbArgs, _args: &BenchArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not yet")
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use async_trait::async_trait;
+use serde_json::json;
+use sqlx::{Connection, PgPool};
+use tokio::sync::mpsc;
+
+use crate::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
+use crate::api::{self, AppState};
+use crate::config::{BenchArgs, DbArgs};
+use crate::db::runs::{self, Claim, Finish, NewRun, Owner};
+use crate::db::{self, RunStatus};
+use crate::hub::Hub;
+use crate::server;
+use crate::worker::{Worker, WorkerConfig};
+
+const BENCH_DATABASE: &str = "agent_host_bench";
+
+/// Reports the instant it started, then returns like `noop`.
+struct Pickup(mpsc::UnboundedSender<Instant>);
+
+#[async_trait]
+impl Agent for Pickup {
+    async fn run(&self, _host: &mut RunHost, _input: RunInput) -> Result<String, AgentError> {
+        let _ = self.0.send(Instant::now());
+        Ok(String::new())
+    }
+}
+
+pub async fn run(db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.runs > 0 && args.in_flight > 0 && args.passes > 0 && args.samples > 0,
+        "counts must be positive"
+    );
+    let mut database = server::open_database(db_args).await?;
+    let url = bench_database(&database.url).await?;
+    let pool = server::connect_and_migrate(&url, (args.in_flight as u32 + 8).max(16)).await?;
+    println!(
+        "agent-host bench: {} cores, database {}",
+        num_cpus(),
+        redact(&url)
+    );
+
+    enqueue_latency(&pool, args).await?;
+    pickup_latency(&pool, &url, args).await?;
+    throughput(&pool, &url, args).await?;
+
+    pool.close().await;
+    if let Some(c) = database.cluster.as_mut() {
+        c.stop();
+    }
+    Ok(())
+}
+
+/// A fresh database beside the given one, so the benchmark never touches real data.
+async fn bench_database(url: &str) -> anyhow::Result<String> {
+    let (base, _) = url
+        .rsplit_once('/')
+        .context("database URL without a database name")?;
+    let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres")).await?;
+    sqlx::query(&format!(
+        "DROP DATABASE IF EXISTS {BENCH_DATABASE} WITH (FORCE)"
+    ))
+    .execute(&mut admin)
+    .await?;
+    sqlx::query(&format!("CREATE DATABASE {BENCH_DATABASE}"))
+        .execute(&mut admin)
+        .await?;
+    admin.close().await?;
+    Ok(format!("{base}/{BENCH_DATABASE}"))
+}
+
+async fn enqueue_latency(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<()> {
+    db::bench::reset(pool).await?;
+    let token = db::tokens::create(pool, "bench", "bench", false).await?;
+    let app = api::router(AppState {
+        pool: pool.clone(),
+        agents: AgentRegistry::with_builtins(),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let client = reqwest::Client::new();
+    let url = format!("http://{addr}/v1/runs");
+    let body = json!({ "content": "bench", "plugin": "noop" });
+    let mut samples = Vec::with_capacity(args.samples);
+    for i in 0..args.samples + 20 {
+        let t0 = Instant::now();
+        let res = client
+            .post(&url)
+            .bearer_auth(&token)
+            .json(&body)
+            .send()
+            .await?;
+        anyhow::ensure!(res.status() == 202, "enqueue answered {}", res.status());
+        res.bytes().await?;
+        if i >= 20 {
+            samples.push(t0.elapsed()); // the first 20 warm the connections
+        }
+    }
+    server.abort();
+    println!(
+        "enqueue over HTTP, {} sequential POST /v1/runs: {}",
+        args.samples,
+        percentiles(&mut samples)
+    );
+    Ok(())
+}
+
+async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<()> {
+    db::bench::reset(pool).await?;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut agents = AgentRegistry::default();
+    agents.insert("pickup", Arc::new(Pickup(tx)));
+    let config = WorkerConfig {
+        max_runs: args.in_flight,
+        worker_id: "bench".into(),
+        ..WorkerConfig::default()
+    };
+    let hub = Hub::start(url.to_string());
+    let worker = Worker::start(pool.clone(), Some(hub.clone()), agents, config).await?;
+    let owner = Owner {
+        user_id: "bench".into(),
+        tenant_id: "bench".into(),
+    };
+    let config = json!({});
+    let mut samples = Vec::with_capacity(args.samples);
+    // Measure the hub's wake, not its first connect.
+    let connecting = Instant::now();
+    while !hub.stats().connected.load(Ordering::Relaxed) {
+        anyhow::ensure!(
+            connecting.elapsed() < Duration::from_secs(30),
+            "the hub did not connect"
+        );
+        tokio::task::yield_now().await;
+    }
+    for i in 0..args.samples + 20 {
+        let new = NewRun {
+            owner: &owner,
+            conversation_id: None,
+            content: "bench",
+            plugin: "pickup",
+            plugin_digest: None,
+            config: &config,
+            request: &config,
+            idempotency_key: None,
+        };
+        runs::enqueue(pool, &new).await?;
+        let committed = Instant::now();
+        let started = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await
+            .context("a run was not picked up within 30 s")?
+            .context("worker stopped")?;
+        if i >= 20 {
+            samples.push(started.saturating_duration_since(committed));
+        }
+    }
+    worker.drain().await;
+    println!(
+        "pickup, enqueue commit to agent start, idle worker, hub up, {} runs: {}",
+        args.samples,
+        percentiles(&mut samples)
+    );
+    Ok(())
+}
+
+async fn throughput(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<()> {
+    let (mut e2e, mut floor, mut batched) = (Vec::new(), Vec::new(), Vec::new());
+    for pass in 1..=args.passes {
+        let rate = drain_pass(pool, url, args).await?;
+        e2e.push(rate);
+        let f = floor_pass(pool, args).await?;
+        floor.push(f);
+        let b = batched_floor_pass(pool, args).await?;
+        batched.push(b);
+        println!("  pass {pass}: end to end {rate:.0} runs/s, SQL floor {f:.0} runs/s, batched SQL floor {b:.0} runs/s");
+    }
+    let (e, f, b) = (median(&mut e2e), median(&mut floor), median(&mut batched));
+    println!(
+        "drain {} pre-enqueued no-op runs, {} in flight: median {e:.0} runs/s over {} passes",
+        args.runs, args.in_flight, args.passes
+    );
+    println!(
+        "SQL floor, {n} connections each claiming one run and finishing it: median {f:.0} runs/s",
+        n = args.in_flight
+    );
+    println!(
+        "batched SQL floor, one claim of up to {n} runs, finished on {n} connections: median {b:.0} runs/s",
+        n = args.in_flight
+    );
+    println!(
+        "ratio end to end / SQL floor: {:.2}; end to end / batched SQL floor: {:.2}",
+        e / f,
+        e / b
+    );
+    Ok(())
+}
+
+async fn drain_pass(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<f64> {
+    db::bench::reset(pool).await?;
+    enqueue_all(pool, args.runs).await?;
+    let config = WorkerConfig {
+        max_runs: args.in_flight,
+        worker_id: "bench".into(),
+        ..WorkerConfig::default()
+    };
+    let t0 = Instant::now();
+    let worker = Worker::start(
+        pool.clone(),
+        Some(Hub::start(url.to_string())),
+        AgentRegistry::with_builtins(),
+        config,
+    )
+    .await?;
+    let stats = worker.stats();
+    let mut tick = tokio::time::interval(Duration::from_millis(2));
+    while stats.finished.load(Ordering::Relaxed) < args.runs as u64 {
+        tick.tick().await;
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(600),
+            "drain pass took over 10 minutes"
+        );
+    }
+    let took = t0.elapsed();
+    worker.drain().await;
+    Ok(args.runs as f64 / took.as_secs_f64())
+}
+
+/// The floor: the worker's own statements (claim one, finish it) on
+/// `in_flight` connections, with nothing of the host around them.
+async fn floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f64> {
+    db::bench::reset(pool).await?;
+    enqueue_all(pool, args.runs).await?;
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..args.in_flight {
+        let pool = pool.clone();
+        tasks.push(tokio::spawn(async move {
+            let id = format!("floor-{i}");
+            let mut done = 0u64;
+            loop {
+                let claim = Claim {
+                    limit: 1,
+                    lease: Duration::from_secs(30),
+                    worker_id: &id,
+                    prefilter: true,
+                };
+                let claimed = runs::claim(&pool, &claim).await?;
+                let Some(run) = claimed.into_iter().next() else {
+                    return Ok::<u64, sqlx::Error>(done);
+                };
+                let finish = Finish {
+                    status: RunStatus::Completed,
+                    error: None,
+                    assistant: Some(("", "complete")),
+                };
+                runs::finish(&pool, run.id, run.claim_token, &finish).await?;
+                done += 1;
+            }
+        }));
+    }
+    let mut done = 0;
+    for t in tasks {
+        done += t.await??;
+    }
+    let took = t0.elapsed();
+    anyhow::ensure!(
+        done == args.runs as u64,
+        "floor finished {done} of {} runs",
+        args.runs
+    );
+    Ok(args.runs as f64 / took.as_secs_f64())
+}
+
+/// The floor with the host's batching and none of the host: claim up to
+/// `in_flight` runs in one statement, finish them concurrently, repeat.
+async fn batched_floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f64> {
+    db::bench::reset(pool).await?;
+    enqueue_all(pool, args.runs).await?;
+    let t0 = Instant::now();
+    let mut done = 0;
+    loop {
+        let claim = Claim {
+            limit: args.in_flight as i64,
+            lease: Duration::from_secs(30),
+            worker_id: "floor",
+            prefilter: true,
+        };
+        let claimed = runs::claim(pool, &claim).await?;
+        if claimed.is_empty() {
+            break;
+        }
+        done += claimed.len();
+        let finishes = claimed.into_iter().map(|run| {
+            let pool = pool.clone();
+            async move {
+                let finish = Finish {
+                    status: RunStatus::Completed,
+                    error: None,
+                    assistant: Some(("", "complete")),
+                };
+                runs::finish(&pool, run.id, run.claim_token, &finish).await
+            }
+        });
+        for r in futures::future::join_all(finishes).await {
+            r?;
+        }
+    }
+    let took = t0.elapsed();
+    anyhow::ensure!(
+        done == args.runs,
+        "batched floor finished {done} of {} runs",
+        args.runs
+    );
+    Ok(args.runs as f64 / took.as_secs_f64())
+}
+
+/// Pre-enqueues `n` no-op runs in chunks (each chunk one statement).
+async fn enqueue_all(pool: &PgPool, n: usize) -> anyhow::Result<()> {
+    const CHUNK: usize = 5_000;
+    let mut left = n;
+    while left > 0 {
+        let k = left.min(CHUNK);
+        db::bench::bulk_enqueue(pool, k as i64, "noop").await?;
+        left -= k;
+    }
+    db::bench::analyze(pool).await?;
+    Ok(())
+}
+
+fn percentiles(samples: &mut [Duration]) -> String {
+    samples.sort();
+    let at = |p: f64| {
+        let i = ((p * samples.len() as f64).ceil() as usize).clamp(1, samples.len()) - 1;
+        samples[i].as_secs_f64() * 1e3
+    };
+    format!(
+        "p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        at(0.50),
+        at(0.99),
+        at(1.0)
+    )
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn num_cpus() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(a)) if a > s => format!("{}://…@{}", &url[..s], &url[a + 1..]),
+        _ => url.to_string(),
+    }
 }

@@ -32,8 +32,16 @@ pub enum Wake {
 }
 
 enum Command {
-    Subscribe { channel: String, id: u64, tx: mpsc::Sender<Wake>, ack: oneshot::Sender<()> },
-    Unsubscribe { channel: String, id: u64 },
+    Subscribe {
+        channel: String,
+        id: u64,
+        tx: mpsc::Sender<Wake>,
+        ack: oneshot::Sender<()>,
+    },
+    Unsubscribe {
+        channel: String,
+        id: u64,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -89,7 +97,11 @@ impl Hub {
         let (commands, rx) = mpsc::channel(COMMAND_QUEUE_MAX);
         let stats = Arc::new(HubStats::default());
         tokio::spawn(supervise(url, rx, stats.clone()));
-        Hub { commands, next_id: Arc::new(AtomicU64::new(1)), stats }
+        Hub {
+            commands,
+            next_id: Arc::new(AtomicU64::new(1)),
+            stats,
+        }
     }
 
     pub fn stats(&self) -> &HubStats {
@@ -103,11 +115,21 @@ impl Hub {
         let (tx, rx) = mpsc::channel(SUBSCRIBER_QUEUE_MAX);
         let (ack, acked) = oneshot::channel();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let cmd = Command::Subscribe { channel: channel.to_string(), id, tx, ack };
+        let cmd = Command::Subscribe {
+            channel: channel.to_string(),
+            id,
+            tx,
+            ack,
+        };
         if self.commands.send(cmd).await.is_ok() {
             let _ = acked.await;
         }
-        Subscription { rx, channel: channel.to_string(), id, commands: self.commands.clone() }
+        Subscription {
+            rx,
+            channel: channel.to_string(),
+            id,
+            commands: self.commands.clone(),
+        }
     }
 }
 
@@ -134,7 +156,9 @@ impl Subscribers {
 }
 
 async fn supervise(url: String, mut commands: mpsc::Receiver<Command>, stats: Arc<HubStats>) {
-    let mut subs = Subscribers { by_channel: HashMap::new() };
+    let mut subs = Subscribers {
+        by_channel: HashMap::new(),
+    };
     let mut listener: Option<PgListener> = None;
     let mut backoff = BACKOFF_MIN;
     let mut ever_connected = false;
@@ -217,7 +241,12 @@ async fn connect<'a>(
 /// Applies one command. Returns false if the connection failed doing it.
 async fn handle(cmd: Command, subs: &mut Subscribers, conn: Option<&mut PgListener>) -> bool {
     match cmd {
-        Command::Subscribe { channel, id, tx, ack } => {
+        Command::Subscribe {
+            channel,
+            id,
+            tx,
+            ack,
+        } => {
             let entry = subs.by_channel.entry(channel.clone()).or_default();
             let new_channel = entry.is_empty();
             entry.push((id, tx));

@@ -18,17 +18,30 @@ pub struct HostProcess {
 
 /// Flags with short leases and ticks, set through configuration.
 pub const FAST: &[&str] = &[
-    "--lease-ms", "1000",
-    "--heartbeat-ms", "200",
-    "--reap-grace-ms", "300",
-    "--reap-interval-ms", "100",
-    "--poll-tick-ms", "500",
+    "--lease-ms",
+    "1000",
+    "--heartbeat-ms",
+    "200",
+    "--reap-grace-ms",
+    "300",
+    "--reap-interval-ms",
+    "100",
+    "--poll-tick-ms",
+    "500",
 ];
 
 impl HostProcess {
     pub fn spawn(database_url: &str, worker_id: &str, args: &[&str]) -> HostProcess {
         let mut child = Command::new(env!("CARGO_BIN_EXE_agent-host"))
-            .args(["--database-url", database_url, "--db-pool-max", "8", "serve", "--listen", "127.0.0.1:0"])
+            .args([
+                "--database-url",
+                database_url,
+                "--db-pool-max",
+                "8",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+            ])
             .args(["--worker-id", worker_id])
             .args(args)
             .env("AGENT_HOST_LOG", "info")
@@ -60,7 +73,12 @@ impl HostProcess {
             Ok(addr) => addr,
             Err(_) => panic!("agent-host did not start; log:\n{}", log.lock().unwrap()),
         };
-        HostProcess { child, addr, worker_id: worker_id.to_string(), log }
+        HostProcess {
+            child,
+            addr,
+            worker_id: worker_id.to_string(),
+            log,
+        }
     }
 
     pub fn signal(&self, signal: Signal) {
@@ -80,7 +98,11 @@ impl HostProcess {
             if let Some(status) = self.child.try_wait().unwrap() {
                 return status;
             }
-            assert!(Instant::now() < deadline, "agent-host did not exit within {within:?}; log:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "agent-host did not exit within {within:?}; log:\n{}",
+                self.log()
+            );
         }
     }
 
@@ -93,7 +115,11 @@ impl HostProcess {
             if self.log().contains(needle) {
                 return;
             }
-            assert!(Instant::now() < deadline, "log never said {needle:?} within {within:?}:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "log never said {needle:?} within {within:?}:\n{}",
+                self.log()
+            );
         }
     }
 }

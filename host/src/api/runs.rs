@@ -31,16 +31,26 @@ pub struct CreateRun {
 }
 
 fn owner(p: &crate::db::tokens::Principal) -> Owner {
-    Owner { user_id: p.user_id.clone(), tenant_id: p.tenant_id.clone() }
+    Owner {
+        user_id: p.user_id.clone(),
+        tenant_id: p.tenant_id.clone(),
+    }
 }
 
 fn parse_id<T: std::str::FromStr>(raw: &str, what: &str) -> Result<T, ApiError> {
-    raw.parse().map_err(|_| ApiError::bad_request(format!("{what} id {raw:?} is not a UUID")))
+    raw.parse()
+        .map_err(|_| ApiError::bad_request(format!("{what} id {raw:?} is not a UUID")))
 }
 
-pub async fn create_conversation(State(state): State<AppState>, Auth(p): Auth) -> Result<impl IntoResponse, ApiError> {
+pub async fn create_conversation(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+) -> Result<impl IntoResponse, ApiError> {
     let (id, created_at) = runs::create_conversation(&state.pool, &owner(&p)).await?;
-    Ok((StatusCode::CREATED, Json(json!({ "id": id, "created_at": created_at }))))
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "id": id, "created_at": created_at })),
+    ))
 }
 
 pub async fn create_run(
@@ -61,7 +71,9 @@ pub async fn create_run_in_conversation(
 ) -> Result<impl IntoResponse, ApiError> {
     let id: ConversationId = parse_id(&id, "conversation")?;
     if body.conversation_id.is_some_and(|c| c != id) {
-        return Err(ApiError::invalid("conversation_id in the body differs from the one in the path"));
+        return Err(ApiError::invalid(
+            "conversation_id in the body differs from the one in the path",
+        ));
     }
     body.conversation_id = Some(id);
     enqueue(&state, &p, &headers, body).await
@@ -78,7 +90,9 @@ async fn enqueue(
     }
     let chars = body.content.chars().count();
     if chars > CONTENT_CHARS_MAX {
-        return Err(ApiError::invalid(format!("content has {chars} characters; the limit is {CONTENT_CHARS_MAX}")));
+        return Err(ApiError::invalid(format!(
+            "content has {chars} characters; the limit is {CONTENT_CHARS_MAX}"
+        )));
     }
     if !state.agents.contains(&body.plugin) {
         return Err(ApiError::invalid(format!(
@@ -93,7 +107,9 @@ async fn enqueue(
     }
     let config_bytes = config.to_string().len();
     if config_bytes > CONFIG_BYTES_MAX {
-        return Err(ApiError::invalid(format!("config is {config_bytes} bytes; the limit is {CONFIG_BYTES_MAX}")));
+        return Err(ApiError::invalid(format!(
+            "config is {config_bytes} bytes; the limit is {CONFIG_BYTES_MAX}"
+        )));
     }
     let idempotency_key = match headers.get("idempotency-key") {
         None => None,
@@ -101,7 +117,11 @@ async fn enqueue(
             v.to_str()
                 .ok()
                 .filter(|k| !k.is_empty() && k.len() <= IDEMPOTENCY_KEY_BYTES_MAX)
-                .ok_or_else(|| ApiError::bad_request(format!("Idempotency-Key must be 1-{IDEMPOTENCY_KEY_BYTES_MAX} visible ASCII bytes")))?,
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!(
+                        "Idempotency-Key must be 1-{IDEMPOTENCY_KEY_BYTES_MAX} visible ASCII bytes"
+                    ))
+                })?,
         ),
     };
     let request = json!({ "content": body.content, "plugin": body.plugin, "conversation_id": body.conversation_id, "config": config });
@@ -116,10 +136,14 @@ async fn enqueue(
         request: &request,
         idempotency_key,
     };
-    let enqueued = runs::enqueue(&state.pool, &new).await.map_err(|e| match e {
-        EnqueueError::ConversationNotFound(id) => ApiError::not_found(format!("conversation {id}")),
-        EnqueueError::Db(e) => e.into(),
-    })?;
+    let enqueued = runs::enqueue(&state.pool, &new)
+        .await
+        .map_err(|e| match e {
+            EnqueueError::ConversationNotFound(id) => {
+                ApiError::not_found(format!("conversation {id}"))
+            }
+            EnqueueError::Db(e) => e.into(),
+        })?;
     Ok((StatusCode::ACCEPTED, Json(enqueued)))
 }
 

@@ -1,6 +1,7 @@
 //! The only place that holds SQL. Everything else calls these functions with a
 //! pool or a transaction (`impl PgExecutor`).
 
+pub mod bench;
 pub mod cluster;
 pub mod runs;
 pub mod tokens;
@@ -123,7 +124,10 @@ impl RunStatus {
     }
 
     pub fn is_terminal(self) -> bool {
-        matches!(self, RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled)
+        matches!(
+            self,
+            RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled
+        )
     }
 }
 

@@ -186,7 +186,12 @@ pub async fn enqueue_in(
     .bind(message_id)
     .execute(&mut **tx)
     .await?;
-    notify(&mut **tx, RUN_ENQUEUED_CHANNEL, &conversation_id.to_string()).await?;
+    notify(
+        &mut **tx,
+        RUN_ENQUEUED_CHANNEL,
+        &conversation_id.to_string(),
+    )
+    .await?;
     Ok(Enqueued {
         run_id,
         status: RunStatus::Queued,
@@ -196,7 +201,11 @@ pub async fn enqueue_in(
 }
 
 /// `pg_notify` inside the caller's transaction: fires on commit or never.
-pub async fn notify(db: impl PgExecutor<'_>, channel: &str, payload: &str) -> Result<(), sqlx::Error> {
+pub async fn notify(
+    db: impl PgExecutor<'_>,
+    channel: &str,
+    payload: &str,
+) -> Result<(), sqlx::Error> {
     sqlx::query("SELECT pg_notify($1, $2)")
         .bind(channel)
         .bind(payload)
@@ -262,7 +271,10 @@ SELECT c.*, msg.content FROM claimed c JOIN msg ON msg.id = c.user_message_id";
 /// [`is_running_conflict`] holds is the one-running-per-conversation index
 /// turning away a turn the pre-filter could not see: it means "claimed nothing
 /// this round", and the caller simply claims again.
-pub async fn claim(db: impl PgExecutor<'_>, claim: &Claim<'_>) -> Result<Vec<ClaimedRun>, sqlx::Error> {
+pub async fn claim(
+    db: impl PgExecutor<'_>,
+    claim: &Claim<'_>,
+) -> Result<Vec<ClaimedRun>, sqlx::Error> {
     sqlx::query_as::<_, ClaimedRun>(CLAIM_SQL)
         .bind(claim.limit)
         .bind(secs(claim.lease))
@@ -379,8 +391,19 @@ pub async fn finish(
          msg AS (
              INSERT INTO message (id, conversation_id, run_id, role, content, status)
              SELECT $5, conversation_id, id, 'assistant', $6, $7 FROM fin WHERE $6::text IS NOT NULL
+         ),
+         -- The wake chain: knock when the conversation has a turn waiting on
+         -- this one. (Runs of other conversations were announced at enqueue;
+         -- an unconditional NOTIFY serialises every commit on the notify
+         -- queue.) A turn whose enqueue commits after this statement's
+         -- snapshot is covered by `wake_waiting_turn`, after commit.
+         wake AS (
+             SELECT pg_notify($8, f.conversation_id::text) FROM fin f
+             WHERE EXISTS (SELECT 1 FROM agent_run q
+                           WHERE q.conversation_id = f.conversation_id AND q.status = 'queued')
          )
-         SELECT pg_notify($8, conversation_id::text) IS NOT NULL FROM fin",
+         -- Referencing `wake` is what makes it run.
+         SELECT (SELECT count(*) FROM wake) >= 0 FROM fin",
     )
     .bind(run)
     .bind(token)
@@ -393,6 +416,28 @@ pub async fn finish(
     .fetch_optional(db)
     .await?;
     Ok(applied.is_some())
+}
+
+/// The wake chain's second half, run after a terminal write has committed:
+/// NOTIFY if the conversation has a queued turn. A turn enqueued after the
+/// terminal write's snapshot but before its commit announced itself while
+/// this run still looked running, so its wake found nothing to claim; this
+/// read (a fresh snapshot, after our commit) sees it. A turn enqueued after
+/// this read announces itself after our commit. Either way someone claims it
+/// now, not on the poll tick.
+pub async fn wake_waiting_turn(
+    db: impl PgExecutor<'_>,
+    conversation: ConversationId,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "SELECT pg_notify($1, $2::text)
+         WHERE EXISTS (SELECT 1 FROM agent_run WHERE conversation_id = $2 AND status = 'queued')",
+    )
+    .bind(RUN_ENQUEUED_CHANNEL)
+    .bind(conversation)
+    .execute(db)
+    .await?;
+    Ok(())
 }
 
 /// A run whose lease lapsed past the grace, as the reaper read it.
@@ -492,7 +537,10 @@ pub async fn get_run(
 }
 
 /// A run's status, for tests and tools that watch runs without an owner.
-pub async fn status_of(db: impl PgExecutor<'_>, id: RunId) -> Result<Option<RunStatus>, sqlx::Error> {
+pub async fn status_of(
+    db: impl PgExecutor<'_>,
+    id: RunId,
+) -> Result<Option<RunStatus>, sqlx::Error> {
     let s: Option<String> = sqlx::query_scalar("SELECT status FROM agent_run WHERE id = $1")
         .bind(id)
         .fetch_optional(db)

@@ -34,6 +34,9 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             },
         };
         let mut permits = vec![first];
+        // Runs finishing at this instant release their slots when they next
+        // run: give them that turn, so one claim statement can take several rows.
+        tokio::task::yield_now().await;
         while let Ok(p) = shared.slots.clone().try_acquire_owned() {
             permits.push(p);
         }
@@ -47,7 +50,9 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             worker_id: &shared.config.worker_id,
             prefilter: true,
         };
-        let claimed = match db::runs::claim(&shared.pool, &claim).await {
+        let result = db::runs::claim(&shared.pool, &claim).await;
+        shared.stats.claim_rounds.fetch_add(1, Ordering::Relaxed);
+        let claimed = match result {
             Ok(rows) => rows,
             Err(e) if db::runs::is_running_conflict(&e) => {
                 shared.stats.claim_conflicts.fetch_add(1, Ordering::Relaxed);
@@ -63,7 +68,12 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             Err(e) => {
                 tracing::warn!(error = %e, "claim failed");
                 drop(permits);
-                idle_wait(&shared, wakes.as_mut(), ERROR_BACKOFF.min(shared.config.poll_tick)).await;
+                idle_wait(
+                    &shared,
+                    wakes.as_mut(),
+                    ERROR_BACKOFF.min(shared.config.poll_tick),
+                )
+                .await;
                 continue;
             }
         };
@@ -73,7 +83,10 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             idle_wait(&shared, wakes.as_mut(), shared.config.poll_tick).await;
             continue;
         }
-        shared.stats.claimed.fetch_add(claimed.len() as u64, Ordering::Relaxed);
+        shared
+            .stats
+            .claimed
+            .fetch_add(claimed.len() as u64, Ordering::Relaxed);
         // Surplus slots go back before the runs start.
         permits.truncate(claimed.len());
         for (row, permit) in claimed.into_iter().zip(permits) {

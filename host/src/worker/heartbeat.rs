@@ -37,7 +37,10 @@ async fn beat(shared: &Shared) {
         Err(e) => {
             // Not a verdict: the lease may still be ours. If it lapses, the
             // reaper decides and the fence keeps our later writes out.
-            shared.stats.heartbeat_errors.fetch_add(1, Ordering::Relaxed);
+            shared
+                .stats
+                .heartbeat_errors
+                .fetch_add(1, Ordering::Relaxed);
             tracing::warn!(error = %e, runs = held.len(), "heartbeat failed");
             return;
         }

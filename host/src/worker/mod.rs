@@ -79,7 +79,10 @@ pub fn default_worker_id() -> String {
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ConfigError {
     #[error("heartbeat ({heartbeat:?}) must be shorter than the lease ({lease:?}), or a healthy worker loses its runs")]
-    HeartbeatNotBelowLease { heartbeat: Duration, lease: Duration },
+    HeartbeatNotBelowLease {
+        heartbeat: Duration,
+        lease: Duration,
+    },
     #[error("{0} must be greater than zero")]
     Zero(&'static str),
     #[error("max runs must be between 1 and 10000, not {0}")]
@@ -101,7 +104,10 @@ impl WorkerConfig {
             }
         }
         if self.heartbeat >= self.lease {
-            return Err(ConfigError::HeartbeatNotBelowLease { heartbeat: self.heartbeat, lease: self.lease });
+            return Err(ConfigError::HeartbeatNotBelowLease {
+                heartbeat: self.heartbeat,
+                lease: self.lease,
+            });
         }
         if !(1..=10_000).contains(&self.max_runs) {
             return Err(ConfigError::MaxRuns(self.max_runs));
@@ -125,6 +131,9 @@ struct Held {
 /// Counters a person (and `/metrics`) can read.
 #[derive(Debug, Default)]
 pub struct WorkerStats {
+    /// Claim statements executed (whatever they returned).
+    pub claim_rounds: AtomicU64,
+    /// Runs claimed.
     pub claimed: AtomicU64,
     pub finished: AtomicU64,
     pub fenced: AtomicU64,
@@ -203,7 +212,11 @@ impl Worker {
             .config
             .dispatch
             .then(|| tokio::spawn(dispatcher::run(shared.clone(), hub)));
-        Ok(Worker { shared, dispatcher, services })
+        Ok(Worker {
+            shared,
+            dispatcher,
+            services,
+        })
     }
 
     pub fn stats(&self) -> Arc<WorkerStats> {
@@ -227,7 +240,9 @@ impl Worker {
         }
         self.shared.tasks.close();
         let finished_in_budget =
-            tokio::time::timeout(self.shared.config.drain_timeout, self.shared.tasks.wait()).await.is_ok();
+            tokio::time::timeout(self.shared.config.drain_timeout, self.shared.tasks.wait())
+                .await
+                .is_ok();
         let mut aborted = 0;
         if !finished_in_budget {
             aborted = self.shared.tasks.len();
@@ -239,7 +254,10 @@ impl Worker {
         for s in self.services.drain(..) {
             let _ = s.await;
         }
-        DrainReport { finished_in_budget, aborted }
+        DrainReport {
+            finished_in_budget,
+            aborted,
+        }
     }
 }
 

@@ -29,14 +29,18 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
     let cancel_requested = Arc::new(AtomicBool::new(false));
     shared.held.lock().unwrap().insert(
         row.id,
-        Held { token: row.claim_token, lost: lost.clone(), cancel_requested: cancel_requested.clone() },
+        Held {
+            token: row.claim_token,
+            lost: lost.clone(),
+            cancel_requested: cancel_requested.clone(),
+        },
     );
     let span = tracing::info_span!("run", run_id = %row.id, plugin = %row.plugin);
     let shared2 = shared.clone();
     shared.tasks.spawn(
         async move {
             let shared = shared2;
-            let (id, token) = (row.id, row.claim_token);
+            let (id, token, conversation) = (row.id, row.claim_token, row.conversation_id);
             // The run itself runs in its own task, so a panic in it is a
             // JoinError here rather than a lost ending.
             let outcome = tokio::spawn(execute(shared.clone(), row, lost, cancel_requested))
@@ -64,6 +68,10 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
             }
             shared.held.lock().unwrap().remove(&id);
             drop(permit);
+            if let Err(e) = db::runs::wake_waiting_turn(&shared.pool, conversation).await {
+                // A lost hint costs the next turn one poll tick, nothing more.
+                tracing::warn!(error = %e, "post-commit wake failed");
+            }
         }
         .instrument(span),
     );
@@ -76,9 +84,23 @@ async fn execute(
     cancel_requested: Arc<AtomicBool>,
 ) -> Outcome {
     let Some(agent) = shared.agents.get(&row.plugin) else {
-        return finalize(&shared, &row, Err(AgentError::Failed(format!("plugin {:?} is not available on this host", row.plugin))), "").await;
+        return finalize(
+            &shared,
+            &row,
+            Err(AgentError::Failed(format!(
+                "plugin {:?} is not available on this host",
+                row.plugin
+            ))),
+            "",
+        )
+        .await;
     };
-    let mut host = RunHost::new(shared.pool.clone(), row.id, row.claim_token, cancel_requested);
+    let mut host = RunHost::new(
+        shared.pool.clone(),
+        row.id,
+        row.claim_token,
+        cancel_requested,
+    );
     let input = RunInput {
         run_id: row.id,
         conversation_id: row.conversation_id,
@@ -95,16 +117,35 @@ async fn execute(
     finalize(&shared, &row, result, &streamed).await
 }
 
-async fn finalize(shared: &Shared, row: &ClaimedRun, result: Result<String, AgentError>, streamed: &str) -> Outcome {
+async fn finalize(
+    shared: &Shared,
+    row: &ClaimedRun,
+    result: Result<String, AgentError>,
+    streamed: &str,
+) -> Outcome {
     let (status, error, assistant) = match &result {
-        Ok(text) => (RunStatus::Completed, None, Some((text.as_str(), "complete"))),
+        Ok(text) => (
+            RunStatus::Completed,
+            None,
+            Some((text.as_str(), "complete")),
+        ),
         Err(AgentError::Host(HostError::Fenced)) => return Outcome::Lost,
-        Err(AgentError::Host(HostError::Cancelled)) => {
-            (RunStatus::Cancelled, None, (!streamed.is_empty()).then_some((streamed, "partial")))
-        }
-        Err(e) => (RunStatus::Failed, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, "partial"))),
+        Err(AgentError::Host(HostError::Cancelled)) => (
+            RunStatus::Cancelled,
+            None,
+            (!streamed.is_empty()).then_some((streamed, "partial")),
+        ),
+        Err(e) => (
+            RunStatus::Failed,
+            Some(e.to_string()),
+            (!streamed.is_empty()).then_some((streamed, "partial")),
+        ),
     };
-    let finish = Finish { status, error: error.as_deref(), assistant };
+    let finish = Finish {
+        status,
+        error: error.as_deref(),
+        assistant,
+    };
     match db::runs::finish(&shared.pool, row.id, row.claim_token, &finish).await {
         Ok(true) => Outcome::Finalized,
         // Zero rows: someone else ended this run. Stand down.
