@@ -396,7 +396,7 @@ pub async fn finish(
          -- this one. (Runs of other conversations were announced at enqueue;
          -- an unconditional NOTIFY serialises every commit on the notify
          -- queue.) A turn whose enqueue commits after this statement's
-         -- snapshot is covered by `wake_waiting_turn`, after commit.
+         -- snapshot is covered by `wake_waiting_turns`, after commit.
          wake AS (
              SELECT pg_notify($8, f.conversation_id::text) FROM fin f
              WHERE EXISTS (SELECT 1 FROM agent_run q
@@ -425,16 +425,20 @@ pub async fn finish(
 /// read (a fresh snapshot, after our commit) sees it. A turn enqueued after
 /// this read announces itself after our commit. Either way someone claims it
 /// now, not on the poll tick.
-pub async fn wake_waiting_turn(
+///
+/// Takes many conversations at once: under load, one statement answers the
+/// runs that ended in the same instant.
+pub async fn wake_waiting_turns(
     db: impl PgExecutor<'_>,
-    conversation: ConversationId,
+    conversations: &[ConversationId],
 ) -> Result<(), sqlx::Error> {
+    let ids: Vec<uuid::Uuid> = conversations.iter().map(|c| c.0).collect();
     sqlx::query(
-        "SELECT pg_notify($1, $2::text)
-         WHERE EXISTS (SELECT 1 FROM agent_run WHERE conversation_id = $2 AND status = 'queued')",
+        "SELECT pg_notify($1, c::text) FROM unnest($2::uuid[]) AS c
+         WHERE EXISTS (SELECT 1 FROM agent_run WHERE conversation_id = c AND status = 'queued')",
     )
     .bind(RUN_ENQUEUED_CHANNEL)
-    .bind(conversation)
+    .bind(ids)
     .execute(db)
     .await?;
     Ok(())

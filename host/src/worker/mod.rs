@@ -5,6 +5,7 @@ mod dispatcher;
 mod heartbeat;
 mod reaper;
 mod run_task;
+mod waker;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -12,13 +13,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sqlx::PgPool;
-use tokio::sync::Semaphore;
+use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::agent::AgentRegistry;
-use crate::db::{ClaimToken, RunId};
+use crate::db::{ClaimToken, ConversationId, RunId};
 use crate::hub::Hub;
 
 pub use reaper::sweep as reap_sweep;
@@ -158,6 +159,8 @@ pub(crate) struct Shared {
     stop_services: CancellationToken,
     stats: Arc<WorkerStats>,
     draining: AtomicBool,
+    /// Conversations whose run this process just ended, for the waker.
+    ended: mpsc::Sender<ConversationId>,
 }
 
 /// The running worker services of one process.
@@ -186,6 +189,7 @@ impl Worker {
         config: WorkerConfig,
     ) -> Result<Worker, ConfigError> {
         config.validate()?;
+        let (ended, ended_rx) = mpsc::channel(waker::QUEUE_MAX);
         let shared = Arc::new(Shared {
             pool,
             agents,
@@ -198,6 +202,7 @@ impl Worker {
             stop_services: CancellationToken::new(),
             stats: Arc::new(WorkerStats::default()),
             draining: AtomicBool::new(false),
+            ended,
         });
         // The boot reconciler: a full-cluster restart leaves orphans no
         // running loop noticed. Errors here are not fatal; the loop retries.
@@ -207,6 +212,7 @@ impl Worker {
         let services = vec![
             tokio::spawn(heartbeat::run(shared.clone())),
             tokio::spawn(reaper::run(shared.clone())),
+            tokio::spawn(waker::run(shared.clone(), ended_rx)),
         ];
         let dispatcher = shared
             .config

@@ -68,10 +68,8 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
             }
             shared.held.lock().unwrap().remove(&id);
             drop(permit);
-            if let Err(e) = db::runs::wake_waiting_turn(&shared.pool, conversation).await {
-                // A lost hint costs the next turn one poll tick, nothing more.
-                tracing::warn!(error = %e, "post-commit wake failed");
-            }
+            // The wake chain's post-commit half (see `waker`).
+            let _ = shared.ended.send(conversation).await;
         }
         .instrument(span),
     );
