@@ -23,23 +23,11 @@ struct Api {
 impl Api {
     async fn new() -> Api {
         let db = TestDb::new().await;
-        let alice = tokens::create(&db.pool, "alice", "acme", false)
-            .await
-            .unwrap();
+        let alice = tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
         // Same tenant, another user: must see nothing of alice's.
-        let bob = tokens::create(&db.pool, "bob", "acme", false)
-            .await
-            .unwrap();
-        let router = api::router(AppState {
-            pool: db.pool.clone(),
-            agents: AgentRegistry::with_builtins(),
-        });
-        Api {
-            router,
-            db,
-            alice,
-            bob,
-        }
+        let bob = tokens::create(&db.pool, "bob", "acme", false).await.unwrap();
+        let router = api::router(AppState { pool: db.pool.clone(), agents: AgentRegistry::with_builtins() });
+        Api { router, db, alice, bob }
     }
 
     async fn call(
@@ -54,9 +42,9 @@ impl Api {
             req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
         }
         let req = match body {
-            Some((content_type, body)) => req
-                .header(header::CONTENT_TYPE, content_type)
-                .body(Body::from(body.to_string())),
+            Some((content_type, body)) => {
+                req.header(header::CONTENT_TYPE, content_type).body(Body::from(body.to_string()))
+            }
             None => req.body(Body::empty()),
         }
         .unwrap();
@@ -68,37 +56,25 @@ impl Api {
     }
 
     async fn post_run(&self, token: &str, body: Value) -> (StatusCode, Value) {
-        self.call(
-            "POST",
-            "/v1/runs",
-            Some(token),
-            Some(("application/json", &body.to_string())),
-        )
-        .await
+        self.call("POST", "/v1/runs", Some(token), Some(("application/json", &body.to_string()))).await
     }
 }
 
 fn error_code(v: &Value) -> &str {
-    v["error"]["code"]
-        .as_str()
-        .unwrap_or_else(|| panic!("not an error body: {v}"))
+    v["error"]["code"].as_str().unwrap_or_else(|| panic!("not an error body: {v}"))
 }
 
 #[tokio::test]
 async fn post_run_answers_202_and_the_owner_can_read_it() {
     let api = Api::new().await;
-    let (status, body) = api
-        .post_run(&api.alice, json!({ "content": "hi", "plugin": "echo" }))
-        .await;
+    let (status, body) = api.post_run(&api.alice, json!({ "content": "hi", "plugin": "echo" })).await;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     assert_eq!(body["status"], "queued");
     for field in ["run_id", "conversation_id", "user_message_id"] {
         assert!(body[field].is_string(), "{field} missing: {body}");
     }
     let run_id = body["run_id"].as_str().unwrap();
-    let (status, run) = api
-        .call("GET", &format!("/v1/runs/{run_id}"), Some(&api.alice), None)
-        .await;
+    let (status, run) = api.call("GET", &format!("/v1/runs/{run_id}"), Some(&api.alice), None).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(run["id"], run_id);
     assert_eq!(run["status"], "queued");
@@ -113,41 +89,23 @@ async fn post_run_answers_202_and_the_owner_can_read_it() {
     }
 
     // Another user of the same tenant: 404, as if it did not exist.
-    let (status, body) = api
-        .call("GET", &format!("/v1/runs/{run_id}"), Some(&api.bob), None)
-        .await;
-    assert_eq!(
-        (status, error_code(&body)),
-        (StatusCode::NOT_FOUND, "not_found")
-    );
+    let (status, body) = api.call("GET", &format!("/v1/runs/{run_id}"), Some(&api.bob), None).await;
+    assert_eq!((status, error_code(&body)), (StatusCode::NOT_FOUND, "not_found"));
 
     // A second turn in the same conversation, by body and by path.
     let conv = run["conversation_id"].as_str().unwrap();
-    let (status, second) = api
-        .post_run(
-            &api.alice,
-            json!({ "content": "again", "plugin": "echo", "conversation_id": conv }),
-        )
-        .await;
+    let (status, second) =
+        api.post_run(&api.alice, json!({ "content": "again", "plugin": "echo", "conversation_id": conv })).await;
     assert_eq!(status, StatusCode::ACCEPTED);
     assert_eq!(second["conversation_id"], conv);
     let body = json!({ "content": "third", "plugin": "noop" }).to_string();
     let (status, third) = api
-        .call(
-            "POST",
-            &format!("/v1/conversations/{conv}/runs"),
-            Some(&api.alice),
-            Some(("application/json", &body)),
-        )
+        .call("POST", &format!("/v1/conversations/{conv}/runs"), Some(&api.alice), Some(("application/json", &body)))
         .await;
     assert_eq!(status, StatusCode::ACCEPTED, "{third}");
     // Bob cannot post into alice's conversation.
-    let (status, _) = api
-        .post_run(
-            &api.bob,
-            json!({ "content": "x", "plugin": "echo", "conversation_id": conv }),
-        )
-        .await;
+    let (status, _) =
+        api.post_run(&api.bob, json!({ "content": "x", "plugin": "echo", "conversation_id": conv })).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
 }
 
@@ -155,36 +113,15 @@ async fn post_run_answers_202_and_the_owner_can_read_it() {
 async fn every_v1_route_requires_a_valid_token() {
     let api = Api::new().await;
     let body = json!({ "content": "hi", "plugin": "echo" }).to_string();
-    let (status, v) = api
-        .call("POST", "/v1/runs", None, Some(("application/json", &body)))
-        .await;
-    assert_eq!(
-        (status, error_code(&v)),
-        (StatusCode::UNAUTHORIZED, "unauthenticated")
-    );
-    let (status, _) = api
-        .call(
-            "POST",
-            "/v1/runs",
-            Some("ah_not_a_token"),
-            Some(("application/json", &body)),
-        )
-        .await;
+    let (status, v) = api.call("POST", "/v1/runs", None, Some(("application/json", &body))).await;
+    assert_eq!((status, error_code(&v)), (StatusCode::UNAUTHORIZED, "unauthenticated"));
+    let (status, _) = api.call("POST", "/v1/runs", Some("ah_not_a_token"), Some(("application/json", &body))).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    let (status, _) = api
-        .call(
-            "GET",
-            &format!("/v1/runs/{}", uuid::Uuid::new_v4()),
-            None,
-            None,
-        )
-        .await;
+    let (status, _) = api.call("GET", &format!("/v1/runs/{}", uuid::Uuid::new_v4()), None, None).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     let (status, _) = api.call("POST", "/v1/conversations", None, None).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    let (status, v) = api
-        .call("POST", "/v1/conversations", Some(&api.alice), None)
-        .await;
+    let (status, v) = api.call("POST", "/v1/conversations", Some(&api.alice), None).await;
     assert_eq!(status, StatusCode::CREATED);
     assert!(v["id"].is_string() && v["created_at"].is_string());
 }
@@ -194,36 +131,16 @@ async fn bad_input_gets_a_clear_error_never_a_500() {
     let api = Api::new().await;
     let t = Some(api.alice.as_str());
     let cases: Vec<(&str, &str, StatusCode, &str)> = vec![
-        (
-            "application/json",
-            "{not json",
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-        ),
+        ("application/json", "{not json", StatusCode::BAD_REQUEST, "bad_request"),
         (
             "text/plain",
             r#"{"content":"hi","plugin":"echo"}"#,
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "unsupported_media_type",
         ),
-        (
-            "application/json",
-            r#"{"plugin":"echo"}"#,
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
-        ),
-        (
-            "application/json",
-            r#"{"content":"hi","plugin":"nope"}"#,
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
-        ),
-        (
-            "application/json",
-            r#"{"content":"  ","plugin":"echo"}"#,
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
-        ),
+        ("application/json", r#"{"plugin":"echo"}"#, StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+        ("application/json", r#"{"content":"hi","plugin":"nope"}"#, StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+        ("application/json", r#"{"content":"  ","plugin":"echo"}"#, StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
         (
             "application/json",
             r#"{"content":"hi","plugin":"echo","config":[1]}"#,
@@ -249,46 +166,20 @@ async fn bad_input_gets_a_clear_error_never_a_500() {
         assert!(!v["error"]["message"].as_str().unwrap().is_empty());
     }
     let huge = json!({ "content": "x".repeat(2 << 20), "plugin": "echo" }).to_string();
-    let (status, v) = api
-        .call("POST", "/v1/runs", t, Some(("application/json", &huge)))
-        .await;
-    assert_eq!(
-        (status, error_code(&v)),
-        (StatusCode::PAYLOAD_TOO_LARGE, "too_large")
-    );
+    let (status, v) = api.call("POST", "/v1/runs", t, Some(("application/json", &huge))).await;
+    assert_eq!((status, error_code(&v)), (StatusCode::PAYLOAD_TOO_LARGE, "too_large"));
     let long = json!({ "content": "x".repeat(70_000), "plugin": "echo" }).to_string();
-    let (status, v) = api
-        .call("POST", "/v1/runs", t, Some(("application/json", &long)))
-        .await;
+    let (status, v) = api.call("POST", "/v1/runs", t, Some(("application/json", &long))).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("65536"));
     let (status, v) = api.call("GET", "/v1/runs/not-a-uuid", t, None).await;
-    assert_eq!(
-        (status, error_code(&v)),
-        (StatusCode::BAD_REQUEST, "bad_request")
-    );
-    let (status, v) = api
-        .call(
-            "GET",
-            &format!("/v1/runs/{}", uuid::Uuid::new_v4()),
-            t,
-            None,
-        )
-        .await;
-    assert_eq!(
-        (status, error_code(&v)),
-        (StatusCode::NOT_FOUND, "not_found")
-    );
+    assert_eq!((status, error_code(&v)), (StatusCode::BAD_REQUEST, "bad_request"));
+    let (status, v) = api.call("GET", &format!("/v1/runs/{}", uuid::Uuid::new_v4()), t, None).await;
+    assert_eq!((status, error_code(&v)), (StatusCode::NOT_FOUND, "not_found"));
     let (status, v) = api.call("GET", "/nowhere", t, None).await;
-    assert_eq!(
-        (status, error_code(&v)),
-        (StatusCode::NOT_FOUND, "not_found")
-    );
+    assert_eq!((status, error_code(&v)), (StatusCode::NOT_FOUND, "not_found"));
     // Nothing was enqueued by any of it.
-    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run")
-        .fetch_one(&api.db.pool)
-        .await
-        .unwrap();
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run").fetch_one(&api.db.pool).await.unwrap();
     assert_eq!(n, 0);
 }
 
@@ -298,15 +189,67 @@ async fn health_and_readiness() {
     let (status, v) = api.call("GET", "/healthz", None, None).await;
     assert_eq!((status, v["status"].as_str()), (StatusCode::OK, Some("ok")));
     let (status, v) = api.call("GET", "/readyz", None, None).await;
-    assert_eq!(
-        (status, v["status"].as_str()),
-        (StatusCode::OK, Some("ready"))
-    );
+    assert_eq!((status, v["status"].as_str()), (StatusCode::OK, Some("ready")));
     // Readiness follows the database.
     api.db.pool.close().await;
     let (status, v) = api.call("GET", "/readyz", None, None).await;
-    assert_eq!(
-        (status, error_code(&v)),
-        (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
-    );
+    assert_eq!((status, error_code(&v)), (StatusCode::SERVICE_UNAVAILABLE, "unavailable"));
+}
+
+#[tokio::test]
+async fn idempotent_enqueue_replays_the_first_run_and_refuses_a_different_body() {
+    let api = Api::new().await;
+    let post = |key: &'static str, body: Value| {
+        let router = api.router.clone();
+        let token = api.alice.clone();
+        async move {
+            let req = Request::builder()
+                .method("POST")
+                .uri("/v1/runs")
+                .header(header::AUTHORIZATION, format!("Bearer {token}"))
+                .header(header::CONTENT_TYPE, "application/json")
+                .header("Idempotency-Key", key)
+                .body(Body::from(body.to_string()))
+                .unwrap();
+            let res = router.oneshot(req).await.unwrap();
+            let replayed = res.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap().to_string());
+            let status = res.status();
+            let bytes = res.into_body().collect().await.unwrap().to_bytes();
+            (status, replayed, serde_json::from_slice::<Value>(&bytes).unwrap())
+        }
+    };
+    let body = json!({ "content": "once", "plugin": "echo" });
+    // Concurrent retries with one key: exactly one run.
+    let results = futures::future::join_all((0..8).map(|_| post("k-1", body.clone()))).await;
+    let first = &results[0].2;
+    for (status, replayed, v) in &results {
+        assert_eq!(*status, StatusCode::ACCEPTED, "{v}");
+        assert_eq!(v, first, "every retry answers like the first request");
+        assert!(replayed.is_none() || replayed.as_deref() == Some("true"));
+    }
+    assert_eq!(results.iter().filter(|r| r.1.is_none()).count(), 1, "exactly one original answer");
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run").fetch_one(&api.db.pool).await.unwrap();
+    assert_eq!(n, 1);
+
+    let (status, replayed, v) = post("k-1", body.clone()).await;
+    assert_eq!((status, replayed.as_deref()), (StatusCode::ACCEPTED, Some("true")));
+    assert_eq!(&v, first);
+    let (status, _, v) = post("k-1", json!({ "content": "other", "plugin": "echo" })).await;
+    assert_eq!((status, error_code(&v)), (StatusCode::CONFLICT, "idempotency_key_reused"));
+    // Keys are per owner: bob's k-1 is his own.
+    let (status, _) = {
+        let req = Request::builder()
+            .method("POST")
+            .uri("/v1/runs")
+            .header(header::AUTHORIZATION, format!("Bearer {}", api.bob))
+            .header(header::CONTENT_TYPE, "application/json")
+            .header("Idempotency-Key", "k-1")
+            .body(Body::from(body.to_string()))
+            .unwrap();
+        let res = api.router.clone().oneshot(req).await.unwrap();
+        (res.status(), ())
+    };
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run").fetch_one(&api.db.pool).await.unwrap();
+    assert_eq!(n, 2);
 }

@@ -14,11 +14,7 @@ const LONG: Duration = Duration::from_secs(30);
 const FOREVER: &str = r#"{"steps": 100000, "step_ms": 50}"#;
 
 async fn worker_of(db: &TestDb, id: agent_host::db::RunId) -> Option<String> {
-    sqlx::query_scalar("SELECT worker_id FROM agent_run WHERE id = $1")
-        .bind(id)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap()
+    sqlx::query_scalar("SELECT worker_id FROM agent_run WHERE id = $1").bind(id).fetch_one(&db.pool).await.unwrap()
 }
 
 async fn completes(db: &TestDb, id: agent_host::db::RunId) -> i64 {
@@ -33,13 +29,7 @@ async fn completes(db: &TestDb, id: agent_host::db::RunId) -> i64 {
 async fn sigkill_mid_run_ends_it_failed_and_the_next_turn_runs() {
     let db = TestDb::new().await;
     let a = HostProcess::spawn(&db.url, "A", FAST);
-    let t1 = enqueue(
-        &db.pool,
-        None,
-        "sleep",
-        serde_json::from_str(FOREVER).unwrap(),
-    )
-    .await;
+    let t1 = enqueue(&db.pool, None, "sleep", serde_json::from_str(FOREVER).unwrap()).await;
     let t2 = enqueue(&db.pool, Some(t1.conversation_id), "echo", json!({})).await;
     wait_status(&db.pool, t1.run_id, "running", LONG).await;
     assert_eq!(worker_of(&db, t1.run_id).await.as_deref(), Some("A"));
@@ -51,10 +41,7 @@ async fn sigkill_mid_run_ends_it_failed_and_the_next_turn_runs() {
     wait_status(&db.pool, t1.run_id, "failed", Duration::from_secs(15)).await;
     let took = killed.elapsed();
     eprintln!("SIGKILL to failed: {took:?}");
-    assert!(
-        took >= Duration::from_millis(300),
-        "reaped before the lease could lapse: {took:?}"
-    );
+    assert!(took >= Duration::from_millis(300), "reaped before the lease could lapse: {took:?}");
     assert_eq!(completes(&db, t1.run_id).await, 1);
     assert_journal_sound(&db.pool, t1.run_id).await;
 
@@ -68,13 +55,7 @@ async fn sigkill_mid_run_ends_it_failed_and_the_next_turn_runs() {
 async fn paused_worker_is_reaped_and_its_writes_after_resuming_change_nothing() {
     let db = TestDb::new().await;
     let a = HostProcess::spawn(&db.url, "A", FAST);
-    let run = enqueue(
-        &db.pool,
-        None,
-        "sleep",
-        json!({ "steps": 100000, "step_ms": 20 }),
-    )
-    .await;
+    let run = enqueue(&db.pool, None, "sleep", json!({ "steps": 100000, "step_ms": 20 })).await;
     wait_status(&db.pool, run.run_id, "running", LONG).await;
     // Let it narrate a little, so it has writes in flight when paused.
     let pool = db.pool.clone();
@@ -92,11 +73,7 @@ async fn paused_worker_is_reaped_and_its_writes_after_resuming_change_nothing() 
     a.signal(Signal::SIGCONT);
     // A learns from its fence (a refused append or its heartbeat) and stands down.
     a.wait_log("standing down", LONG).await;
-    assert_eq!(
-        journal(&db.pool, run.run_id).await,
-        ended,
-        "a zombie's write changed the journal"
-    );
+    assert_eq!(journal(&db.pool, run.run_id).await, ended, "a zombie's write changed the journal");
     assert_eq!(status(&db.pool, run.run_id).await, "failed");
     assert_eq!(completes(&db, run.run_id).await, 1);
     assert_journal_sound(&db.pool, run.run_id).await;
@@ -113,20 +90,8 @@ async fn sigterm_drains_in_flight_runs_within_the_budget() {
     let mut args = FAST.to_vec();
     args.extend(["--drain-timeout-ms", "2000"]);
     let mut a = HostProcess::spawn(&db.url, "A", &args);
-    let short = enqueue(
-        &db.pool,
-        None,
-        "sleep",
-        json!({ "steps": 8, "step_ms": 100 }),
-    )
-    .await;
-    let long = enqueue(
-        &db.pool,
-        None,
-        "sleep",
-        serde_json::from_str(FOREVER).unwrap(),
-    )
-    .await;
+    let short = enqueue(&db.pool, None, "sleep", json!({ "steps": 8, "step_ms": 100 })).await;
+    let long = enqueue(&db.pool, None, "sleep", serde_json::from_str(FOREVER).unwrap()).await;
     wait_status(&db.pool, short.run_id, "running", LONG).await;
     wait_status(&db.pool, long.run_id, "running", LONG).await;
 
@@ -144,11 +109,10 @@ async fn sigterm_drains_in_flight_runs_within_the_budget() {
         .await
         .unwrap();
     assert!(error.contains("drain timeout"), "{error}");
-    let running: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'running'")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
+    let running: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'running'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
     assert_eq!(running, 0);
     // Phase 1 stopped claiming before the drain: nothing new was taken.
     assert_journal_sound(&db.pool, long.run_id).await;
@@ -161,16 +125,7 @@ async fn restart_after_every_process_died_leaves_no_run_running() {
     let b = HostProcess::spawn(&db.url, "B", FAST);
     let mut ids = Vec::new();
     for _ in 0..4 {
-        ids.push(
-            enqueue(
-                &db.pool,
-                None,
-                "sleep",
-                serde_json::from_str(FOREVER).unwrap(),
-            )
-            .await
-            .run_id,
-        );
+        ids.push(enqueue(&db.pool, None, "sleep", serde_json::from_str(FOREVER).unwrap()).await.run_id);
     }
     for id in &ids {
         wait_status(&db.pool, *id, "running", LONG).await;
@@ -210,10 +165,7 @@ async fn restart_after_every_process_died_leaves_no_run_running() {
 /// reused on the next start, stopped when the host exits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn private_cluster_starts_is_reused_and_stops_with_the_host() {
-    let dir = std::env::temp_dir().join(format!(
-        "agent-host-private-{}",
-        uuid::Uuid::new_v4().simple()
-    ));
+    let dir = std::env::temp_dir().join(format!("agent-host-private-{}", uuid::Uuid::new_v4().simple()));
     let bin = env!("CARGO_BIN_EXE_agent-host");
     let run = |args: &[&str]| {
         std::process::Command::new(bin)
@@ -225,26 +177,15 @@ async fn private_cluster_starts_is_reused_and_stops_with_the_host() {
             .unwrap()
     };
     let first = run(&["migrate"]);
-    assert!(
-        first.status.success(),
-        "{}",
-        String::from_utf8_lossy(&first.stderr)
-    );
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
     assert!(String::from_utf8_lossy(&first.stdout).contains("migrations applied"));
     assert!(dir.join("pg/PG_VERSION").exists());
     // Stopped on exit: no postmaster left behind.
-    assert!(
-        !dir.join("pg/postmaster.pid").exists(),
-        "the cluster outlived the host"
-    );
+    assert!(!dir.join("pg/postmaster.pid").exists(), "the cluster outlived the host");
 
     // Reused: the same cluster (and its data) on the next start.
     let token = run(&["tokens", "create", "--user", "u", "--tenant", "t"]);
-    assert!(
-        token.status.success(),
-        "{}",
-        String::from_utf8_lossy(&token.stderr)
-    );
+    assert!(token.status.success(), "{}", String::from_utf8_lossy(&token.stderr));
     assert!(String::from_utf8_lossy(&token.stdout).starts_with("ah_"));
     assert!(!dir.join("pg/postmaster.pid").exists());
 
@@ -259,32 +200,18 @@ async fn private_cluster_starts_is_reused_and_stops_with_the_host() {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(host.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(host.stdout.take().unwrap()), &mut line).unwrap();
     assert!(line.starts_with("agent-host listening on"), "{line}");
     assert!(dir.join("pg/postmaster.pid").exists());
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(host.id() as i32),
-        Signal::SIGTERM,
-    )
-    .unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(host.id() as i32), Signal::SIGTERM).unwrap();
     assert!(host.wait().unwrap().success());
-    assert!(
-        !dir.join("pg/postmaster.pid").exists(),
-        "the cluster outlived the host"
-    );
+    assert!(!dir.join("pg/postmaster.pid").exists(), "the cluster outlived the host");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn missing_postgres_binaries_name_the_package_to_install() {
-    let dir = std::env::temp_dir().join(format!(
-        "agent-host-nobin-{}",
-        uuid::Uuid::new_v4().simple()
-    ));
+    let dir = std::env::temp_dir().join(format!("agent-host-nobin-{}", uuid::Uuid::new_v4().simple()));
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
         .arg("--data-dir")
         .arg(&dir)

@@ -21,12 +21,7 @@ use support::*;
 const LONG: Duration = Duration::from_secs(30);
 
 fn claim_args(worker_id: &str, limit: i64, prefilter: bool) -> Claim<'_> {
-    Claim {
-        limit,
-        lease: Duration::from_secs(30),
-        worker_id,
-        prefilter,
-    }
+    Claim { limit, lease: Duration::from_secs(30), worker_id, prefilter }
 }
 
 #[tokio::test]
@@ -38,10 +33,7 @@ async fn enqueue_commits_message_run_journal_and_wake_together() {
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
     assert_eq!(e.status, RunStatus::Queued);
 
-    let n = tokio::time::timeout(LONG, listener.recv())
-        .await
-        .unwrap()
-        .unwrap();
+    let n = tokio::time::timeout(LONG, listener.recv()).await.unwrap().unwrap();
     assert_eq!(n.payload(), e.conversation_id.to_string());
     let (status, snapshot): (String, serde_json::Value) =
         sqlx::query_as("SELECT status, request FROM agent_run WHERE id = $1")
@@ -57,10 +49,7 @@ async fn enqueue_commits_message_run_journal_and_wake_together() {
         .await
         .unwrap();
     assert_eq!(msg, ("user".into(), "queued".into()));
-    assert_eq!(
-        journal(&db.pool, e.run_id).await,
-        vec![(1, "user_message_created".into()), (2, "run_queued".into())]
-    );
+    assert_eq!(journal(&db.pool, e.run_id).await, vec![(1, "user_message_created".into()), (2, "run_queued".into())]);
 }
 
 #[tokio::test]
@@ -96,23 +85,14 @@ async fn failed_enqueue_leaves_nothing_and_wakes_nobody() {
     .await;
     assert!(err.is_err());
     for table in ["conversation", "message", "agent_run", "run_event"] {
-        let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
+        let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}")).fetch_one(&db.pool).await.unwrap();
         assert_eq!(n, 0, "{table} kept a row of a rolled-back enqueue");
     }
     // Notifications arrive in commit order: if the failed enqueue had woken
     // anyone, its wake would come before this one.
-    sqlx::raw_sql("DROP TRIGGER fail_journal ON run_event")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    sqlx::raw_sql("DROP TRIGGER fail_journal ON run_event").execute(&db.pool).await.unwrap();
     let ok = enqueue(&db.pool, None, "noop", json!({})).await;
-    let n = tokio::time::timeout(LONG, listener.recv())
-        .await
-        .unwrap()
-        .unwrap();
+    let n = tokio::time::timeout(LONG, listener.recv()).await.unwrap().unwrap();
     assert_eq!(n.payload(), ok.conversation_id.to_string());
 }
 
@@ -120,20 +100,10 @@ async fn failed_enqueue_leaves_nothing_and_wakes_nobody() {
 async fn terminal_states_are_sticky_in_the_schema() {
     let db = TestDb::new().await;
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
-    let claimed = runs::claim(&db.pool, &claim_args("w", 1, true))
-        .await
-        .unwrap();
+    let claimed = runs::claim(&db.pool, &claim_args("w", 1, true)).await.unwrap();
     assert_eq!(claimed.len(), 1);
-    let finish = Finish {
-        status: RunStatus::Completed,
-        error: None,
-        assistant: Some(("done", "complete")),
-    };
-    assert!(
-        runs::finish(&db.pool, e.run_id, claimed[0].claim_token, &finish)
-            .await
-            .unwrap()
-    );
+    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("done", "complete")) };
+    assert!(runs::finish(&db.pool, e.run_id, claimed[0].claim_token, &finish).await.unwrap());
     for to in ["running", "queued", "failed", "cancelled"] {
         let r = sqlx::query("UPDATE agent_run SET status = $2 WHERE id = $1")
             .bind(e.run_id)
@@ -141,18 +111,13 @@ async fn terminal_states_are_sticky_in_the_schema() {
             .execute(&db.pool)
             .await;
         let err = r.expect_err("leaving a terminal state must fail");
-        assert!(
-            err.to_string().contains("illegal status transition"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("illegal status transition"), "{err}");
     }
     // A second ending cannot be written even by hand.
-    let r = sqlx::query(
-        "INSERT INTO run_event (run_id, seq, type, payload) VALUES ($1, 99, 'complete', '{}')",
-    )
-    .bind(e.run_id)
-    .execute(&db.pool)
-    .await;
+    let r = sqlx::query("INSERT INTO run_event (run_id, seq, type, payload) VALUES ($1, 99, 'complete', '{}')")
+        .bind(e.run_id)
+        .execute(&db.pool)
+        .await;
     assert!(r.is_err());
 }
 
@@ -160,15 +125,10 @@ async fn terminal_states_are_sticky_in_the_schema() {
 async fn claim_stamps_the_lease_and_journals_run_started() {
     let db = TestDb::new().await;
     let e = enqueue(&db.pool, None, "noop", json!({"k": 1})).await;
-    let claimed = runs::claim(&db.pool, &claim_args("w1", 5, true))
-        .await
-        .unwrap();
+    let claimed = runs::claim(&db.pool, &claim_args("w1", 5, true)).await.unwrap();
     assert_eq!(claimed.len(), 1);
     let c = &claimed[0];
-    assert_eq!(
-        (c.id, c.content.as_str(), c.config["k"].as_i64()),
-        (e.run_id, "hello agent", Some(1))
-    );
+    assert_eq!((c.id, c.content.as_str(), c.config["k"].as_i64()), (e.run_id, "hello agent", Some(1)));
     let (worker, lease_s, msg_status): (String, f64, String) = sqlx::query_as(
         "SELECT r.worker_id, extract(epoch FROM r.claim_expires_at - r.last_heartbeat_at)::float8, m.status
          FROM agent_run r JOIN message m ON m.id = r.user_message_id WHERE r.id = $1",
@@ -180,15 +140,9 @@ async fn claim_stamps_the_lease_and_journals_run_started() {
     assert_eq!(worker, "w1");
     assert!((lease_s - 30.0).abs() < 0.01, "lease {lease_s}");
     assert_eq!(msg_status, "complete");
-    assert_eq!(
-        journal(&db.pool, e.run_id).await.last().unwrap(),
-        &(3, "run_started".to_string())
-    );
+    assert_eq!(journal(&db.pool, e.run_id).await.last().unwrap(), &(3, "run_started".to_string()));
     // Nothing left to claim.
-    assert!(runs::claim(&db.pool, &claim_args("w2", 5, true))
-        .await
-        .unwrap()
-        .is_empty());
+    assert!(runs::claim(&db.pool, &claim_args("w2", 5, true)).await.unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -198,45 +152,22 @@ async fn two_turns_of_one_conversation_never_run_together() {
     let t2 = enqueue(&db.pool, Some(t1.conversation_id), "noop", json!({})).await;
 
     // Turn 1 is claimed; turn 2 waits behind it whatever the claimer does.
-    let first = runs::claim(&db.pool, &claim_args("a", 10, true))
-        .await
-        .unwrap();
-    assert_eq!(
-        first.iter().map(|c| c.id).collect::<Vec<_>>(),
-        vec![t1.run_id]
-    );
-    assert!(runs::claim(&db.pool, &claim_args("b", 10, true))
-        .await
-        .unwrap()
-        .is_empty());
+    let first = runs::claim(&db.pool, &claim_args("a", 10, true)).await.unwrap();
+    assert_eq!(first.iter().map(|c| c.id).collect::<Vec<_>>(), vec![t1.run_id]);
+    assert!(runs::claim(&db.pool, &claim_args("b", 10, true)).await.unwrap().is_empty());
 
     // Without the pre-filter, the claimer reaches for turn 2 and the partial
     // unique index turns it away: "claimed nothing this round", not a second
     // running turn.
-    let err = runs::claim(&db.pool, &claim_args("c", 10, false))
-        .await
-        .unwrap_err();
+    let err = runs::claim(&db.pool, &claim_args("c", 10, false)).await.unwrap_err();
     assert!(runs::is_running_conflict(&err), "{err}");
     assert_eq!(status(&db.pool, t2.run_id).await, "queued");
 
     // Once turn 1 ends, turn 2 is claimable.
-    let finish = Finish {
-        status: RunStatus::Completed,
-        error: None,
-        assistant: None,
-    };
-    assert!(
-        runs::finish(&db.pool, t1.run_id, first[0].claim_token, &finish)
-            .await
-            .unwrap()
-    );
-    let next = runs::claim(&db.pool, &claim_args("b", 10, false))
-        .await
-        .unwrap();
-    assert_eq!(
-        next.iter().map(|c| c.id).collect::<Vec<_>>(),
-        vec![t2.run_id]
-    );
+    let finish = Finish { status: RunStatus::Completed, error: None, assistant: None };
+    assert!(runs::finish(&db.pool, t1.run_id, first[0].claim_token, &finish).await.unwrap());
+    let next = runs::claim(&db.pool, &claim_args("b", 10, false)).await.unwrap();
+    assert_eq!(next.iter().map(|c| c.id).collect::<Vec<_>>(), vec![t2.run_id]);
 }
 
 /// Many claimers racing without the pre-filter over conversations of several
@@ -281,23 +212,13 @@ async fn racing_claimers_without_prefilter_keep_one_turn_per_conversation() {
                 empty_rounds = 0;
                 for c in &claimed {
                     let prev = running.lock().unwrap().insert(c.conversation_id.0, c.id);
-                    assert!(
-                        prev.is_none(),
-                        "two running turns in conversation {}",
-                        c.conversation_id
-                    );
+                    assert!(prev.is_none(), "two running turns in conversation {}", c.conversation_id);
                 }
                 for c in claimed {
                     running.lock().unwrap().remove(&c.conversation_id.0);
                     finished.lock().unwrap().push(c.id);
-                    let finish = Finish {
-                        status: RunStatus::Completed,
-                        error: None,
-                        assistant: None,
-                    };
-                    assert!(runs::finish(&pool, c.id, c.claim_token, &finish)
-                        .await
-                        .unwrap());
+                    let finish = Finish { status: RunStatus::Completed, error: None, assistant: None };
+                    assert!(runs::finish(&pool, c.id, c.claim_token, &finish).await.unwrap());
                 }
             }
         }));
@@ -306,25 +227,15 @@ async fn racing_claimers_without_prefilter_keep_one_turn_per_conversation() {
         t.await.unwrap();
     }
     let finished = finished.lock().unwrap().clone();
-    assert_eq!(
-        finished.len(),
-        order.len(),
-        "every run claimed exactly once"
-    );
+    assert_eq!(finished.len(), order.len(), "every run claimed exactly once");
     // Turns finished in their order within each conversation.
     let mut last_turn: HashMap<uuid::Uuid, usize> = HashMap::new();
     let rows: Vec<(RunId,)> =
-        sqlx::query_as("SELECT id FROM agent_run ORDER BY finished_at, started_at")
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
+        sqlx::query_as("SELECT id FROM agent_run ORDER BY finished_at, started_at").fetch_all(&db.pool).await.unwrap();
     for (id,) in rows {
         let (conv, turn) = order[&id];
         if let Some(prev) = last_turn.insert(conv, turn) {
-            assert!(
-                prev < turn,
-                "turn {turn} of {conv} finished before turn {prev}"
-            );
+            assert!(prev < turn, "turn {turn} of {conv} finished before turn {prev}");
         }
     }
 }
@@ -350,11 +261,7 @@ async fn racing_dispatchers_execute_every_run_exactly_once() {
     let mut ids = Vec::new();
     for i in 0..300 {
         // 100 conversations of three turns each.
-        let conv = if i % 3 == 0 {
-            None
-        } else {
-            Some(ids.last().map(|(_, c)| *c).unwrap())
-        };
+        let conv = if i % 3 == 0 { None } else { Some(ids.last().map(|(_, c)| *c).unwrap()) };
         let e = enqueue(&db.pool, conv, "count", json!({})).await;
         ids.push((e.run_id, e.conversation_id));
     }
@@ -362,54 +269,37 @@ async fn racing_dispatchers_execute_every_run_exactly_once() {
     for w in 0..4 {
         let pool = db.pool(6).await;
         let hub = Hub::start(db.url.clone());
-        workers.push(
-            Worker::start(
-                pool,
-                Some(hub),
-                agents.clone(),
-                fast_config(&format!("w{w}")),
-            )
-            .await
-            .unwrap(),
-        );
+        workers.push(Worker::start(pool, Some(hub), agents.clone(), fast_config(&format!("w{w}"))).await.unwrap());
     }
     let pool = db.pool.clone();
     wait_for("every run to complete", Duration::from_secs(60), || {
         let pool = pool.clone();
         async move {
-            let n: i64 =
-                sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'completed'")
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap();
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'completed'")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
             n == 300
         }
     })
     .await;
-    let claimed: u64 = workers
-        .iter()
-        .map(|w| w.stats().claimed.load(std::sync::atomic::Ordering::Relaxed))
-        .sum();
+    let claimed: u64 = workers.iter().map(|w| w.stats().claimed.load(std::sync::atomic::Ordering::Relaxed)).sum();
     for w in workers {
         w.drain().await;
     }
     let counts = counts.lock().unwrap().clone();
     assert_eq!(counts.len(), 300);
-    assert!(
-        counts.values().all(|&n| n == 1),
-        "a run executed twice: {counts:?}"
-    );
+    assert!(counts.values().all(|&n| n == 1), "a run executed twice: {counts:?}");
     assert_eq!(claimed, 300);
     for (id, _) in &ids {
         let j = assert_journal_sound(&db.pool, *id).await;
         assert_eq!(j.last().unwrap().1, "complete");
     }
-    let assistant: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM message WHERE role = 'assistant' AND status = 'complete'",
-    )
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
+    let assistant: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM message WHERE role = 'assistant' AND status = 'complete'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(assistant, 300);
 }
 
@@ -421,53 +311,23 @@ async fn heartbeat_between_reaper_read_and_write_keeps_the_run() {
     let db = TestDb::new().await;
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
     // A lease of zero: expired the moment it is written.
-    let c = runs::claim(
-        &db.pool,
-        &Claim {
-            limit: 1,
-            lease: Duration::ZERO,
-            worker_id: "slow",
-            prefilter: true,
-        },
-    )
-    .await
-    .unwrap()
-    .remove(0);
-    let expired = runs::find_expired(&db.pool, Duration::ZERO, 10)
+    let c = runs::claim(&db.pool, &Claim { limit: 1, lease: Duration::ZERO, worker_id: "slow", prefilter: true })
         .await
-        .unwrap();
-    assert_eq!(
-        expired.iter().map(|x| x.id).collect::<Vec<_>>(),
-        vec![e.run_id]
-    );
+        .unwrap()
+        .remove(0);
+    let expired = runs::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
+    assert_eq!(expired.iter().map(|x| x.id).collect::<Vec<_>>(), vec![e.run_id]);
 
     // The worker comes back from its pause: its heartbeat lands.
-    let alive = runs::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30))
-        .await
-        .unwrap();
+    let alive = runs::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30)).await.unwrap();
     assert_eq!(alive, vec![(c.id, false)]);
 
     // The reap built on the stale read is a no-op.
-    assert!(!runs::reap(&db.pool, expired[0], Duration::ZERO)
-        .await
-        .unwrap());
+    assert!(!runs::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
     assert_eq!(status(&db.pool, e.run_id).await, "running");
-    let finish = Finish {
-        status: RunStatus::Completed,
-        error: None,
-        assistant: Some(("ok", "complete")),
-    };
-    assert!(runs::finish(&db.pool, c.id, c.claim_token, &finish)
-        .await
-        .unwrap());
-    assert_eq!(
-        journal(&db.pool, e.run_id)
-            .await
-            .iter()
-            .filter(|(_, t)| t == "complete")
-            .count(),
-        1
-    );
+    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("ok", "complete")) };
+    assert!(runs::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
+    assert_eq!(journal(&db.pool, e.run_id).await.iter().filter(|(_, t)| t == "complete").count(), 1);
 }
 
 /// The first zombie: a worker reaped while paused wakes and tries to narrate
@@ -476,78 +336,37 @@ async fn heartbeat_between_reaper_read_and_write_keeps_the_run() {
 async fn reaped_worker_writes_change_nothing() {
     let db = TestDb::new().await;
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
-    let c = runs::claim(
-        &db.pool,
-        &Claim {
-            limit: 1,
-            lease: Duration::ZERO,
-            worker_id: "zombie",
-            prefilter: true,
-        },
-    )
-    .await
-    .unwrap()
-    .remove(0);
-    assert!(runs::append_events(
-        &db.pool,
-        c.id,
-        c.claim_token,
-        4,
-        &[("content_delta", json!({"delta": "a"}))]
-    )
-    .await
-    .unwrap());
-    let expired = runs::find_expired(&db.pool, Duration::ZERO, 10)
+    let c = runs::claim(&db.pool, &Claim { limit: 1, lease: Duration::ZERO, worker_id: "zombie", prefilter: true })
         .await
-        .unwrap();
-    assert!(runs::reap(&db.pool, expired[0], Duration::ZERO)
+        .unwrap()
+        .remove(0);
+    assert!(runs::append_events(&db.pool, c.id, c.claim_token, 4, &[("content_delta", json!({"delta": "a"}))])
         .await
         .unwrap());
+    let expired = runs::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
+    assert!(runs::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
     let after_reap = journal(&db.pool, e.run_id).await;
     assert_eq!(after_reap.last().unwrap(), &(5, "complete".to_string()));
 
     // The zombie resumes.
-    assert!(!runs::append_events(
-        &db.pool,
-        c.id,
-        c.claim_token,
-        5,
-        &[("content_delta", json!({"delta": "b"}))]
-    )
-    .await
-    .unwrap());
-    assert!(
-        runs::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30))
-            .await
-            .unwrap()
-            .is_empty()
-    );
-    let finish = Finish {
-        status: RunStatus::Completed,
-        error: None,
-        assistant: Some(("late", "complete")),
-    };
-    assert!(!runs::finish(&db.pool, c.id, c.claim_token, &finish)
+    assert!(!runs::append_events(&db.pool, c.id, c.claim_token, 5, &[("content_delta", json!({"delta": "b"}))])
         .await
         .unwrap());
+    assert!(runs::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30)).await.unwrap().is_empty());
+    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("late", "complete")) };
+    assert!(!runs::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
 
     assert_eq!(status(&db.pool, e.run_id).await, "failed");
     assert_eq!(journal(&db.pool, e.run_id).await, after_reap);
     let assistant: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM message WHERE role = 'assistant'")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
+        sqlx::query_scalar("SELECT count(*) FROM message WHERE role = 'assistant'").fetch_one(&db.pool).await.unwrap();
     assert_eq!(assistant, 0);
     let error: String = sqlx::query_scalar("SELECT error FROM agent_run WHERE id = $1")
         .bind(e.run_id)
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert!(
-        error.contains("worker lost") && error.contains("zombie"),
-        "{error}"
-    );
+    assert!(error.contains("worker lost") && error.contains("zombie"), "{error}");
 }
 
 /// A worker whose run is reaped under it learns from its next heartbeat and
@@ -555,23 +374,10 @@ async fn reaped_worker_writes_change_nothing() {
 #[tokio::test]
 async fn worker_stops_a_run_whose_claim_was_lost() {
     let db = TestDb::new().await;
-    let e = enqueue(
-        &db.pool,
-        None,
-        "sleep",
-        json!({ "steps": 10_000, "step_ms": 20 }),
-    )
-    .await;
+    let e = enqueue(&db.pool, None, "sleep", json!({ "steps": 10_000, "step_ms": 20 })).await;
     let mut config = fast_config("victim");
     config.reap_interval = Duration::from_secs(3600); // only the test reaps here
-    let w = Worker::start(
-        db.pool.clone(),
-        None,
-        AgentRegistry::with_builtins(),
-        config,
-    )
-    .await
-    .unwrap();
+    let w = Worker::start(db.pool.clone(), None, AgentRegistry::with_builtins(), config).await.unwrap();
     wait_status(&db.pool, e.run_id, "running", LONG).await;
 
     // Someone decided the worker was dead: its lease is forced into the past
@@ -582,12 +388,7 @@ async fn worker_stops_a_run_whose_claim_was_lost() {
         .await
         .unwrap();
     let stats = WorkerStats::default();
-    assert_eq!(
-        worker::reap_sweep(&db.pool, Duration::ZERO, &stats)
-            .await
-            .unwrap(),
-        1
-    );
+    assert_eq!(worker::reap_sweep(&db.pool, Duration::ZERO, &stats).await.unwrap(), 1);
 
     let ws = w.stats();
     wait_for("the worker to stand down", LONG, || {
@@ -628,14 +429,7 @@ async fn backstop_ends_a_panicked_run_failed_and_errors_keep_partial_text() {
     agents.insert("fails", Arc::new(Fails));
     let p = enqueue(&db.pool, None, "panics", json!({})).await;
     let f = enqueue(&db.pool, None, "fails", json!({})).await;
-    let w = Worker::start(
-        db.pool.clone(),
-        Some(Hub::start(db.url.clone())),
-        agents,
-        fast_config("w"),
-    )
-    .await
-    .unwrap();
+    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents, fast_config("w")).await.unwrap();
     wait_status(&db.pool, p.run_id, "failed", LONG).await;
     wait_status(&db.pool, f.run_id, "failed", LONG).await;
     let error = |id: RunId| {
@@ -648,25 +442,15 @@ async fn backstop_ends_a_panicked_run_failed_and_errors_keep_partial_text() {
                 .unwrap()
         }
     };
-    assert!(
-        error(p.run_id).await.contains("panicked"),
-        "{}",
-        error(p.run_id).await
-    );
+    assert!(error(p.run_id).await.contains("panicked"), "{}", error(p.run_id).await);
     assert!(error(f.run_id).await.contains("model unavailable"));
-    assert_eq!(
-        w.stats()
-            .backstopped
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1
-    );
-    let partial: (String, String) = sqlx::query_as(
-        "SELECT content, status FROM message WHERE run_id = $1 AND role = 'assistant'",
-    )
-    .bind(f.run_id)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
+    assert_eq!(w.stats().backstopped.load(std::sync::atomic::Ordering::Relaxed), 1);
+    let partial: (String, String) =
+        sqlx::query_as("SELECT content, status FROM message WHERE run_id = $1 AND role = 'assistant'")
+            .bind(f.run_id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(partial, ("partial ".into(), "partial".into()));
     for id in [p.run_id, f.run_id] {
         let j = assert_journal_sound(&db.pool, id).await;
@@ -682,21 +466,10 @@ async fn wake_chain_starts_the_next_turn_without_waiting_for_the_tick() {
     let db = TestDb::new().await;
     let mut config = fast_config("w");
     config.poll_tick = Duration::from_secs(60);
-    let w = Worker::start(
-        db.pool.clone(),
-        Some(Hub::start(db.url.clone())),
-        AgentRegistry::with_builtins(),
-        config,
-    )
-    .await
-    .unwrap();
-    let t1 = enqueue(
-        &db.pool,
-        None,
-        "sleep",
-        json!({ "steps": 2, "step_ms": 50 }),
-    )
-    .await;
+    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), config)
+        .await
+        .unwrap();
+    let t1 = enqueue(&db.pool, None, "sleep", json!({ "steps": 2, "step_ms": 50 })).await;
     let t2 = enqueue(&db.pool, Some(t1.conversation_id), "echo", json!({})).await;
     let t3 = enqueue(&db.pool, Some(t1.conversation_id), "echo", json!({})).await;
     // Far below the one-minute tick: only the wake chain can do this.
@@ -712,28 +485,11 @@ async fn drain_lets_short_runs_finish_and_ends_long_ones_failed() {
     let db = TestDb::new().await;
     let mut config = fast_config("w");
     config.drain_timeout = Duration::from_millis(1_500);
-    let w = Worker::start(
-        db.pool.clone(),
-        Some(Hub::start(db.url.clone())),
-        AgentRegistry::with_builtins(),
-        config,
-    )
-    .await
-    .unwrap();
-    let short = enqueue(
-        &db.pool,
-        None,
-        "sleep",
-        json!({ "steps": 5, "step_ms": 100 }),
-    )
-    .await;
-    let long = enqueue(
-        &db.pool,
-        None,
-        "sleep",
-        json!({ "steps": 1000, "step_ms": 100 }),
-    )
-    .await;
+    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), config)
+        .await
+        .unwrap();
+    let short = enqueue(&db.pool, None, "sleep", json!({ "steps": 5, "step_ms": 100 })).await;
+    let long = enqueue(&db.pool, None, "sleep", json!({ "steps": 1000, "step_ms": 100 })).await;
     wait_status(&db.pool, short.run_id, "running", LONG).await;
     wait_status(&db.pool, long.run_id, "running", LONG).await;
     let report = w.drain().await;
@@ -762,29 +518,14 @@ async fn boot_reconciler_ends_orphans_of_a_dead_cluster() {
         ids.push(enqueue(&db.pool, None, "noop", json!({})).await.run_id);
     }
     // Claimed by processes that no longer exist, with leases long lapsed.
-    runs::claim(
-        &db.pool,
-        &Claim {
-            limit: 3,
-            lease: Duration::ZERO,
-            worker_id: "gone",
-            prefilter: true,
-        },
-    )
-    .await
-    .unwrap();
+    runs::claim(&db.pool, &Claim { limit: 3, lease: Duration::ZERO, worker_id: "gone", prefilter: true })
+        .await
+        .unwrap();
     let mut config = fast_config("reborn");
     config.reap_interval = Duration::from_secs(3600);
     config.reap_grace = Duration::ZERO;
     config.dispatch = false;
-    let w = Worker::start(
-        db.pool.clone(),
-        None,
-        AgentRegistry::with_builtins(),
-        config,
-    )
-    .await
-    .unwrap();
+    let w = Worker::start(db.pool.clone(), None, AgentRegistry::with_builtins(), config).await.unwrap();
     for id in &ids {
         assert_eq!(status(&db.pool, *id).await, "failed");
         assert_journal_sound(&db.pool, *id).await;
@@ -797,14 +538,8 @@ fn config_is_validated() {
     let mut c = WorkerConfig::default();
     c.validate().unwrap();
     c.heartbeat = c.lease;
-    assert!(matches!(
-        c.validate(),
-        Err(worker::ConfigError::HeartbeatNotBelowLease { .. })
-    ));
-    let c = WorkerConfig {
-        max_runs: 0,
-        ..WorkerConfig::default()
-    };
+    assert!(matches!(c.validate(), Err(worker::ConfigError::HeartbeatNotBelowLease { .. })));
+    let c = WorkerConfig { max_runs: 0, ..WorkerConfig::default() };
     assert!(c.validate().is_err());
 }
 
@@ -819,30 +554,15 @@ async fn next_turn_enqueued_during_the_terminal_write_still_starts_at_once() {
     let mut config = fast_config("w");
     config.poll_tick = Duration::from_secs(60);
     config.heartbeat = Duration::from_millis(900); // keep the heartbeat out of the way
-    let w = Worker::start(
-        db.pool.clone(),
-        Some(Hub::start(db.url.clone())),
-        AgentRegistry::with_builtins(),
-        config,
-    )
-    .await
-    .unwrap();
-    let t1 = enqueue(
-        &db.pool,
-        None,
-        "sleep",
-        json!({ "steps": 3, "step_ms": 100 }),
-    )
-    .await;
+    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), config)
+        .await
+        .unwrap();
+    let t1 = enqueue(&db.pool, None, "sleep", json!({ "steps": 3, "step_ms": 100 })).await;
     wait_status(&db.pool, t1.run_id, "running", LONG).await;
 
     // Hold the run's row so its terminal write blocks after taking its snapshot.
     let mut holder = db.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM agent_run WHERE id = $1 FOR SHARE")
-        .bind(t1.run_id)
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    sqlx::query("SELECT 1 FROM agent_run WHERE id = $1 FOR SHARE").bind(t1.run_id).execute(&mut *holder).await.unwrap();
     let pool = db.pool.clone();
     wait_for("the terminal write to block", LONG, || {
         let pool = pool.clone();

@@ -88,22 +88,9 @@ pub struct RunHost {
 }
 
 impl RunHost {
-    pub(crate) fn new(
-        pool: PgPool,
-        run_id: RunId,
-        token: ClaimToken,
-        cancel_requested: Arc<AtomicBool>,
-    ) -> Self {
+    pub(crate) fn new(pool: PgPool, run_id: RunId, token: ClaimToken, cancel_requested: Arc<AtomicBool>) -> Self {
         // seq 1-2 belong to enqueue, seq 3 to the claim's run_started.
-        RunHost {
-            pool,
-            run_id,
-            token,
-            next_seq: 4,
-            fenced: false,
-            cancel_requested,
-            streamed: String::new(),
-        }
+        RunHost { pool, run_id, token, next_seq: 4, fenced: false, cancel_requested, streamed: String::new() }
     }
 
     pub fn run_id(&self) -> RunId {
@@ -116,46 +103,29 @@ impl RunHost {
             return Err(HostError::Fenced);
         }
         if kind.is_empty() || kind.len() > EVENT_KIND_BYTES_MAX {
-            return Err(HostError::Invalid(format!(
-                "event kind must be 1-{EVENT_KIND_BYTES_MAX} bytes"
-            )));
+            return Err(HostError::Invalid(format!("event kind must be 1-{EVENT_KIND_BYTES_MAX} bytes")));
         }
         if RESERVED_KINDS.contains(&kind) {
-            return Err(HostError::Invalid(format!(
-                "event kind {kind:?} is reserved for the host"
-            )));
+            return Err(HostError::Invalid(format!("event kind {kind:?} is reserved for the host")));
         }
         if !payload.is_object() {
-            return Err(HostError::Invalid(
-                "event payload must be a JSON object".into(),
-            ));
+            return Err(HostError::Invalid("event payload must be a JSON object".into()));
         }
         let size = payload.to_string().len();
         if size > EVENT_PAYLOAD_BYTES_MAX {
-            return Err(HostError::Limit(format!(
-                "event payload of {size} bytes exceeds {EVENT_PAYLOAD_BYTES_MAX}"
-            )));
+            return Err(HostError::Limit(format!("event payload of {size} bytes exceeds {EVENT_PAYLOAD_BYTES_MAX}")));
         }
         if self.check_cancel() {
             return Err(HostError::Cancelled);
         }
         let delta = if kind == "content_delta" {
-            payload
-                .get("delta")
-                .and_then(Value::as_str)
-                .map(str::to_owned)
+            payload.get("delta").and_then(Value::as_str).map(str::to_owned)
         } else {
             None
         };
-        let appended = db::runs::append_events(
-            &self.pool,
-            self.run_id,
-            self.token,
-            self.next_seq,
-            &[(kind, payload)],
-        )
-        .await
-        .map_err(|e| HostError::Unavailable(e.to_string()))?;
+        let appended = db::runs::append_events(&self.pool, self.run_id, self.token, self.next_seq, &[(kind, payload)])
+            .await
+            .map_err(|e| HostError::Unavailable(e.to_string()))?;
         if !appended {
             self.fenced = true;
             return Err(HostError::Fenced);
@@ -169,8 +139,7 @@ impl RunHost {
 
     /// Streams a piece of the answer (`content_delta`).
     pub async fn emit_delta(&mut self, delta: &str) -> Result<(), HostError> {
-        self.emit_event("content_delta", json!({ "delta": delta }))
-            .await
+        self.emit_event("content_delta", json!({ "delta": delta })).await
     }
 
     /// Whether a stop was requested for this run.
@@ -244,18 +213,8 @@ pub struct Sleep;
 #[async_trait]
 impl Agent for Sleep {
     async fn run(&self, host: &mut RunHost, input: RunInput) -> Result<String, AgentError> {
-        let steps = input
-            .config
-            .get("steps")
-            .and_then(Value::as_u64)
-            .unwrap_or(10)
-            .min(100_000);
-        let step_ms = input
-            .config
-            .get("step_ms")
-            .and_then(Value::as_u64)
-            .unwrap_or(100)
-            .min(3_600_000);
+        let steps = input.config.get("steps").and_then(Value::as_u64).unwrap_or(10).min(100_000);
+        let step_ms = input.config.get("step_ms").and_then(Value::as_u64).unwrap_or(100).min(3_600_000);
         let mut text = String::new();
         for i in 0..steps {
             if host.check_cancel() {

@@ -44,11 +44,7 @@ pub async fn run(db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
     let mut database = server::open_database(db_args).await?;
     let url = bench_database(&database.url).await?;
     let pool = server::connect_and_migrate(&url, (args.in_flight as u32 + 8).max(16)).await?;
-    println!(
-        "agent-host bench: {} cores, database {}",
-        num_cpus(),
-        redact(&url)
-    );
+    println!("agent-host bench: {} cores, database {}", num_cpus(), redact(&url));
 
     enqueue_latency(&pool, args).await?;
     pickup_latency(&pool, &url, args).await?;
@@ -63,18 +59,10 @@ pub async fn run(db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
 
 /// A fresh database beside the given one, so the benchmark never touches real data.
 async fn bench_database(url: &str) -> anyhow::Result<String> {
-    let (base, _) = url
-        .rsplit_once('/')
-        .context("database URL without a database name")?;
+    let (base, _) = url.rsplit_once('/').context("database URL without a database name")?;
     let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres")).await?;
-    sqlx::query(&format!(
-        "DROP DATABASE IF EXISTS {BENCH_DATABASE} WITH (FORCE)"
-    ))
-    .execute(&mut admin)
-    .await?;
-    sqlx::query(&format!("CREATE DATABASE {BENCH_DATABASE}"))
-        .execute(&mut admin)
-        .await?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {BENCH_DATABASE} WITH (FORCE)")).execute(&mut admin).await?;
+    sqlx::query(&format!("CREATE DATABASE {BENCH_DATABASE}")).execute(&mut admin).await?;
     admin.close().await?;
     Ok(format!("{base}/{BENCH_DATABASE}"))
 }
@@ -82,10 +70,7 @@ async fn bench_database(url: &str) -> anyhow::Result<String> {
 async fn enqueue_latency(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<()> {
     db::bench::reset(pool).await?;
     let token = db::tokens::create(pool, "bench", "bench", false).await?;
-    let app = api::router(AppState {
-        pool: pool.clone(),
-        agents: AgentRegistry::with_builtins(),
-    });
+    let app = api::router(AppState { pool: pool.clone(), agents: AgentRegistry::with_builtins() });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
@@ -95,12 +80,7 @@ async fn enqueue_latency(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<()> 
     let mut samples = Vec::with_capacity(args.samples);
     for i in 0..args.samples + 20 {
         let t0 = Instant::now();
-        let res = client
-            .post(&url)
-            .bearer_auth(&token)
-            .json(&body)
-            .send()
-            .await?;
+        let res = client.post(&url).bearer_auth(&token).json(&body).send().await?;
         anyhow::ensure!(res.status() == 202, "enqueue answered {}", res.status());
         res.bytes().await?;
         if i >= 20 {
@@ -108,11 +88,7 @@ async fn enqueue_latency(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<()> 
         }
     }
     server.abort();
-    println!(
-        "enqueue over HTTP, {} sequential POST /v1/runs: {}",
-        args.samples,
-        percentiles(&mut samples)
-    );
+    println!("enqueue over HTTP, {} sequential POST /v1/runs: {}", args.samples, percentiles(&mut samples));
     Ok(())
 }
 
@@ -121,26 +97,16 @@ async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::R
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut agents = AgentRegistry::default();
     agents.insert("pickup", Arc::new(Pickup(tx)));
-    let config = WorkerConfig {
-        max_runs: args.in_flight,
-        worker_id: "bench".into(),
-        ..WorkerConfig::default()
-    };
+    let config = WorkerConfig { max_runs: args.in_flight, worker_id: "bench".into(), ..WorkerConfig::default() };
     let hub = Hub::start(url.to_string());
     let worker = Worker::start(pool.clone(), Some(hub.clone()), agents, config).await?;
-    let owner = Owner {
-        user_id: "bench".into(),
-        tenant_id: "bench".into(),
-    };
+    let owner = Owner { user_id: "bench".into(), tenant_id: "bench".into() };
     let config = json!({});
     let mut samples = Vec::with_capacity(args.samples);
     // Measure the hub's wake, not its first connect.
     let connecting = Instant::now();
     while !hub.stats().connected.load(Ordering::Relaxed) {
-        anyhow::ensure!(
-            connecting.elapsed() < Duration::from_secs(30),
-            "the hub did not connect"
-        );
+        anyhow::ensure!(connecting.elapsed() < Duration::from_secs(30), "the hub did not connect");
         tokio::task::yield_now().await;
     }
     for i in 0..args.samples + 20 {
@@ -182,7 +148,9 @@ async fn throughput(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Resul
         floor.push(f);
         let b = batched_floor_pass(pool, args).await?;
         batched.push(b);
-        println!("  pass {pass}: end to end {rate:.0} runs/s, SQL floor {f:.0} runs/s, batched SQL floor {b:.0} runs/s");
+        println!(
+            "  pass {pass}: end to end {rate:.0} runs/s, SQL floor {f:.0} runs/s, batched SQL floor {b:.0} runs/s"
+        );
     }
     let (e, f, b) = (median(&mut e2e), median(&mut floor), median(&mut batched));
     println!(
@@ -197,38 +165,22 @@ async fn throughput(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Resul
         "batched SQL floor, one claim of up to {n} runs, finished on {n} connections: median {b:.0} runs/s",
         n = args.in_flight
     );
-    println!(
-        "ratio end to end / SQL floor: {:.2}; end to end / batched SQL floor: {:.2}",
-        e / f,
-        e / b
-    );
+    println!("ratio end to end / SQL floor: {:.2}; end to end / batched SQL floor: {:.2}", e / f, e / b);
     Ok(())
 }
 
 async fn drain_pass(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<f64> {
     db::bench::reset(pool).await?;
     enqueue_all(pool, args.runs).await?;
-    let config = WorkerConfig {
-        max_runs: args.in_flight,
-        worker_id: "bench".into(),
-        ..WorkerConfig::default()
-    };
+    let config = WorkerConfig { max_runs: args.in_flight, worker_id: "bench".into(), ..WorkerConfig::default() };
     let t0 = Instant::now();
-    let worker = Worker::start(
-        pool.clone(),
-        Some(Hub::start(url.to_string())),
-        AgentRegistry::with_builtins(),
-        config,
-    )
-    .await?;
+    let worker =
+        Worker::start(pool.clone(), Some(Hub::start(url.to_string())), AgentRegistry::with_builtins(), config).await?;
     let stats = worker.stats();
     let mut tick = tokio::time::interval(Duration::from_millis(2));
     while stats.finished.load(Ordering::Relaxed) < args.runs as u64 {
         tick.tick().await;
-        anyhow::ensure!(
-            t0.elapsed() < Duration::from_secs(600),
-            "drain pass took over 10 minutes"
-        );
+        anyhow::ensure!(t0.elapsed() < Duration::from_secs(600), "drain pass took over 10 minutes");
     }
     let took = t0.elapsed();
     worker.drain().await;
@@ -248,21 +200,12 @@ async fn floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f64> {
             let id = format!("floor-{i}");
             let mut done = 0u64;
             loop {
-                let claim = Claim {
-                    limit: 1,
-                    lease: Duration::from_secs(30),
-                    worker_id: &id,
-                    prefilter: true,
-                };
+                let claim = Claim { limit: 1, lease: Duration::from_secs(30), worker_id: &id, prefilter: true };
                 let claimed = runs::claim(&pool, &claim).await?;
                 let Some(run) = claimed.into_iter().next() else {
                     return Ok::<u64, sqlx::Error>(done);
                 };
-                let finish = Finish {
-                    status: RunStatus::Completed,
-                    error: None,
-                    assistant: Some(("", "complete")),
-                };
+                let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("", "complete")) };
                 runs::finish(&pool, run.id, run.claim_token, &finish).await?;
                 done += 1;
             }
@@ -273,11 +216,7 @@ async fn floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f64> {
         done += t.await??;
     }
     let took = t0.elapsed();
-    anyhow::ensure!(
-        done == args.runs as u64,
-        "floor finished {done} of {} runs",
-        args.runs
-    );
+    anyhow::ensure!(done == args.runs as u64, "floor finished {done} of {} runs", args.runs);
     Ok(args.runs as f64 / took.as_secs_f64())
 }
 
@@ -289,12 +228,8 @@ async fn batched_floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f
     let t0 = Instant::now();
     let mut done = 0;
     loop {
-        let claim = Claim {
-            limit: args.in_flight as i64,
-            lease: Duration::from_secs(30),
-            worker_id: "floor",
-            prefilter: true,
-        };
+        let claim =
+            Claim { limit: args.in_flight as i64, lease: Duration::from_secs(30), worker_id: "floor", prefilter: true };
         let claimed = runs::claim(pool, &claim).await?;
         if claimed.is_empty() {
             break;
@@ -303,11 +238,7 @@ async fn batched_floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f
         let finishes = claimed.into_iter().map(|run| {
             let pool = pool.clone();
             async move {
-                let finish = Finish {
-                    status: RunStatus::Completed,
-                    error: None,
-                    assistant: Some(("", "complete")),
-                };
+                let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("", "complete")) };
                 runs::finish(&pool, run.id, run.claim_token, &finish).await
             }
         });
@@ -316,11 +247,7 @@ async fn batched_floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f
         }
     }
     let took = t0.elapsed();
-    anyhow::ensure!(
-        done == args.runs,
-        "batched floor finished {done} of {} runs",
-        args.runs
-    );
+    anyhow::ensure!(done == args.runs, "batched floor finished {done} of {} runs", args.runs);
     Ok(args.runs as f64 / took.as_secs_f64())
 }
 
@@ -343,12 +270,7 @@ fn percentiles(samples: &mut [Duration]) -> String {
         let i = ((p * samples.len() as f64).ceil() as usize).clamp(1, samples.len()) - 1;
         samples[i].as_secs_f64() * 1e3
     };
-    format!(
-        "p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
-        at(0.50),
-        at(0.99),
-        at(1.0)
-    )
+    format!("p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms", at(0.50), at(0.99), at(1.0))
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -362,9 +284,7 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn num_cpus() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
 fn redact(url: &str) -> String {

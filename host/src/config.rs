@@ -10,12 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::worker::WorkerConfig;
 
 #[derive(Debug, Parser)]
-#[command(
-    name = "agent-host",
-    version,
-    about = "Durable AI-agent runs on plain PostgreSQL",
-    args_override_self = true
-)]
+#[command(name = "agent-host", version, about = "Durable AI-agent runs on plain PostgreSQL", args_override_self = true)]
 pub struct Cli {
     #[command(flatten)]
     pub db: DbArgs,
@@ -32,20 +27,10 @@ pub struct DbArgs {
     #[arg(long, env = "AGENT_HOST_LISTEN_DATABASE_URL", global = true)]
     pub listen_database_url: Option<String>,
     /// Directory of the private cluster (used only without DATABASE_URL).
-    #[arg(
-        long,
-        env = "AGENT_HOST_DATA_DIR",
-        default_value = ".agent-host",
-        global = true
-    )]
+    #[arg(long, env = "AGENT_HOST_DATA_DIR", default_value = ".agent-host", global = true)]
     pub data_dir: PathBuf,
     /// Connections in the process's pool.
-    #[arg(
-        long,
-        env = "AGENT_HOST_DB_POOL_MAX",
-        default_value_t = 32,
-        global = true
-    )]
+    #[arg(long, env = "AGENT_HOST_DB_POOL_MAX", default_value_t = 32, global = true)]
     pub db_pool_max: u32,
 }
 
@@ -132,10 +117,7 @@ impl WorkerArgs {
             reap_interval: ms(self.reap_interval_ms),
             poll_tick: ms(self.poll_tick_ms),
             drain_timeout: ms(self.drain_timeout_ms),
-            worker_id: self
-                .worker_id
-                .clone()
-                .unwrap_or_else(crate::worker::default_worker_id),
+            worker_id: self.worker_id.clone().unwrap_or_else(crate::worker::default_worker_id),
             dispatch: !self.no_dispatch,
         }
     }

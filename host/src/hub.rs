@@ -32,16 +32,8 @@ pub enum Wake {
 }
 
 enum Command {
-    Subscribe {
-        channel: String,
-        id: u64,
-        tx: mpsc::Sender<Wake>,
-        ack: oneshot::Sender<()>,
-    },
-    Unsubscribe {
-        channel: String,
-        id: u64,
-    },
+    Subscribe { channel: String, id: u64, tx: mpsc::Sender<Wake>, ack: oneshot::Sender<()> },
+    Unsubscribe { channel: String, id: u64 },
 }
 
 #[derive(Debug, Default)]
@@ -82,10 +74,8 @@ impl Subscription {
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        let _ = self.commands.try_send(Command::Unsubscribe {
-            channel: std::mem::take(&mut self.channel),
-            id: self.id,
-        });
+        let _ =
+            self.commands.try_send(Command::Unsubscribe { channel: std::mem::take(&mut self.channel), id: self.id });
     }
 }
 
@@ -97,11 +87,7 @@ impl Hub {
         let (commands, rx) = mpsc::channel(COMMAND_QUEUE_MAX);
         let stats = Arc::new(HubStats::default());
         tokio::spawn(supervise(url, rx, stats.clone()));
-        Hub {
-            commands,
-            next_id: Arc::new(AtomicU64::new(1)),
-            stats,
-        }
+        Hub { commands, next_id: Arc::new(AtomicU64::new(1)), stats }
     }
 
     pub fn stats(&self) -> &HubStats {
@@ -115,21 +101,11 @@ impl Hub {
         let (tx, rx) = mpsc::channel(SUBSCRIBER_QUEUE_MAX);
         let (ack, acked) = oneshot::channel();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let cmd = Command::Subscribe {
-            channel: channel.to_string(),
-            id,
-            tx,
-            ack,
-        };
+        let cmd = Command::Subscribe { channel: channel.to_string(), id, tx, ack };
         if self.commands.send(cmd).await.is_ok() {
             let _ = acked.await;
         }
-        Subscription {
-            rx,
-            channel: channel.to_string(),
-            id,
-            commands: self.commands.clone(),
-        }
+        Subscription { rx, channel: channel.to_string(), id, commands: self.commands.clone() }
     }
 }
 
@@ -156,9 +132,7 @@ impl Subscribers {
 }
 
 async fn supervise(url: String, mut commands: mpsc::Receiver<Command>, stats: Arc<HubStats>) {
-    let mut subs = Subscribers {
-        by_channel: HashMap::new(),
-    };
+    let mut subs = Subscribers { by_channel: HashMap::new() };
     let mut listener: Option<PgListener> = None;
     let mut backoff = BACKOFF_MIN;
     let mut ever_connected = false;
@@ -224,10 +198,7 @@ fn lost(listener: &mut Option<PgListener>, stats: &HubStats, subs: &Subscribers)
     subs.wake_all(stats);
 }
 
-async fn connect<'a>(
-    url: &str,
-    channels: impl Iterator<Item = &'a String>,
-) -> Result<PgListener, sqlx::Error> {
+async fn connect<'a>(url: &str, channels: impl Iterator<Item = &'a String>) -> Result<PgListener, sqlx::Error> {
     let mut l = PgListener::connect(url).await?;
     // We own reconnection (with backoff and a wake-all), not sqlx.
     l.ignore_pool_close_event(true);
@@ -241,12 +212,7 @@ async fn connect<'a>(
 /// Applies one command. Returns false if the connection failed doing it.
 async fn handle(cmd: Command, subs: &mut Subscribers, conn: Option<&mut PgListener>) -> bool {
     match cmd {
-        Command::Subscribe {
-            channel,
-            id,
-            tx,
-            ack,
-        } => {
+        Command::Subscribe { channel, id, tx, ack } => {
             let entry = subs.by_channel.entry(channel.clone()).or_default();
             let new_channel = entry.is_empty();
             entry.push((id, tx));

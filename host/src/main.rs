@@ -8,9 +8,7 @@ use agent_host::{bench, db, server};
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_env("AGENT_HOST_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
-        )
+        .with_env_filter(EnvFilter::try_from_env("AGENT_HOST_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
@@ -20,26 +18,17 @@ async fn main() -> anyhow::Result<()> {
         Command::Migrate => {
             let mut database = server::open_database(&cli.db).await?;
             let pool = server::connect_and_migrate(&database.url, 2).await?;
-            println!(
-                "migrations applied ({} in all)",
-                db::MIGRATOR.iter().count()
-            );
+            println!("migrations applied ({} in all)", db::MIGRATOR.iter().count());
             pool.close().await;
             if let Some(c) = database.cluster.as_mut() {
                 c.stop();
             }
             Ok(())
         }
-        Command::Tokens(TokensCommand::Create {
-            user,
-            tenant,
-            admin,
-        }) => {
+        Command::Tokens(TokensCommand::Create { user, tenant, admin }) => {
             let mut database = server::open_database(&cli.db).await?;
             let pool = server::connect_and_migrate(&database.url, 2).await?;
-            let token = db::tokens::create(&pool, &user, &tenant, admin)
-                .await
-                .context("creating the token")?;
+            let token = db::tokens::create(&pool, &user, &tenant, admin).await.context("creating the token")?;
             println!("{token}");
             pool.close().await;
             if let Some(c) = database.cluster.as_mut() {

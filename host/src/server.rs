@@ -29,11 +29,7 @@ pub async fn open_database(args: &DbArgs) -> anyhow::Result<Database> {
     let (url, cluster) = match &args.database_url {
         Some(url) => (url.clone(), None),
         None => {
-            let opts = ClusterOptions {
-                dir: args.data_dir.clone(),
-                ephemeral: false,
-                remove_on_exit: false,
-            };
+            let opts = ClusterOptions { dir: args.data_dir.clone(), ephemeral: false, remove_on_exit: false };
             let cluster = tokio::task::spawn_blocking(move || Cluster::start(&opts))
                 .await?
                 .context("starting the private PostgreSQL cluster")?;
@@ -45,22 +41,13 @@ pub async fn open_database(args: &DbArgs) -> anyhow::Result<Database> {
             (cluster.url(db::cluster::DATABASE), Some(cluster))
         }
     };
-    let listen_url = args
-        .listen_database_url
-        .clone()
-        .unwrap_or_else(|| url.clone());
-    Ok(Database {
-        url,
-        listen_url,
-        cluster,
-    })
+    let listen_url = args.listen_database_url.clone().unwrap_or_else(|| url.clone());
+    Ok(Database { url, listen_url, cluster })
 }
 
 /// Connects and applies the embedded migrations.
 pub async fn connect_and_migrate(url: &str, pool_max: u32) -> anyhow::Result<PgPool> {
-    let pool = db::connect(url, pool_max)
-        .await
-        .context("connecting to PostgreSQL")?;
+    let pool = db::connect(url, pool_max).await.context("connecting to PostgreSQL")?;
     db::migrate(&pool).await.context("applying migrations")?;
     Ok(pool)
 }
@@ -74,14 +61,10 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let agents = AgentRegistry::with_builtins();
     let worker = Worker::start(pool.clone(), hub, agents.clone(), config).await?;
 
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
+    let listener =
+        tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let addr = listener.local_addr()?;
-    let app = api::router(AppState {
-        pool: pool.clone(),
-        agents,
-    });
+    let app = api::router(AppState { pool: pool.clone(), agents });
     // A line scripts and tests read to find the port.
     println!("agent-host listening on http://{addr}");
     if args.demo {
@@ -90,11 +73,8 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
 
     let http_stop = tokio_util::sync::CancellationToken::new();
     let stop = http_stop.clone();
-    let mut http = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await
-    });
+    let mut http =
+        tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await });
     tokio::select! {
         _ = shutdown_signal() => {}
         r = &mut http => {
@@ -116,10 +96,7 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
 
 async fn demo(pool: &PgPool, addr: std::net::SocketAddr) -> anyhow::Result<()> {
     let token = db::tokens::create(pool, "demo", "demo", true).await?;
-    let owner = db::runs::Owner {
-        user_id: "demo".into(),
-        tenant_id: "demo".into(),
-    };
+    let owner = db::runs::Owner { user_id: "demo".into(), tenant_id: "demo".into() };
     let config = json!({ "steps": 20, "step_ms": 200 });
     let request = json!({ "content": "demo", "plugin": "sleep", "config": config });
     let run = db::runs::enqueue(

@@ -30,50 +30,28 @@ fn server() -> &'static Server {
         std::thread::spawn(|| {
             let (base, cluster) = match std::env::var("DATABASE_URL") {
                 Ok(url) => {
-                    let base = url
-                        .rsplit_once('/')
-                        .map(|(b, _)| b.to_string())
-                        .unwrap_or(url);
+                    let base = url.rsplit_once('/').map(|(b, _)| b.to_string()).unwrap_or(url);
                     (base, None)
                 }
                 Err(_) => {
-                    let dir = std::env::temp_dir()
-                        .join(format!("agent-host-test-{}", std::process::id()));
-                    let cluster = Cluster::start(&ClusterOptions {
-                        dir,
-                        ephemeral: true,
-                        remove_on_exit: true,
-                    })
-                    .expect("starting the test cluster");
+                    let dir = std::env::temp_dir().join(format!("agent-host-test-{}", std::process::id()));
+                    let cluster = Cluster::start(&ClusterOptions { dir, ephemeral: true, remove_on_exit: true })
+                        .expect("starting the test cluster");
                     let url = cluster.url("postgres");
                     (url.rsplit_once('/').unwrap().0.to_string(), Some(cluster))
                 }
             };
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             rt.block_on(async {
-                let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres"))
-                    .await
-                    .unwrap();
-                sqlx::query(&format!("DROP DATABASE IF EXISTS {TEMPLATE}"))
-                    .execute(&mut admin)
-                    .await
-                    .unwrap();
-                sqlx::query(&format!("CREATE DATABASE {TEMPLATE}"))
-                    .execute(&mut admin)
-                    .await
-                    .unwrap();
+                let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres")).await.unwrap();
+                sqlx::query(&format!("DROP DATABASE IF EXISTS {TEMPLATE}")).execute(&mut admin).await.unwrap();
+                sqlx::query(&format!("CREATE DATABASE {TEMPLATE}")).execute(&mut admin).await.unwrap();
                 let pool = db::connect(&format!("{base}/{TEMPLATE}"), 1).await.unwrap();
                 db::migrate(&pool).await.unwrap();
                 pool.close().await;
                 admin.close().await.unwrap();
             });
-            Server {
-                base,
-                _cluster: cluster,
-            }
+            Server { base, _cluster: cluster }
         })
         .join()
         .expect("test database setup")
@@ -90,13 +68,8 @@ impl TestDb {
     pub async fn new() -> TestDb {
         let server = server();
         let name = format!("t_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = sqlx::PgConnection::connect(&format!("{}/postgres", server.base))
-            .await
-            .unwrap();
-        sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {TEMPLATE}"))
-            .execute(&mut admin)
-            .await
-            .unwrap();
+        let mut admin = sqlx::PgConnection::connect(&format!("{}/postgres", server.base)).await.unwrap();
+        sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {TEMPLATE}")).execute(&mut admin).await.unwrap();
         admin.close().await.unwrap();
         let url = format!("{}/{name}", server.base);
         let pool = db::connect(&url, 20).await.unwrap();
@@ -110,18 +83,10 @@ impl TestDb {
 }
 
 pub fn owner() -> Owner {
-    Owner {
-        user_id: "alice".into(),
-        tenant_id: "acme".into(),
-    }
+    Owner { user_id: "alice".into(), tenant_id: "acme".into() }
 }
 
-pub async fn enqueue(
-    pool: &PgPool,
-    conversation: Option<ConversationId>,
-    plugin: &str,
-    config: Value,
-) -> Enqueued {
+pub async fn enqueue(pool: &PgPool, conversation: Option<ConversationId>, plugin: &str, config: Value) -> Enqueued {
     enqueue_as(pool, &owner(), conversation, plugin, config).await
 }
 
@@ -178,19 +143,12 @@ where
         if cond().await {
             return;
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {within:?} waiting for {what}"
-        );
+        assert!(Instant::now() < deadline, "timed out after {within:?} waiting for {what}");
     }
 }
 
 pub async fn status(pool: &PgPool, id: RunId) -> String {
-    sqlx::query_scalar("SELECT status FROM agent_run WHERE id = $1")
-        .bind(id)
-        .fetch_one(pool)
-        .await
-        .unwrap()
+    sqlx::query_scalar("SELECT status FROM agent_run WHERE id = $1").bind(id).fetch_one(pool).await.unwrap()
 }
 
 pub async fn wait_status(pool: &PgPool, id: RunId, want: &str, within: Duration) {
@@ -219,17 +177,9 @@ pub async fn assert_journal_sound(pool: &PgPool, id: RunId) -> Vec<(i32, String)
         assert_eq!(*seq, i as i32 + 1, "run {id}: seq gap in {j:?}");
     }
     let completes: Vec<_> = j.iter().filter(|(_, t)| t == "complete").collect();
-    assert!(
-        completes.len() <= 1,
-        "run {id}: {} complete events",
-        completes.len()
-    );
+    assert!(completes.len() <= 1, "run {id}: {} complete events", completes.len());
     if let Some((seq, _)) = completes.first() {
-        assert_eq!(
-            *seq as usize,
-            j.len(),
-            "run {id}: events after complete: {j:?}"
-        );
+        assert_eq!(*seq as usize, j.len(), "run {id}: events after complete: {j:?}");
     }
     j
 }

@@ -33,15 +33,7 @@ pub const FAST: &[&str] = &[
 impl HostProcess {
     pub fn spawn(database_url: &str, worker_id: &str, args: &[&str]) -> HostProcess {
         let mut child = Command::new(env!("CARGO_BIN_EXE_agent-host"))
-            .args([
-                "--database-url",
-                database_url,
-                "--db-pool-max",
-                "8",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-            ])
+            .args(["--database-url", database_url, "--db-pool-max", "8", "serve", "--listen", "127.0.0.1:0"])
             .args(["--worker-id", worker_id])
             .args(args)
             .env("AGENT_HOST_LOG", "info")
@@ -73,12 +65,7 @@ impl HostProcess {
             Ok(addr) => addr,
             Err(_) => panic!("agent-host did not start; log:\n{}", log.lock().unwrap()),
         };
-        HostProcess {
-            child,
-            addr,
-            worker_id: worker_id.to_string(),
-            log,
-        }
+        HostProcess { child, addr, worker_id: worker_id.to_string(), log }
     }
 
     pub fn signal(&self, signal: Signal) {
@@ -98,11 +85,7 @@ impl HostProcess {
             if let Some(status) = self.child.try_wait().unwrap() {
                 return status;
             }
-            assert!(
-                Instant::now() < deadline,
-                "agent-host did not exit within {within:?}; log:\n{}",
-                self.log()
-            );
+            assert!(Instant::now() < deadline, "agent-host did not exit within {within:?}; log:\n{}", self.log());
         }
     }
 
@@ -115,11 +98,7 @@ impl HostProcess {
             if self.log().contains(needle) {
                 return;
             }
-            assert!(
-                Instant::now() < deadline,
-                "log never said {needle:?} within {within:?}:\n{}",
-                self.log()
-            );
+            assert!(Instant::now() < deadline, "log never said {needle:?} within {within:?}:\n{}", self.log());
         }
     }
 }

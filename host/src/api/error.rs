@@ -16,18 +16,10 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError {
-            status,
-            code,
-            message: message.into(),
-        }
+        ApiError { status, code, message: message.into() }
     }
     pub fn not_found(what: impl std::fmt::Display) -> Self {
-        Self::new(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("{what} not found"),
-        )
+        Self::new(StatusCode::NOT_FOUND, "not_found", format!("{what} not found"))
     }
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid", message)
@@ -54,11 +46,7 @@ impl From<sqlx::Error> for ApiError {
     fn from(e: sqlx::Error) -> Self {
         if let sqlx::Error::Database(d) = &e {
             if d.constraint().is_some() && d.is_unique_violation() {
-                return ApiError::new(
-                    StatusCode::CONFLICT,
-                    "conflict",
-                    "the request conflicts with the current state",
-                );
+                return ApiError::new(StatusCode::CONFLICT, "conflict", "the request conflicts with the current state");
             }
         }
         match e {
@@ -68,11 +56,7 @@ impl From<sqlx::Error> for ApiError {
             }
             e => {
                 tracing::error!(error = %e, "database error");
-                ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
-                    "internal error",
-                )
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error")
             }
         }
     }

@@ -31,14 +31,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs", post(runs::create_run))
         .route("/v1/runs/{id}", get(runs::get_run))
         .route("/v1/conversations", post(runs::create_conversation))
-        .route(
-            "/v1/conversations/{id}/runs",
-            post(runs::create_run_in_conversation),
-        )
-        .route(
-            "/healthz",
-            get(|| async { Json(json!({ "status": "ok" })) }),
-        )
+        .route("/v1/conversations/{id}/runs", post(runs::create_run_in_conversation))
+        .route("/healthz", get(|| async { Json(json!({ "status": "ok" })) }))
         .route("/readyz", get(readyz))
         .fallback(|| async { ApiError::not_found("route") })
         .layer(axum::extract::DefaultBodyLimit::max(BODY_BYTES_MAX))

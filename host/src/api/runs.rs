@@ -31,26 +31,16 @@ pub struct CreateRun {
 }
 
 fn owner(p: &crate::db::tokens::Principal) -> Owner {
-    Owner {
-        user_id: p.user_id.clone(),
-        tenant_id: p.tenant_id.clone(),
-    }
+    Owner { user_id: p.user_id.clone(), tenant_id: p.tenant_id.clone() }
 }
 
 fn parse_id<T: std::str::FromStr>(raw: &str, what: &str) -> Result<T, ApiError> {
-    raw.parse()
-        .map_err(|_| ApiError::bad_request(format!("{what} id {raw:?} is not a UUID")))
+    raw.parse().map_err(|_| ApiError::bad_request(format!("{what} id {raw:?} is not a UUID")))
 }
 
-pub async fn create_conversation(
-    State(state): State<AppState>,
-    Auth(p): Auth,
-) -> Result<impl IntoResponse, ApiError> {
+pub async fn create_conversation(State(state): State<AppState>, Auth(p): Auth) -> Result<impl IntoResponse, ApiError> {
     let (id, created_at) = runs::create_conversation(&state.pool, &owner(&p)).await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(json!({ "id": id, "created_at": created_at })),
-    ))
+    Ok((StatusCode::CREATED, Json(json!({ "id": id, "created_at": created_at }))))
 }
 
 pub async fn create_run(
@@ -71,9 +61,7 @@ pub async fn create_run_in_conversation(
 ) -> Result<impl IntoResponse, ApiError> {
     let id: ConversationId = parse_id(&id, "conversation")?;
     if body.conversation_id.is_some_and(|c| c != id) {
-        return Err(ApiError::invalid(
-            "conversation_id in the body differs from the one in the path",
-        ));
+        return Err(ApiError::invalid("conversation_id in the body differs from the one in the path"));
     }
     body.conversation_id = Some(id);
     enqueue(&state, &p, &headers, body).await
@@ -90,9 +78,7 @@ async fn enqueue(
     }
     let chars = body.content.chars().count();
     if chars > CONTENT_CHARS_MAX {
-        return Err(ApiError::invalid(format!(
-            "content has {chars} characters; the limit is {CONTENT_CHARS_MAX}"
-        )));
+        return Err(ApiError::invalid(format!("content has {chars} characters; the limit is {CONTENT_CHARS_MAX}")));
     }
     if !state.agents.contains(&body.plugin) {
         return Err(ApiError::invalid(format!(
@@ -107,22 +93,17 @@ async fn enqueue(
     }
     let config_bytes = config.to_string().len();
     if config_bytes > CONFIG_BYTES_MAX {
-        return Err(ApiError::invalid(format!(
-            "config is {config_bytes} bytes; the limit is {CONFIG_BYTES_MAX}"
-        )));
+        return Err(ApiError::invalid(format!("config is {config_bytes} bytes; the limit is {CONFIG_BYTES_MAX}")));
     }
     let idempotency_key = match headers.get("idempotency-key") {
         None => None,
-        Some(v) => Some(
-            v.to_str()
-                .ok()
-                .filter(|k| !k.is_empty() && k.len() <= IDEMPOTENCY_KEY_BYTES_MAX)
-                .ok_or_else(|| {
-                    ApiError::bad_request(format!(
-                        "Idempotency-Key must be 1-{IDEMPOTENCY_KEY_BYTES_MAX} visible ASCII bytes"
-                    ))
-                })?,
-        ),
+        Some(v) => Some(v.to_str().ok().filter(|k| !k.is_empty() && k.len() <= IDEMPOTENCY_KEY_BYTES_MAX).ok_or_else(
+            || {
+                ApiError::bad_request(format!(
+                    "Idempotency-Key must be 1-{IDEMPOTENCY_KEY_BYTES_MAX} visible ASCII bytes"
+                ))
+            },
+        )?),
     };
     let request = json!({ "content": body.content, "plugin": body.plugin, "conversation_id": body.conversation_id, "config": config });
     let owner = owner(p);
@@ -136,15 +117,31 @@ async fn enqueue(
         request: &request,
         idempotency_key,
     };
-    let enqueued = runs::enqueue(&state.pool, &new)
-        .await
-        .map_err(|e| match e {
-            EnqueueError::ConversationNotFound(id) => {
-                ApiError::not_found(format!("conversation {id}"))
+    let enqueued = match runs::enqueue(&state.pool, &new).await {
+        Ok(e) => e,
+        // The key was used before (or by a concurrent retry that won): answer
+        // like the first request if this is the same request, else refuse.
+        Err(e) if runs::is_idempotency_conflict(&e) => {
+            let key = idempotency_key.unwrap_or_default();
+            let Some((first, first_request)) = runs::find_by_idempotency_key(&state.pool, &owner.user_id, key).await?
+            else {
+                return Err(ApiError::new(StatusCode::CONFLICT, "conflict", "idempotency key in use; retry"));
+            };
+            if first_request.is_some_and(|r| r != request) {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    "idempotency_key_reused",
+                    format!("Idempotency-Key {key:?} was used for a different request (run {})", first.run_id),
+                ));
             }
-            EnqueueError::Db(e) => e.into(),
-        })?;
-    Ok((StatusCode::ACCEPTED, Json(enqueued)))
+            let mut headers = HeaderMap::new();
+            headers.insert("idempotent-replayed", axum::http::HeaderValue::from_static("true"));
+            return Ok((StatusCode::ACCEPTED, headers, Json(first)));
+        }
+        Err(EnqueueError::ConversationNotFound(id)) => return Err(ApiError::not_found(format!("conversation {id}"))),
+        Err(EnqueueError::Db(e)) => return Err(e.into()),
+    };
+    Ok((StatusCode::ACCEPTED, HeaderMap::new(), Json(enqueued)))
 }
 
 pub async fn get_run(
@@ -153,8 +150,7 @@ pub async fn get_run(
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let id: RunId = parse_id(&id, "run")?;
-    let run = runs::get_run(&state.pool, id, &p.user_id)
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("run {id}")))?;
+    let run =
+        runs::get_run(&state.pool, id, &p.user_id).await?.ok_or_else(|| ApiError::not_found(format!("run {id}")))?;
     Ok(Json(run))
 }

@@ -5,11 +5,7 @@ use sqlx::PgExecutor;
 /// Enqueues `n` runs of `plugin`, each in its own conversation, with the same
 /// rows an HTTP enqueue writes (conversation, message, run, seq 1-2), in one
 /// statement.
-pub async fn bulk_enqueue(
-    db: impl PgExecutor<'_>,
-    n: i64,
-    plugin: &str,
-) -> Result<(), sqlx::Error> {
+pub async fn bulk_enqueue(db: impl PgExecutor<'_>, n: i64, plugin: &str) -> Result<(), sqlx::Error> {
     sqlx::query(
         "WITH c AS (
              INSERT INTO conversation (id, owner_id, tenant_id)
@@ -36,9 +32,7 @@ pub async fn bulk_enqueue(
 
 /// Empties every table the benchmark writes.
 pub async fn reset(db: impl PgExecutor<'_>) -> Result<(), sqlx::Error> {
-    sqlx::query("TRUNCATE run_event, agent_run, message, conversation")
-        .execute(db)
-        .await?;
+    sqlx::query("TRUNCATE run_event, agent_run, message, conversation").execute(db).await?;
     Ok(())
 }
 

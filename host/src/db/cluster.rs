@@ -27,16 +27,9 @@ pub enum ClusterError {
     #[error("running as root, PostgreSQL must run as an unprivileged user, and no `postgres` account exists: create one (useradd postgres) or set DATABASE_URL")]
     NoUnprivilegedUser,
     #[error("{what} failed ({status}); see {log}")]
-    Command {
-        what: String,
-        status: String,
-        log: String,
-    },
+    Command { what: String, status: String, log: String },
     #[error("cluster I/O on {path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
 }
 
 /// Options for a private cluster.
@@ -65,10 +58,7 @@ impl Cluster {
     pub fn start(opts: &ClusterOptions) -> Result<Cluster, ClusterError> {
         let bin_dir = find_bin_dir().ok_or(ClusterError::BinariesMissing)?;
         let run_as = if Uid::effective().is_root() {
-            let user = User::from_name("postgres")
-                .ok()
-                .flatten()
-                .ok_or(ClusterError::NoUnprivilegedUser)?;
+            let user = User::from_name("postgres").ok().flatten().ok_or(ClusterError::NoUnprivilegedUser)?;
             Some((user.uid, user.gid))
         } else {
             None
@@ -86,42 +76,23 @@ impl Cluster {
                 let meta = std::fs::metadata(ancestor).map_err(io(ancestor))?;
                 let mode = meta.permissions().mode();
                 if mode & 0o001 == 0 {
-                    std::fs::set_permissions(
-                        ancestor,
-                        std::fs::Permissions::from_mode(mode | 0o011),
-                    )
-                    .map_err(io(ancestor))?;
+                    std::fs::set_permissions(ancestor, std::fs::Permissions::from_mode(mode | 0o011))
+                        .map_err(io(ancestor))?;
                 }
             }
             if !pgdata.exists() {
                 std::fs::create_dir(&pgdata).map_err(io(&pgdata))?;
             }
-            nix::unistd::chown(&pgdata, Some(uid), Some(gid)).map_err(|e| ClusterError::Io {
-                path: pgdata.clone(),
-                source: e.into(),
-            })?;
-            std::fs::set_permissions(&pgdata, std::fs::Permissions::from_mode(0o700))
-                .map_err(io(&pgdata))?;
+            nix::unistd::chown(&pgdata, Some(uid), Some(gid))
+                .map_err(|e| ClusterError::Io { path: pgdata.clone(), source: e.into() })?;
+            std::fs::set_permissions(&pgdata, std::fs::Permissions::from_mode(0o700)).map_err(io(&pgdata))?;
         }
-        let mut cluster = Cluster {
-            pgdata,
-            bin_dir,
-            port: 0,
-            run_as,
-            guard: None,
-        };
+        let mut cluster = Cluster { pgdata, bin_dir, port: 0, run_as, guard: None };
         let log = cluster.log_path();
 
         if !cluster.pgdata.join("PG_VERSION").exists() {
             let mut initdb = cluster.command("initdb");
-            initdb.arg("-D").arg(&cluster.pgdata).args([
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "-E",
-                "UTF8",
-                "--locale=C",
-            ]);
+            initdb.arg("-D").arg(&cluster.pgdata).args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C"]);
             if opts.ephemeral {
                 initdb.arg("--no-sync");
             }
@@ -167,11 +138,7 @@ impl Cluster {
         // The guard: waits for EOF on stdin, which comes when this process
         // exits however it exits, then stops the cluster. It runs as us; the
         // server's own commands run as the server's account.
-        let as_server = if cluster.run_as.is_some() {
-            "runuser -u postgres -- "
-        } else {
-            ""
-        };
+        let as_server = if cluster.run_as.is_some() { "runuser -u postgres -- " } else { "" };
         let pg_ctl = cluster.bin_dir.join("pg_ctl");
         let script = if opts.remove_on_exit {
             format!(
@@ -210,17 +177,14 @@ impl Cluster {
     pub async fn ensure_database(&self, database: &str) -> Result<(), sqlx::Error> {
         use sqlx::Connection;
         let mut conn = sqlx::PgConnection::connect(&self.url("postgres")).await?;
-        let exists: bool =
-            sqlx::query_scalar("SELECT exists (SELECT 1 FROM pg_database WHERE datname = $1)")
-                .bind(database)
-                .fetch_one(&mut conn)
-                .await?;
+        let exists: bool = sqlx::query_scalar("SELECT exists (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(database)
+            .fetch_one(&mut conn)
+            .await?;
         if !exists {
             // Identifiers cannot be bound; quote it.
             let quoted = format!("\"{}\"", database.replace('"', "\"\""));
-            sqlx::query(&format!("CREATE DATABASE {quoted}"))
-                .execute(&mut conn)
-                .await?;
+            sqlx::query(&format!("CREATE DATABASE {quoted}")).execute(&mut conn).await?;
         }
         conn.close().await
     }
@@ -244,11 +208,7 @@ impl Cluster {
     fn running_port(&self) -> Option<u16> {
         let mut status = self.command("pg_ctl");
         status.arg("-D").arg(&self.pgdata).arg("status");
-        let out = status
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .ok()?;
+        let out = status.stdout(Stdio::null()).stderr(Stdio::null()).status().ok()?;
         if !out.success() {
             return None;
         }
@@ -267,10 +227,7 @@ impl Cluster {
     }
 
     fn run(&self, mut cmd: Command, what: &str) -> Result<(), ClusterError> {
-        let out = cmd.output().map_err(|source| ClusterError::Io {
-            path: PathBuf::from(what),
-            source,
-        })?;
+        let out = cmd.output().map_err(|source| ClusterError::Io { path: PathBuf::from(what), source })?;
         if out.status.success() {
             return Ok(());
         }

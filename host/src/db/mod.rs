@@ -124,10 +124,7 @@ impl RunStatus {
     }
 
     pub fn is_terminal(self) -> bool {
-        matches!(
-            self,
-            RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled
-        )
+        matches!(self, RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled)
     }
 }
 
@@ -163,8 +160,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
 
 /// Readiness: the database answers and every embedded migration is applied.
 pub async fn ready(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
-        .fetch_one(pool)
-        .await?;
+    let applied: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success").fetch_one(pool).await?;
     Ok(applied as usize >= MIGRATOR.iter().count())
 }

@@ -127,20 +127,16 @@ pub async fn enqueue(pool: &PgPool, new: &NewRun<'_>) -> Result<Enqueued, Enqueu
 }
 
 /// The body of [`enqueue`], inside a caller's transaction.
-pub async fn enqueue_in(
-    tx: &mut Transaction<'_, Postgres>,
-    new: &NewRun<'_>,
-) -> Result<Enqueued, EnqueueError> {
+pub async fn enqueue_in(tx: &mut Transaction<'_, Postgres>, new: &NewRun<'_>) -> Result<Enqueued, EnqueueError> {
     let conversation_id = match new.conversation_id {
         Some(id) => {
             // Another user's conversation is indistinguishable from a missing one.
-            let found: Option<i32> = sqlx::query_scalar(
-                "SELECT 1 FROM conversation WHERE id = $1 AND owner_id = $2 FOR KEY SHARE",
-            )
-            .bind(id)
-            .bind(&new.owner.user_id)
-            .fetch_optional(&mut **tx)
-            .await?;
+            let found: Option<i32> =
+                sqlx::query_scalar("SELECT 1 FROM conversation WHERE id = $1 AND owner_id = $2 FOR KEY SHARE")
+                    .bind(id)
+                    .bind(&new.owner.user_id)
+                    .fetch_optional(&mut **tx)
+                    .await?;
             if found.is_none() {
                 return Err(EnqueueError::ConversationNotFound(id));
             }
@@ -186,31 +182,39 @@ pub async fn enqueue_in(
     .bind(message_id)
     .execute(&mut **tx)
     .await?;
-    notify(
-        &mut **tx,
-        RUN_ENQUEUED_CHANNEL,
-        &conversation_id.to_string(),
+    notify(&mut **tx, RUN_ENQUEUED_CHANNEL, &conversation_id.to_string()).await?;
+    Ok(Enqueued { run_id, status: RunStatus::Queued, conversation_id, user_message_id: message_id })
+}
+
+/// Whether an enqueue failed because the owner already used its idempotency key.
+pub fn is_idempotency_conflict(e: &EnqueueError) -> bool {
+    matches!(e, EnqueueError::Db(sqlx::Error::Database(d)) if d.constraint() == Some("agent_run_idempotency"))
+}
+
+/// The run an owner's idempotency key already created, with its request
+/// snapshot (`None` once retention has trimmed it).
+pub async fn find_by_idempotency_key(
+    db: impl PgExecutor<'_>,
+    owner_id: &str,
+    key: &str,
+) -> Result<Option<(Enqueued, Option<Value>)>, sqlx::Error> {
+    let row: Option<(RunId, ConversationId, MessageId, Option<Value>)> = sqlx::query_as(
+        "SELECT id, conversation_id, user_message_id, request FROM agent_run
+         WHERE owner_id = $1 AND idempotency_key = $2",
     )
+    .bind(owner_id)
+    .bind(key)
+    .fetch_optional(db)
     .await?;
-    Ok(Enqueued {
-        run_id,
-        status: RunStatus::Queued,
-        conversation_id,
-        user_message_id: message_id,
-    })
+    Ok(row.map(|(run_id, conversation_id, user_message_id, request)| {
+        // The answer the first request got.
+        (Enqueued { run_id, status: RunStatus::Queued, conversation_id, user_message_id }, request)
+    }))
 }
 
 /// `pg_notify` inside the caller's transaction: fires on commit or never.
-pub async fn notify(
-    db: impl PgExecutor<'_>,
-    channel: &str,
-    payload: &str,
-) -> Result<(), sqlx::Error> {
-    sqlx::query("SELECT pg_notify($1, $2)")
-        .bind(channel)
-        .bind(payload)
-        .execute(db)
-        .await?;
+pub async fn notify(db: impl PgExecutor<'_>, channel: &str, payload: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_notify($1, $2)").bind(channel).bind(payload).execute(db).await?;
     Ok(())
 }
 
@@ -271,10 +275,7 @@ SELECT c.*, msg.content FROM claimed c JOIN msg ON msg.id = c.user_message_id";
 /// [`is_running_conflict`] holds is the one-running-per-conversation index
 /// turning away a turn the pre-filter could not see: it means "claimed nothing
 /// this round", and the caller simply claims again.
-pub async fn claim(
-    db: impl PgExecutor<'_>,
-    claim: &Claim<'_>,
-) -> Result<Vec<ClaimedRun>, sqlx::Error> {
+pub async fn claim(db: impl PgExecutor<'_>, claim: &Claim<'_>) -> Result<Vec<ClaimedRun>, sqlx::Error> {
     sqlx::query_as::<_, ClaimedRun>(CLAIM_SQL)
         .bind(claim.limit)
         .bind(secs(claim.lease))
@@ -428,10 +429,7 @@ pub async fn finish(
 ///
 /// Takes many conversations at once: under load, one statement answers the
 /// runs that ended in the same instant.
-pub async fn wake_waiting_turns(
-    db: impl PgExecutor<'_>,
-    conversations: &[ConversationId],
-) -> Result<(), sqlx::Error> {
+pub async fn wake_waiting_turns(db: impl PgExecutor<'_>, conversations: &[ConversationId]) -> Result<(), sqlx::Error> {
     let ids: Vec<uuid::Uuid> = conversations.iter().map(|c| c.0).collect();
     sqlx::query(
         "SELECT pg_notify($1, c::text) FROM unnest($2::uuid[]) AS c
@@ -454,11 +452,7 @@ pub struct Expired {
 /// The reaper's read: running runs whose lease lapsed more than `grace` ago
 /// (by the database's clock). A snapshot, stale the instant it is returned;
 /// [`reap`] re-checks in its write.
-pub async fn find_expired(
-    db: impl PgExecutor<'_>,
-    grace: Duration,
-    limit: i64,
-) -> Result<Vec<Expired>, sqlx::Error> {
+pub async fn find_expired(db: impl PgExecutor<'_>, grace: Duration, limit: i64) -> Result<Vec<Expired>, sqlx::Error> {
     sqlx::query_as(
         "SELECT id, claim_token FROM agent_run
          WHERE status = 'running' AND claim_expires_at < now() - make_interval(secs => $1)
@@ -523,11 +517,7 @@ async fn write_complete(
 }
 
 /// One run as its owner sees it; `None` when missing or someone else's.
-pub async fn get_run(
-    db: impl PgExecutor<'_>,
-    id: RunId,
-    owner_id: &str,
-) -> Result<Option<RunView>, sqlx::Error> {
+pub async fn get_run(db: impl PgExecutor<'_>, id: RunId, owner_id: &str) -> Result<Option<RunView>, sqlx::Error> {
     sqlx::query_as(
         "SELECT r.id, r.conversation_id, r.status, r.plugin, r.plugin_digest, r.cancel_requested,
                 r.error, r.created_at, r.started_at, r.finished_at,
@@ -541,14 +531,9 @@ pub async fn get_run(
 }
 
 /// A run's status, for tests and tools that watch runs without an owner.
-pub async fn status_of(
-    db: impl PgExecutor<'_>,
-    id: RunId,
-) -> Result<Option<RunStatus>, sqlx::Error> {
-    let s: Option<String> = sqlx::query_scalar("SELECT status FROM agent_run WHERE id = $1")
-        .bind(id)
-        .fetch_optional(db)
-        .await?;
+pub async fn status_of(db: impl PgExecutor<'_>, id: RunId) -> Result<Option<RunStatus>, sqlx::Error> {
+    let s: Option<String> =
+        sqlx::query_scalar("SELECT status FROM agent_run WHERE id = $1").bind(id).fetch_optional(db).await?;
     Ok(s.and_then(|s| s.parse().ok()))
 }
 
@@ -569,12 +554,10 @@ pub async fn events_after(
     after_seq: i32,
     limit: i64,
 ) -> Result<Vec<Event>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT seq, type, payload FROM run_event WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
-    )
-    .bind(run)
-    .bind(after_seq)
-    .bind(limit)
-    .fetch_all(db)
-    .await
+    sqlx::query_as("SELECT seq, type, payload FROM run_event WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3")
+        .bind(run)
+        .bind(after_seq)
+        .bind(limit)
+        .fetch_all(db)
+        .await
 }

@@ -26,23 +26,18 @@ pub async fn create(
     let mut secret = [0u8; 24];
     rand::thread_rng().fill_bytes(&mut secret);
     let token = format!("ah_{}", hex::encode(secret));
-    sqlx::query(
-        "INSERT INTO api_token (token_hash, user_id, tenant_id, admin) VALUES ($1, $2, $3, $4)",
-    )
-    .bind(hash(&token))
-    .bind(user_id)
-    .bind(tenant_id)
-    .bind(admin)
-    .execute(db)
-    .await?;
+    sqlx::query("INSERT INTO api_token (token_hash, user_id, tenant_id, admin) VALUES ($1, $2, $3, $4)")
+        .bind(hash(&token))
+        .bind(user_id)
+        .bind(tenant_id)
+        .bind(admin)
+        .execute(db)
+        .await?;
     Ok(token)
 }
 
 /// The principal behind a presented token, if it is valid.
-pub async fn authenticate(
-    db: impl PgExecutor<'_>,
-    token: &str,
-) -> Result<Option<Principal>, sqlx::Error> {
+pub async fn authenticate(db: impl PgExecutor<'_>, token: &str) -> Result<Option<Principal>, sqlx::Error> {
     sqlx::query_as("SELECT user_id, tenant_id, admin FROM api_token WHERE token_hash = $1")
         .bind(hash(token))
         .fetch_optional(db)

@@ -68,12 +68,7 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             Err(e) => {
                 tracing::warn!(error = %e, "claim failed");
                 drop(permits);
-                idle_wait(
-                    &shared,
-                    wakes.as_mut(),
-                    ERROR_BACKOFF.min(shared.config.poll_tick),
-                )
-                .await;
+                idle_wait(&shared, wakes.as_mut(), ERROR_BACKOFF.min(shared.config.poll_tick)).await;
                 continue;
             }
         };
@@ -83,10 +78,7 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             idle_wait(&shared, wakes.as_mut(), shared.config.poll_tick).await;
             continue;
         }
-        shared
-            .stats
-            .claimed
-            .fetch_add(claimed.len() as u64, Ordering::Relaxed);
+        shared.stats.claimed.fetch_add(claimed.len() as u64, Ordering::Relaxed);
         // Surplus slots go back before the runs start.
         permits.truncate(claimed.len());
         for (row, permit) in claimed.into_iter().zip(permits) {

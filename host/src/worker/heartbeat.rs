@@ -22,13 +22,7 @@ pub(super) async fn run(shared: Arc<Shared>) {
 }
 
 async fn beat(shared: &Shared) {
-    let held: Vec<_> = shared
-        .held
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(id, h)| (*id, h.token))
-        .collect();
+    let held: Vec<_> = shared.held.lock().unwrap().iter().map(|(id, h)| (*id, h.token)).collect();
     if held.is_empty() {
         return;
     }
@@ -37,10 +31,7 @@ async fn beat(shared: &Shared) {
         Err(e) => {
             // Not a verdict: the lease may still be ours. If it lapses, the
             // reaper decides and the fence keeps our later writes out.
-            shared
-                .stats
-                .heartbeat_errors
-                .fetch_add(1, Ordering::Relaxed);
+            shared.stats.heartbeat_errors.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(error = %e, runs = held.len(), "heartbeat failed");
             return;
         }

@@ -70,20 +70,16 @@ impl Default for WorkerConfig {
 }
 
 pub fn default_worker_id() -> String {
-    let host = nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "host".into());
+    let host = nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "host".into());
     format!("{host}-{}", std::process::id())
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ConfigError {
-    #[error("heartbeat ({heartbeat:?}) must be shorter than the lease ({lease:?}), or a healthy worker loses its runs")]
-    HeartbeatNotBelowLease {
-        heartbeat: Duration,
-        lease: Duration,
-    },
+    #[error(
+        "heartbeat ({heartbeat:?}) must be shorter than the lease ({lease:?}), or a healthy worker loses its runs"
+    )]
+    HeartbeatNotBelowLease { heartbeat: Duration, lease: Duration },
     #[error("{0} must be greater than zero")]
     Zero(&'static str),
     #[error("max runs must be between 1 and 10000, not {0}")]
@@ -105,10 +101,7 @@ impl WorkerConfig {
             }
         }
         if self.heartbeat >= self.lease {
-            return Err(ConfigError::HeartbeatNotBelowLease {
-                heartbeat: self.heartbeat,
-                lease: self.lease,
-            });
+            return Err(ConfigError::HeartbeatNotBelowLease { heartbeat: self.heartbeat, lease: self.lease });
         }
         if !(1..=10_000).contains(&self.max_runs) {
             return Err(ConfigError::MaxRuns(self.max_runs));
@@ -214,15 +207,8 @@ impl Worker {
             tokio::spawn(reaper::run(shared.clone())),
             tokio::spawn(waker::run(shared.clone(), ended_rx)),
         ];
-        let dispatcher = shared
-            .config
-            .dispatch
-            .then(|| tokio::spawn(dispatcher::run(shared.clone(), hub)));
-        Ok(Worker {
-            shared,
-            dispatcher,
-            services,
-        })
+        let dispatcher = shared.config.dispatch.then(|| tokio::spawn(dispatcher::run(shared.clone(), hub)));
+        Ok(Worker { shared, dispatcher, services })
     }
 
     pub fn stats(&self) -> Arc<WorkerStats> {
@@ -246,9 +232,7 @@ impl Worker {
         }
         self.shared.tasks.close();
         let finished_in_budget =
-            tokio::time::timeout(self.shared.config.drain_timeout, self.shared.tasks.wait())
-                .await
-                .is_ok();
+            tokio::time::timeout(self.shared.config.drain_timeout, self.shared.tasks.wait()).await.is_ok();
         let mut aborted = 0;
         if !finished_in_budget {
             aborted = self.shared.tasks.len();
@@ -260,10 +244,7 @@ impl Worker {
         for s in self.services.drain(..) {
             let _ = s.await;
         }
-        DrainReport {
-            finished_in_budget,
-            aborted,
-        }
+        DrainReport { finished_in_budget, aborted }
     }
 }
 

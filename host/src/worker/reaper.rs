@@ -29,11 +29,7 @@ pub(super) async fn run(shared: Arc<Shared>) {
 
 /// One pass: read the orphans, then reap each with the liveness re-check in
 /// the write. Returns how many runs this pass ended.
-pub async fn sweep(
-    pool: &PgPool,
-    grace: Duration,
-    stats: &WorkerStats,
-) -> Result<usize, sqlx::Error> {
+pub async fn sweep(pool: &PgPool, grace: Duration, stats: &WorkerStats) -> Result<usize, sqlx::Error> {
     let mut reaped = 0;
     for expired in db::runs::find_expired(pool, grace, REAP_BATCH_MAX).await? {
         if db::runs::reap(pool, expired, grace).await? {

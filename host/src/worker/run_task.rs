@@ -29,11 +29,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
     let cancel_requested = Arc::new(AtomicBool::new(false));
     shared.held.lock().unwrap().insert(
         row.id,
-        Held {
-            token: row.claim_token,
-            lost: lost.clone(),
-            cancel_requested: cancel_requested.clone(),
-        },
+        Held { token: row.claim_token, lost: lost.clone(), cancel_requested: cancel_requested.clone() },
     );
     let span = tracing::info_span!("run", run_id = %row.id, plugin = %row.plugin);
     let shared2 = shared.clone();
@@ -85,20 +81,12 @@ async fn execute(
         return finalize(
             &shared,
             &row,
-            Err(AgentError::Failed(format!(
-                "plugin {:?} is not available on this host",
-                row.plugin
-            ))),
+            Err(AgentError::Failed(format!("plugin {:?} is not available on this host", row.plugin))),
             "",
         )
         .await;
     };
-    let mut host = RunHost::new(
-        shared.pool.clone(),
-        row.id,
-        row.claim_token,
-        cancel_requested,
-    );
+    let mut host = RunHost::new(shared.pool.clone(), row.id, row.claim_token, cancel_requested);
     let input = RunInput {
         run_id: row.id,
         conversation_id: row.conversation_id,
@@ -115,35 +103,16 @@ async fn execute(
     finalize(&shared, &row, result, &streamed).await
 }
 
-async fn finalize(
-    shared: &Shared,
-    row: &ClaimedRun,
-    result: Result<String, AgentError>,
-    streamed: &str,
-) -> Outcome {
+async fn finalize(shared: &Shared, row: &ClaimedRun, result: Result<String, AgentError>, streamed: &str) -> Outcome {
     let (status, error, assistant) = match &result {
-        Ok(text) => (
-            RunStatus::Completed,
-            None,
-            Some((text.as_str(), "complete")),
-        ),
+        Ok(text) => (RunStatus::Completed, None, Some((text.as_str(), "complete"))),
         Err(AgentError::Host(HostError::Fenced)) => return Outcome::Lost,
-        Err(AgentError::Host(HostError::Cancelled)) => (
-            RunStatus::Cancelled,
-            None,
-            (!streamed.is_empty()).then_some((streamed, "partial")),
-        ),
-        Err(e) => (
-            RunStatus::Failed,
-            Some(e.to_string()),
-            (!streamed.is_empty()).then_some((streamed, "partial")),
-        ),
+        Err(AgentError::Host(HostError::Cancelled)) => {
+            (RunStatus::Cancelled, None, (!streamed.is_empty()).then_some((streamed, "partial")))
+        }
+        Err(e) => (RunStatus::Failed, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, "partial"))),
     };
-    let finish = Finish {
-        status,
-        error: error.as_deref(),
-        assistant,
-    };
+    let finish = Finish { status, error: error.as_deref(), assistant };
     match db::runs::finish(&shared.pool, row.id, row.claim_token, &finish).await {
         Ok(true) => Outcome::Finalized,
         // Zero rows: someone else ended this run. Stand down.
