@@ -113,6 +113,9 @@ async fn finalize(shared: &Shared, row: &ClaimedRun, result: Result<String, Agen
         Err(e) => (RunStatus::Failed, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, "partial"))),
     };
     let finish = Finish { status, error: error.as_deref(), assistant };
+    // No more heartbeats for a run that is ending: one landing after our
+    // terminal write would find the claim gone and cry wolf.
+    shared.held.lock().unwrap().remove(&row.id);
     match db::runs::finish(&shared.pool, row.id, row.claim_token, &finish).await {
         Ok(true) => Outcome::Finalized,
         // Zero rows: someone else ended this run. Stand down.
