@@ -204,7 +204,8 @@ async fn private_cluster_starts_is_reused_and_stops_with_the_host() {
     assert!(line.starts_with("agent-host listening on"), "{line}");
     assert!(dir.join("pg/postmaster.pid").exists());
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(host.id() as i32), Signal::SIGTERM).unwrap();
-    assert!(host.wait().unwrap().success());
+    let status = host.wait().unwrap();
+    assert!(status.success(), "{status:?}");
     assert!(!dir.join("pg/postmaster.pid").exists(), "the cluster outlived the host");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -53,6 +53,7 @@ pub async fn connect_and_migrate(url: &str, pool_max: u32) -> anyhow::Result<PgP
 }
 
 pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
+    let mut shutdown = ShutdownSignal::install().context("installing signal handlers")?;
     let config = args.worker.to_config();
     config.validate()?;
     let mut database = open_database(db_args).await?;
@@ -76,7 +77,7 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let mut http =
         tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await });
     tokio::select! {
-        _ = shutdown_signal() => {}
+        _ = shutdown.recv() => {}
         r = &mut http => {
             r??;
             anyhow::bail!("the HTTP server stopped unexpectedly");
@@ -124,13 +125,24 @@ async fn demo(pool: &PgPool, addr: std::net::SocketAddr) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// SIGTERM (the orchestrator) or SIGINT (Ctrl-C).
-pub async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+/// SIGTERM (the orchestrator) or SIGINT (Ctrl-C). Installed when created, so
+/// a signal that arrives before anyone awaits it still drains instead of
+/// killing the process.
+pub struct ShutdownSignal {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignal {
+    pub fn install() -> std::io::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(ShutdownSignal { term: signal(SignalKind::terminate())?, int: signal(SignalKind::interrupt())? })
+    }
+
+    pub async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
     }
 }
