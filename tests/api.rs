@@ -26,7 +26,7 @@ impl Api {
         let alice = tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
         // Same tenant, another user: must see nothing of alice's.
         let bob = tokens::create(&db.pool, "bob", "acme", false).await.unwrap();
-        let router = api::router(AppState { pool: db.pool.clone(), agents: AgentRegistry::with_builtins() });
+        let router = api::router(AppState::new(db.pool.clone(), AgentRegistry::with_builtins(), None));
         Api { router, db, alice, bob }
     }
 

@@ -340,7 +340,7 @@ async fn reaped_worker_writes_change_nothing() {
         .await
         .unwrap()
         .remove(0);
-    assert!(runs::append_events(&db.pool, c.id, c.claim_token, 4, &[("content_delta", json!({"delta": "a"}))])
+    assert!(runs::append_events(&db.pool, c.id, c.claim_token, 4, &[("content_delta", json!({"delta": "a"}))], None)
         .await
         .unwrap());
     let expired = runs::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
@@ -349,7 +349,7 @@ async fn reaped_worker_writes_change_nothing() {
     assert_eq!(after_reap.last().unwrap(), &(5, "complete".to_string()));
 
     // The zombie resumes.
-    assert!(!runs::append_events(&db.pool, c.id, c.claim_token, 5, &[("content_delta", json!({"delta": "b"}))])
+    assert!(!runs::append_events(&db.pool, c.id, c.claim_token, 5, &[("content_delta", json!({"delta": "b"}))], None)
         .await
         .unwrap());
     assert!(runs::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30)).await.unwrap().is_empty());

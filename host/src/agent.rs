@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use serde_json::{json, Value};
-use sqlx::PgPool;
 
-use crate::db::{self, ClaimToken, ConversationId, RunId};
+use crate::db::{ConversationId, RunId};
+use crate::journal::{Journal, DELTA_KIND};
 
 /// Event kinds only the host writes; guests cannot emit them.
 pub const RESERVED_KINDS: &[&str] = &[
@@ -76,11 +76,8 @@ pub trait Agent: Send + Sync + 'static {
 
 /// The host side of one run: the imports an agent may call.
 pub struct RunHost {
-    pool: PgPool,
     run_id: RunId,
-    token: ClaimToken,
-    next_seq: i32,
-    fenced: bool,
+    journal: Journal,
     cancel_requested: Arc<AtomicBool>,
     /// Text streamed so far as `content_delta`: kept as the partial answer if
     /// the turn is cut off.
@@ -88,20 +85,17 @@ pub struct RunHost {
 }
 
 impl RunHost {
-    pub(crate) fn new(pool: PgPool, run_id: RunId, token: ClaimToken, cancel_requested: Arc<AtomicBool>) -> Self {
-        // seq 1-2 belong to enqueue, seq 3 to the claim's run_started.
-        RunHost { pool, run_id, token, next_seq: 4, fenced: false, cancel_requested, streamed: String::new() }
+    pub(crate) fn new(run_id: RunId, journal: Journal, cancel_requested: Arc<AtomicBool>) -> Self {
+        RunHost { run_id, journal, cancel_requested, streamed: String::new() }
     }
 
     pub fn run_id(&self) -> RunId {
         self.run_id
     }
 
-    /// Appends one event to the run's journal, fenced.
+    /// Appends one event to the run's journal (fenced): `content_delta` with a
+    /// string `delta` is buffered and merged; anything else is written through.
     pub async fn emit_event(&mut self, kind: &str, payload: Value) -> Result<(), HostError> {
-        if self.fenced {
-            return Err(HostError::Fenced);
-        }
         if kind.is_empty() || kind.len() > EVENT_KIND_BYTES_MAX {
             return Err(HostError::Invalid(format!("event kind must be 1-{EVENT_KIND_BYTES_MAX} bytes")));
         }
@@ -118,33 +112,29 @@ impl RunHost {
         if self.check_cancel() {
             return Err(HostError::Cancelled);
         }
-        let delta = if kind == "content_delta" {
-            payload.get("delta").and_then(Value::as_str).map(str::to_owned)
-        } else {
-            None
-        };
-        let appended = db::runs::append_events(&self.pool, self.run_id, self.token, self.next_seq, &[(kind, payload)])
-            .await
-            .map_err(|e| HostError::Unavailable(e.to_string()))?;
-        if !appended {
-            self.fenced = true;
-            return Err(HostError::Fenced);
+        match payload.get("delta").and_then(Value::as_str) {
+            Some(delta) if kind == DELTA_KIND => {
+                self.streamed.push_str(delta);
+                self.journal.delta(payload).await
+            }
+            _ => self.journal.event(kind, payload).await,
         }
-        self.next_seq += 1;
-        if let Some(d) = delta {
-            self.streamed.push_str(&d);
-        }
-        Ok(())
     }
 
     /// Streams a piece of the answer (`content_delta`).
     pub async fn emit_delta(&mut self, delta: &str) -> Result<(), HostError> {
-        self.emit_event("content_delta", json!({ "delta": delta })).await
+        self.emit_event(DELTA_KIND, json!({ "delta": delta })).await
     }
 
     /// Whether a stop was requested for this run.
     pub fn check_cancel(&self) -> bool {
         self.cancel_requested.load(Ordering::Relaxed)
+    }
+
+    /// Flushes and closes the journal: the terminal write comes next.
+    pub(crate) async fn close(self) -> (String, Result<(), HostError>) {
+        let r = self.journal.close().await;
+        (self.streamed, r)
     }
 }
 

@@ -70,7 +70,7 @@ async fn bench_database(url: &str) -> anyhow::Result<String> {
 async fn enqueue_latency(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<()> {
     db::bench::reset(pool).await?;
     let token = db::tokens::create(pool, "bench", "bench", false).await?;
-    let app = api::router(AppState { pool: pool.clone(), agents: AgentRegistry::with_builtins() });
+    let app = api::router(AppState::new(pool.clone(), AgentRegistry::with_builtins(), None));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let server = tokio::spawn(async move { axum::serve(listener, app).await });

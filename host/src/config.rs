@@ -68,6 +68,9 @@ pub struct ServeArgs {
     /// Create a demo token, enqueue a demo run and print how to watch it.
     #[arg(long)]
     pub demo: bool,
+    /// SSE keepalive, which is also a tail's fallback poll when no wake arrives.
+    #[arg(long, env = "AGENT_HOST_SSE_KEEPALIVE_MS", default_value_t = 15_000)]
+    pub sse_keepalive_ms: u64,
     #[command(flatten)]
     pub worker: WorkerArgs,
 }
@@ -95,6 +98,9 @@ pub struct WorkerArgs {
     /// Budget for in-flight runs to finish on SIGTERM/SIGINT.
     #[arg(long, env = "AGENT_HOST_DRAIN_TIMEOUT_MS", default_value_t = 25_000)]
     pub drain_timeout_ms: u64,
+    /// How long content deltas merge before a journal flush.
+    #[arg(long, env = "AGENT_HOST_JOURNAL_FLUSH_MS", default_value_t = 250)]
+    pub journal_flush_ms: u64,
     /// This process's name in claims (default: hostname-pid).
     #[arg(long, env = "AGENT_HOST_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -118,6 +124,7 @@ impl WorkerArgs {
             poll_tick: ms(self.poll_tick_ms),
             drain_timeout: ms(self.drain_timeout_ms),
             worker_id: self.worker_id.clone().unwrap_or_else(crate::worker::default_worker_id),
+            journal_flush: ms(self.journal_flush_ms),
             dispatch: !self.no_dispatch,
         }
     }

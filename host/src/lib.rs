@@ -10,5 +10,6 @@ pub mod bench;
 pub mod config;
 pub mod db;
 pub mod hub;
+pub mod journal;
 pub mod server;
 pub mod worker;

@@ -60,12 +60,14 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let pool = connect_and_migrate(&database.url, db_args.db_pool_max).await?;
     let hub = (!args.worker.no_hub).then(|| Hub::start(database.listen_url.clone()));
     let agents = AgentRegistry::with_builtins();
-    let worker = Worker::start(pool.clone(), hub, agents.clone(), config).await?;
+    let worker = Worker::start(pool.clone(), hub.clone(), agents.clone(), config).await?;
 
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let addr = listener.local_addr()?;
-    let app = api::router(AppState { pool: pool.clone(), agents });
+    let mut state = AppState::new(pool.clone(), agents, hub);
+    state.keepalive = std::time::Duration::from_millis(args.sse_keepalive_ms);
+    let app = api::router(state);
     // A line scripts and tests read to find the port.
     println!("agent-host listening on http://{addr}");
     if args.demo {

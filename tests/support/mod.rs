@@ -126,6 +126,7 @@ pub fn fast_config(worker_id: &str) -> WorkerConfig {
         poll_tick: Duration::from_millis(500),
         drain_timeout: Duration::from_secs(5),
         worker_id: worker_id.into(),
+        journal_flush: Duration::from_millis(50),
         dispatch: true,
     }
 }

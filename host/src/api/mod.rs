@@ -1,6 +1,7 @@
 //! HTTP API (DESIGN.md section 5): axum routes, auth, the error type.
 
 mod error;
+mod events;
 mod runs;
 
 use axum::extract::{FromRef, FromRequest, FromRequestParts, Request, State};
@@ -14,8 +15,11 @@ use sqlx::PgPool;
 
 pub use error::ApiError;
 
+use std::time::Duration;
+
 use crate::agent::AgentRegistry;
 use crate::db::tokens::{self, Principal};
+use crate::hub::Hub;
 
 /// Bytes of one request body.
 pub const BODY_BYTES_MAX: usize = 1 << 20;
@@ -24,12 +28,23 @@ pub const BODY_BYTES_MAX: usize = 1 << 20;
 pub struct AppState {
     pub pool: PgPool,
     pub agents: AgentRegistry,
+    /// Wakes tails; `None`: tails poll at the keepalive interval.
+    pub hub: Option<Hub>,
+    /// SSE keepalive, which is also the tail's fallback poll.
+    pub keepalive: Duration,
+}
+
+impl AppState {
+    pub fn new(pool: PgPool, agents: AgentRegistry, hub: Option<Hub>) -> Self {
+        AppState { pool, agents, hub, keepalive: events::KEEPALIVE_DEFAULT }
+    }
 }
 
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/runs", post(runs::create_run))
         .route("/v1/runs/{id}", get(runs::get_run))
+        .route("/v1/runs/{id}/events", get(events::events))
         .route("/v1/conversations", post(runs::create_conversation))
         .route("/v1/conversations/{id}/runs", post(runs::create_run_in_conversation))
         .route("/healthz", get(|| async { Json(json!({ "status": "ok" })) }))

@@ -320,35 +320,49 @@ pub async fn heartbeat(
     .await
 }
 
+/// The channel a run's tails listen on: one NOTIFY per journal flush.
+pub fn events_channel(run: RunId) -> String {
+    format!("run_events_{}", run.0.simple())
+}
+
 /// Appends events `first_seq..` to a run's journal, fenced: written only while
 /// the run still names this claim token and is running. The run row is taken
 /// `FOR SHARE`, so the append serialises with any terminal write and a
-/// finalizer's max(seq)+1 never collides with it. Returns false when fenced.
+/// finalizer's max(seq)+1 never collides with it. All or nothing: a tripped
+/// fence inserts no row and, with `notify`, announces nothing (the NOTIFY
+/// rides the same statement). Returns false when fenced.
 pub async fn append_events(
     db: impl PgExecutor<'_>,
     run: RunId,
     token: ClaimToken,
     first_seq: i32,
     events: &[(&str, Value)],
+    notify: Option<&str>,
 ) -> Result<bool, sqlx::Error> {
     let types: Vec<&str> = events.iter().map(|e| e.0).collect();
     let payloads: Vec<&Value> = events.iter().map(|e| &e.1).collect();
-    let inserted = sqlx::query(
-        "INSERT INTO run_event (run_id, seq, type, payload)
-         SELECT $1, $3 + e.ord::int - 1, e.type, e.payload
-         FROM (SELECT 1 FROM agent_run
-               WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
-               FOR SHARE) AS fence,
-              unnest($4::text[], $5::jsonb[]) WITH ORDINALITY AS e(type, payload, ord)",
+    let (inserted, _notified): (i64, Option<i32>) = sqlx::query_as(
+        "WITH ins AS (
+             INSERT INTO run_event (run_id, seq, type, payload)
+             SELECT $1, $3 + e.ord::int - 1, e.type, e.payload
+             FROM (SELECT 1 FROM agent_run
+                   WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
+                   FOR SHARE) AS fence,
+                  unnest($4::text[], $5::jsonb[]) WITH ORDINALITY AS e(type, payload, ord)
+             RETURNING seq),
+         n AS (SELECT count(*) AS n, max(seq) AS last FROM ins)
+         SELECT n.n, CASE WHEN n.n > 0 AND $6::text IS NOT NULL
+                          THEN (SELECT 1 FROM pg_notify($6, n.last::text)) END
+         FROM n",
     )
     .bind(run)
     .bind(token)
     .bind(first_seq)
     .bind(types)
     .bind(payloads)
-    .execute(db)
-    .await?
-    .rows_affected();
+    .bind(notify)
+    .fetch_one(db)
+    .await?;
     Ok(inserted as usize == events.len())
 }
 
@@ -397,7 +411,7 @@ pub async fn finish(
          -- this one. (Runs of other conversations were announced at enqueue;
          -- an unconditional NOTIFY serialises every commit on the notify
          -- queue.) A turn whose enqueue commits after this statement's
-         -- snapshot is covered by `wake_waiting_turns`, after commit.
+         -- snapshot is covered by `announce_ended`, after commit.
          wake AS (
              SELECT pg_notify($8, f.conversation_id::text) FROM fin f
              WHERE EXISTS (SELECT 1 FROM agent_run q
@@ -419,24 +433,30 @@ pub async fn finish(
     Ok(applied.is_some())
 }
 
-/// The wake chain's second half, run after a terminal write has committed:
-/// NOTIFY if the conversation has a queued turn. A turn enqueued after the
-/// terminal write's snapshot but before its commit announced itself while
-/// this run still looked running, so its wake found nothing to claim; this
-/// read (a fresh snapshot, after our commit) sees it. A turn enqueued after
-/// this read announces itself after our commit. Either way someone claims it
-/// now, not on the poll tick.
+/// Announcements after terminal writes have committed, batched across runs
+/// that ended in the same instant (one notify-only transaction for all).
 ///
-/// Takes many conversations at once: under load, one statement answers the
-/// runs that ended in the same instant.
-pub async fn wake_waiting_turns(db: impl PgExecutor<'_>, conversations: &[ConversationId]) -> Result<(), sqlx::Error> {
-    let ids: Vec<uuid::Uuid> = conversations.iter().map(|c| c.0).collect();
+/// - Each run's tails are told its `complete` is there. (In the terminal
+///   write's own transaction this NOTIFY would serialise every terminal commit
+///   on PostgreSQL's notify queue lock; tails poll as a fallback regardless.)
+/// - The wake chain's second half: NOTIFY `run_enqueued` if the conversation
+///   has a queued turn. A turn enqueued after the terminal write's snapshot
+///   but before its commit announced itself while this run still looked
+///   running, so its wake found nothing to claim; this read (a fresh snapshot,
+///   after our commit) sees it. A turn enqueued after this read announces
+///   itself after our commit. Either way it is claimed now, not on the tick.
+pub async fn announce_ended(db: impl PgExecutor<'_>, ended: &[(RunId, ConversationId)]) -> Result<(), sqlx::Error> {
+    let channels: Vec<String> = ended.iter().map(|(r, _)| events_channel(*r)).collect();
+    let conversations: Vec<uuid::Uuid> = ended.iter().map(|(_, c)| c.0).collect();
     sqlx::query(
-        "SELECT pg_notify($1, c::text) FROM unnest($2::uuid[]) AS c
-         WHERE EXISTS (SELECT 1 FROM agent_run WHERE conversation_id = c AND status = 'queued')",
+        "SELECT pg_notify(ch, 'complete') FROM unnest($3::text[]) AS ch
+         UNION ALL
+         SELECT pg_notify($1, c::text) FROM (SELECT DISTINCT c FROM unnest($2::uuid[]) AS c) AS d
+         WHERE EXISTS (SELECT 1 FROM agent_run WHERE conversation_id = d.c AND status = 'queued')",
     )
     .bind(RUN_ENQUEUED_CHANNEL)
-    .bind(ids)
+    .bind(conversations)
+    .bind(channels)
     .execute(db)
     .await?;
     Ok(())
@@ -488,6 +508,7 @@ pub async fn reap(pool: &PgPool, expired: Expired, grace: Duration) -> Result<bo
     };
     write_complete(&mut tx, expired.id, RunStatus::Failed, error.as_deref()).await?;
     notify(&mut *tx, RUN_ENQUEUED_CHANNEL, &conversation_id.to_string()).await?;
+    notify(&mut *tx, &events_channel(expired.id), "complete").await?;
     tx.commit().await?;
     Ok(true)
 }
@@ -535,6 +556,22 @@ pub async fn status_of(db: impl PgExecutor<'_>, id: RunId) -> Result<Option<RunS
     let s: Option<String> =
         sqlx::query_scalar("SELECT status FROM agent_run WHERE id = $1").bind(id).fetch_optional(db).await?;
     Ok(s.and_then(|s| s.parse().ok()))
+}
+
+/// A terminal run's (status, error, last seq in its journal); `None` while
+/// the run is not terminal.
+pub async fn terminal_state(
+    db: impl PgExecutor<'_>,
+    id: RunId,
+) -> Result<Option<(RunStatus, Option<String>, i32)>, sqlx::Error> {
+    let row: Option<(String, Option<String>, i32)> = sqlx::query_as(
+        "SELECT r.status, r.error, coalesce((SELECT max(seq) FROM run_event e WHERE e.run_id = r.id), 0)
+         FROM agent_run r WHERE r.id = $1 AND r.status IN ('completed', 'failed', 'cancelled')",
+    )
+    .bind(id)
+    .fetch_optional(db)
+    .await?;
+    Ok(row.and_then(|(s, e, seq)| s.parse().ok().map(|s| (s, e, seq))))
 }
 
 /// One journal row, as stored.

@@ -49,6 +49,8 @@ pub struct WorkerConfig {
     pub poll_tick: Duration,
     pub drain_timeout: Duration,
     pub worker_id: String,
+    /// How long content deltas merge before a journal flush.
+    pub journal_flush: Duration,
     /// Run the claim loop (false: this process only reaps and serves).
     pub dispatch: bool,
 }
@@ -64,6 +66,7 @@ impl Default for WorkerConfig {
             poll_tick: POLL_TICK_DEFAULT,
             drain_timeout: DRAIN_TIMEOUT_DEFAULT,
             worker_id: default_worker_id(),
+            journal_flush: crate::journal::FLUSH_DEFAULT,
             dispatch: true,
         }
     }
@@ -95,6 +98,7 @@ impl WorkerConfig {
             ("heartbeat", self.heartbeat),
             ("reap interval", self.reap_interval),
             ("poll tick", self.poll_tick),
+            ("journal flush", self.journal_flush),
         ] {
             if d.is_zero() {
                 return Err(ConfigError::Zero(name));
@@ -151,9 +155,10 @@ pub(crate) struct Shared {
     /// Background services (heartbeat, reaper) stop last.
     stop_services: CancellationToken,
     stats: Arc<WorkerStats>,
+    journal_stats: Arc<crate::journal::JournalStats>,
     draining: AtomicBool,
     /// Conversations whose run this process just ended, for the waker.
-    ended: mpsc::Sender<ConversationId>,
+    ended: mpsc::Sender<(RunId, ConversationId)>,
 }
 
 /// The running worker services of one process.
@@ -194,6 +199,7 @@ impl Worker {
             abort_runs: CancellationToken::new(),
             stop_services: CancellationToken::new(),
             stats: Arc::new(WorkerStats::default()),
+            journal_stats: Arc::new(crate::journal::JournalStats::default()),
             draining: AtomicBool::new(false),
             ended,
         });
@@ -213,6 +219,10 @@ impl Worker {
 
     pub fn stats(&self) -> Arc<WorkerStats> {
         self.shared.stats.clone()
+    }
+
+    pub fn journal_stats(&self) -> Arc<crate::journal::JournalStats> {
+        self.shared.journal_stats.clone()
     }
 
     /// Runs this process holds right now.

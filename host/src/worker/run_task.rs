@@ -11,6 +11,7 @@ use tracing::Instrument;
 
 use crate::agent::{AgentError, HostError, RunHost, RunInput};
 use crate::db::{self, runs::ClaimedRun, runs::Finish, RunStatus};
+use crate::journal::Journal;
 
 use super::{Held, Shared};
 
@@ -65,7 +66,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
             shared.held.lock().unwrap().remove(&id);
             drop(permit);
             // The wake chain's post-commit half (see `waker`).
-            let _ = shared.ended.send(conversation).await;
+            let _ = shared.ended.send((id, conversation)).await;
         }
         .instrument(span),
     );
@@ -86,7 +87,16 @@ async fn execute(
         )
         .await;
     };
-    let mut host = RunHost::new(shared.pool.clone(), row.id, row.claim_token, cancel_requested);
+    let journal = Journal::start(
+        shared.pool.clone(),
+        row.id,
+        row.claim_token,
+        4, // seq 1-2 belong to enqueue, 3 to the claim's run_started
+        shared.config.journal_flush,
+        lost.clone(),
+        shared.journal_stats.clone(),
+    );
+    let mut host = RunHost::new(row.id, journal, cancel_requested);
     let input = RunInput {
         run_id: row.id,
         conversation_id: row.conversation_id,
@@ -94,12 +104,16 @@ async fn execute(
         config: row.config.clone(),
     };
     let result = tokio::select! {
-        // The fence tripped (heartbeat found the claim gone): stop at once.
+        // The fence tripped (heartbeat or journal found the claim gone): stop at once.
         _ = lost.cancelled() => return Outcome::Lost,
         _ = shared.abort_runs.cancelled() => Err(AgentError::Failed("drain timeout: the host shut down before the run finished".into())),
         r = agent.run(&mut host, input) => r,
     };
-    let streamed = std::mem::take(&mut host.streamed);
+    // Everything journaled lands before the ending.
+    let (streamed, flushed) = host.close().await;
+    if flushed == Err(HostError::Fenced) {
+        return Outcome::Lost;
+    }
     finalize(&shared, &row, result, &streamed).await
 }
 

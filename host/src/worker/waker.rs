@@ -1,16 +1,13 @@
-//! The wake chain's post-commit half. A terminal write NOTIFYs when its
-//! snapshot shows a queued turn in the conversation; a turn whose enqueue
-//! committed after that snapshot but before the terminal commit announced
-//! itself while the conversation still looked busy, so nobody claimed it.
-//! After the commit, this re-reads (a fresh snapshot) and knocks for it. A
-//! turn enqueued later still announces itself after our commit. Batched: runs
-//! that end in the same instant share one statement.
+//! Announcements after a run's terminal write has committed: its tails are
+//! told, and the wake chain's second half knocks for a turn the terminal
+//! write could not see (see `db::runs::announce_ended`). Batched: runs that
+//! end in the same instant share one statement.
 
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
-use crate::db::{self, ConversationId};
+use crate::db::{self, ConversationId, RunId};
 
 use super::Shared;
 
@@ -19,7 +16,7 @@ pub(super) const QUEUE_MAX: usize = 1024;
 /// Conversations answered by one statement.
 const BATCH_MAX: usize = 256;
 
-pub(super) async fn run(shared: Arc<Shared>, mut ended: mpsc::Receiver<ConversationId>) {
+pub(super) async fn run(shared: Arc<Shared>, mut ended: mpsc::Receiver<(RunId, ConversationId)>) {
     let mut batch = Vec::with_capacity(BATCH_MAX);
     loop {
         tokio::select! {
@@ -33,10 +30,8 @@ pub(super) async fn run(shared: Arc<Shared>, mut ended: mpsc::Receiver<Conversat
                 }
             }
         }
-        batch.sort();
-        batch.dedup();
-        if let Err(e) = db::runs::wake_waiting_turns(&shared.pool, &batch).await {
-            // A lost hint costs the next turn one poll tick, nothing more.
+        if let Err(e) = db::runs::announce_ended(&shared.pool, &batch).await {
+            // A lost hint costs a poll interval, nothing more.
             tracing::warn!(error = %e, "post-commit wake failed");
         }
         batch.clear();
