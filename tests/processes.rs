@@ -226,3 +226,24 @@ fn missing_postgres_binaries_name_the_package_to_install() {
     assert!(err.contains("apt-get install postgresql"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Any process serves any tail: a run executed by A, streamed from B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tail_served_by_one_process_for_a_run_executed_by_another() {
+    let db = TestDb::new().await;
+    let a = HostProcess::spawn(&db.url, "A", FAST);
+    let mut args = FAST.to_vec();
+    args.push("--no-dispatch");
+    let b = HostProcess::spawn(&db.url, "B", &args);
+    let token = agent_host::db::tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
+    let run = enqueue(&db.pool, None, "sleep", json!({ "steps": 15, "step_ms": 30 })).await;
+    let url = format!("http://{}/v1/runs/{}/events", b.addr, run.run_id);
+    let mut client = support::sse::SseClient::connect(&url, &token, None).await;
+    let frames = client.collect(LONG).await;
+    assert_eq!(worker_of(&db, run.run_id).await.as_deref(), Some("A"));
+    let seqs: Vec<i32> = frames.iter().map(|f| f.data["seq"].as_i64().unwrap() as i32).collect();
+    let j: Vec<i32> = journal(&db.pool, run.run_id).await.into_iter().map(|(s, _)| s).collect();
+    assert_eq!(seqs, j, "the stream from B equals the journal A wrote");
+    assert_eq!(frames.last().unwrap().event, "complete");
+    drop((a, b));
+}

@@ -101,6 +101,12 @@ pub struct WorkerArgs {
     /// How long content deltas merge before a journal flush.
     #[arg(long, env = "AGENT_HOST_JOURNAL_FLUSH_MS", default_value_t = 250)]
     pub journal_flush_ms: u64,
+    /// How long a terminal run's events are kept (then the run's request snapshot is nulled too).
+    #[arg(long, env = "AGENT_HOST_EVENT_RETENTION_S", default_value_t = 86_400)]
+    pub event_retention_s: u64,
+    /// How often retention runs.
+    #[arg(long, env = "AGENT_HOST_RETENTION_INTERVAL_MS", default_value_t = 60_000)]
+    pub retention_interval_ms: u64,
     /// This process's name in claims (default: hostname-pid).
     #[arg(long, env = "AGENT_HOST_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -125,6 +131,8 @@ impl WorkerArgs {
             drain_timeout: ms(self.drain_timeout_ms),
             worker_id: self.worker_id.clone().unwrap_or_else(crate::worker::default_worker_id),
             journal_flush: ms(self.journal_flush_ms),
+            retention: Duration::from_secs(self.event_retention_s),
+            retention_interval: ms(self.retention_interval_ms),
             dispatch: !self.no_dispatch,
         }
     }

@@ -21,6 +21,8 @@ pub const SUBSCRIBER_QUEUE_MAX: usize = 16;
 const COMMAND_QUEUE_MAX: usize = 1024;
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Bound on one connection attempt.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why a subscriber was woken.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,7 +140,31 @@ async fn supervise(url: String, mut commands: mpsc::Receiver<Command>, stats: Ar
     let mut ever_connected = false;
     loop {
         let Some(conn) = listener.as_mut() else {
-            match connect(&url, subs.by_channel.keys()).await {
+            // Connect while still serving subscribes: a subscriber must never
+            // wait on a database that is down, only fall back to polling.
+            let connecting = tokio::time::timeout(CONNECT_TIMEOUT, PgListener::connect(&url));
+            tokio::pin!(connecting);
+            let result = loop {
+                tokio::select! {
+                    r = &mut connecting => break r,
+                    cmd = commands.recv() => match cmd {
+                        Some(cmd) => { handle(cmd, &mut subs, None).await; }
+                        None => return,
+                    },
+                }
+            };
+            let result = match result {
+                Ok(Ok(mut l)) => {
+                    let channels: Vec<&str> = subs.by_channel.keys().map(String::as_str).collect();
+                    match l.listen_all(channels).await {
+                        Ok(()) => Ok(l),
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err(format!("no connection within {CONNECT_TIMEOUT:?}")),
+            };
+            match result {
                 Ok(l) => {
                     listener = Some(l);
                     backoff = BACKOFF_MIN;
@@ -156,7 +182,6 @@ async fn supervise(url: String, mut commands: mpsc::Receiver<Command>, stats: Ar
                     let sleep = tokio::time::sleep(backoff);
                     tokio::pin!(sleep);
                     backoff = (backoff * 2).min(BACKOFF_MAX);
-                    // Keep serving subscribes while disconnected.
                     loop {
                         tokio::select! {
                             _ = &mut sleep => break,
@@ -196,17 +221,6 @@ fn lost(listener: &mut Option<PgListener>, stats: &HubStats, subs: &Subscribers)
     stats.connected.store(false, Ordering::Relaxed);
     // Wake everyone now: they re-read their rows and poll until we are back.
     subs.wake_all(stats);
-}
-
-async fn connect<'a>(url: &str, channels: impl Iterator<Item = &'a String>) -> Result<PgListener, sqlx::Error> {
-    let mut l = PgListener::connect(url).await?;
-    // We own reconnection (with backoff and a wake-all), not sqlx.
-    l.ignore_pool_close_event(true);
-    let channels: Vec<&str> = channels.map(String::as_str).collect();
-    if !channels.is_empty() {
-        l.listen_all(channels).await?;
-    }
-    Ok(l)
 }
 
 /// Applies one command. Returns false if the connection failed doing it.

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod process;
+pub mod sse;
 
 use std::future::Future;
 use std::sync::OnceLock;
@@ -127,6 +128,8 @@ pub fn fast_config(worker_id: &str) -> WorkerConfig {
         drain_timeout: Duration::from_secs(5),
         worker_id: worker_id.into(),
         journal_flush: Duration::from_millis(50),
+        retention: Duration::from_secs(24 * 3600),
+        retention_interval: Duration::from_secs(60),
         dispatch: true,
     }
 }

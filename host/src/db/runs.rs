@@ -598,3 +598,25 @@ pub async fn events_after(
         .fetch_all(db)
         .await
 }
+
+/// Retention: the journal is a delivery buffer. Deletes the events of up to
+/// `batch_runs` runs terminal for longer than `older_than` and nulls their
+/// request snapshots (the transcript in `message` stays). Returns how many
+/// runs it trimmed; call again until it returns less than `batch_runs`.
+pub async fn trim_terminal(db: impl PgExecutor<'_>, older_than: Duration, batch_runs: i64) -> Result<u64, sqlx::Error> {
+    let trimmed: i64 = sqlx::query_scalar(
+        "WITH victims AS (
+             SELECT id FROM agent_run
+             WHERE finished_at < now() - make_interval(secs => $1) AND request IS NOT NULL
+             ORDER BY finished_at LIMIT $2
+             FOR UPDATE SKIP LOCKED),
+         del AS (DELETE FROM run_event e USING victims v WHERE e.run_id = v.id),
+         upd AS (UPDATE agent_run r SET request = NULL FROM victims v WHERE r.id = v.id RETURNING r.id)
+         SELECT count(*) FROM upd",
+    )
+    .bind(secs(older_than))
+    .bind(batch_runs)
+    .fetch_one(db)
+    .await?;
+    Ok(trimmed as u64)
+}

@@ -4,6 +4,7 @@
 mod dispatcher;
 mod heartbeat;
 mod reaper;
+mod retention;
 mod run_task;
 mod waker;
 
@@ -32,6 +33,8 @@ pub const REAP_INTERVAL_DEFAULT: Duration = Duration::from_secs(10);
 pub const POLL_TICK_DEFAULT: Duration = Duration::from_secs(10);
 pub const DRAIN_TIMEOUT_DEFAULT: Duration = Duration::from_secs(25);
 pub const MAX_RUNS_DEFAULT: usize = 16;
+pub const RETENTION_DEFAULT: Duration = Duration::from_secs(24 * 3600);
+pub const RETENTION_INTERVAL_DEFAULT: Duration = Duration::from_secs(60);
 /// Rows one reaper pass ends at most; the next pass takes the rest.
 pub const REAP_BATCH_MAX: i64 = 100;
 /// Bound on waiting for aborted runs to write their ending after a drain timeout.
@@ -51,6 +54,10 @@ pub struct WorkerConfig {
     pub worker_id: String,
     /// How long content deltas merge before a journal flush.
     pub journal_flush: Duration,
+    /// How long a terminal run's events are kept.
+    pub retention: Duration,
+    /// How often retention runs.
+    pub retention_interval: Duration,
     /// Run the claim loop (false: this process only reaps and serves).
     pub dispatch: bool,
 }
@@ -67,6 +74,8 @@ impl Default for WorkerConfig {
             drain_timeout: DRAIN_TIMEOUT_DEFAULT,
             worker_id: default_worker_id(),
             journal_flush: crate::journal::FLUSH_DEFAULT,
+            retention: RETENTION_DEFAULT,
+            retention_interval: RETENTION_INTERVAL_DEFAULT,
             dispatch: true,
         }
     }
@@ -99,6 +108,7 @@ impl WorkerConfig {
             ("reap interval", self.reap_interval),
             ("poll tick", self.poll_tick),
             ("journal flush", self.journal_flush),
+            ("retention interval", self.retention_interval),
         ] {
             if d.is_zero() {
                 return Err(ConfigError::Zero(name));
@@ -139,6 +149,8 @@ pub struct WorkerStats {
     pub reaped: AtomicU64,
     pub claim_conflicts: AtomicU64,
     pub heartbeat_errors: AtomicU64,
+    /// Runs whose journal retention trimmed.
+    pub trimmed: AtomicU64,
 }
 
 pub(crate) struct Shared {
@@ -212,6 +224,7 @@ impl Worker {
             tokio::spawn(heartbeat::run(shared.clone())),
             tokio::spawn(reaper::run(shared.clone())),
             tokio::spawn(waker::run(shared.clone(), ended_rx)),
+            tokio::spawn(retention::run(shared.clone())),
         ];
         let dispatcher = shared.config.dispatch.then(|| tokio::spawn(dispatcher::run(shared.clone(), hub)));
         Ok(Worker { shared, dispatcher, services })

@@ -1,0 +1,361 @@
+//! Journal, hub and tails: merged deltas, fenced flushes, SSE replay and
+//! rejoin, synthesized endings, retention, and the hub's fallbacks.
+
+mod support;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
+use agent_host::api::{self, AppState};
+use agent_host::db::{runs, tokens, RunId};
+use agent_host::hub::Hub;
+use agent_host::worker::{Worker, WorkerConfig};
+use async_trait::async_trait;
+use serde_json::{json, Value};
+use support::sse::SseClient;
+use support::*;
+
+const LONG: Duration = Duration::from_secs(30);
+
+/// Emits `n` deltas as fast as it can, a structural event in the middle, and
+/// returns the whole text.
+struct Chatty(usize);
+
+#[async_trait]
+impl Agent for Chatty {
+    async fn run(&self, host: &mut RunHost, _input: RunInput) -> Result<String, AgentError> {
+        let mut text = String::new();
+        for i in 0..self.0 {
+            if i == self.0 / 2 {
+                host.emit_event("note", json!({ "at": i })).await?;
+            }
+            let piece = format!("{i} ");
+            host.emit_delta(&piece).await?;
+            text.push_str(&piece);
+        }
+        Ok(text)
+    }
+}
+
+fn agents() -> AgentRegistry {
+    let mut a = AgentRegistry::with_builtins();
+    a.insert("chatty", Arc::new(Chatty(1000)));
+    a
+}
+
+/// An HTTP server and a worker in this process, on a real port.
+struct Host {
+    base: String,
+    token: String,
+    worker: Option<Worker>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Host {
+    async fn start(db: &TestDb, hub: Option<Hub>, config: WorkerConfig, keepalive: Duration) -> Host {
+        let worker = Worker::start(db.pool.clone(), hub.clone(), agents(), config).await.unwrap();
+        let mut state = AppState::new(db.pool.clone(), agents(), hub);
+        state.keepalive = keepalive;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            axum::serve(listener, api::router(state)).await.unwrap();
+        });
+        let token = tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
+        Host { base, token, worker: Some(worker), server }
+    }
+
+    fn events_url(&self, run: RunId) -> String {
+        format!("{}/v1/runs/{run}/events", self.base)
+    }
+
+    async fn stop(mut self) {
+        self.worker.take().unwrap().drain().await;
+        self.server.abort();
+    }
+}
+
+async fn journal_payloads(db: &TestDb, run: RunId) -> Vec<(i32, String, Value)> {
+    sqlx::query_as("SELECT seq, type, payload FROM run_event WHERE run_id = $1 ORDER BY seq")
+        .bind(run)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
+fn deltas_text(journal: &[(i32, String, Value)]) -> String {
+    journal.iter().filter(|(_, t, _)| t == "content_delta").map(|(_, _, p)| p["delta"].as_str().unwrap()).collect()
+}
+
+#[tokio::test]
+async fn deltas_merge_structural_events_write_through_and_order_holds() {
+    let db = TestDb::new().await;
+    let e = enqueue(&db.pool, None, "chatty", json!({})).await;
+    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents(), fast_config("w")).await.unwrap();
+    wait_status(&db.pool, e.run_id, "completed", LONG).await;
+    let j = journal_payloads(&db, e.run_id).await;
+    let expected: String = (0..1000).map(|i| format!("{i} ")).collect();
+    assert_eq!(deltas_text(&j), expected, "merged deltas keep every character, in order");
+    // The structural event sits between the halves, written through.
+    let note = j.iter().position(|(_, t, _)| t == "note").unwrap();
+    let before = deltas_text(&j[..note]);
+    assert_eq!(before, (0..500).map(|i| format!("{i} ")).collect::<String>());
+    let rows = j.iter().filter(|(_, t, _)| t == "content_delta").count();
+    eprintln!("journal rows for 1000 deltas: {rows}");
+    assert!(rows <= 40, "{rows} delta rows for 1000 deltas: not merged");
+    assert_journal_sound(&db.pool, e.run_id).await;
+    let (content, status): (String, String) =
+        sqlx::query_as("SELECT content, status FROM message WHERE run_id = $1 AND role = 'assistant'")
+            .bind(e.run_id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((content, status.as_str()), (expected, "complete"));
+    let js = w.journal_stats();
+    assert_eq!(js.deltas_in.load(Ordering::Relaxed), 1000);
+    w.drain().await;
+}
+
+/// A run reaped under its worker: its next journal flush is fenced, writes
+/// nothing, and stops the run well before any heartbeat would have.
+#[tokio::test]
+async fn a_fenced_flush_writes_nothing_and_stops_the_run() {
+    let db = TestDb::new().await;
+    let e = enqueue(&db.pool, None, "sleep", json!({ "steps": 100000, "step_ms": 10 })).await;
+    let config = WorkerConfig {
+        lease: Duration::from_secs(600),
+        heartbeat: Duration::from_secs(300), // the journal, not the heartbeat, must notice
+        reap_interval: Duration::from_secs(3600),
+        journal_flush: Duration::from_millis(20),
+        ..fast_config("w")
+    };
+    let w = Worker::start(db.pool.clone(), None, agents(), config).await.unwrap();
+    let pool = db.pool.clone();
+    wait_for("some deltas", LONG, || {
+        let pool = pool.clone();
+        async move { journal(&pool, e.run_id).await.len() > 5 }
+    })
+    .await;
+    sqlx::query("UPDATE agent_run SET claim_expires_at = now() - interval '1 hour' WHERE id = $1")
+        .bind(e.run_id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let expired = runs::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
+    assert!(runs::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
+    let ended = journal(&db.pool, e.run_id).await;
+    let ws = w.stats();
+    wait_for("the worker to stand down", LONG, || {
+        let ws = ws.clone();
+        async move { ws.fenced.load(Ordering::Relaxed) == 1 }
+    })
+    .await;
+    assert_eq!(w.in_flight(), 0);
+    assert_eq!(journal(&db.pool, e.run_id).await, ended);
+    w.drain().await;
+}
+
+#[tokio::test]
+async fn sse_replays_then_follows_live_until_complete() {
+    let db = TestDb::new().await;
+    let host = Host::start(&db, Some(Hub::start(db.url.clone())), fast_config("w"), Duration::from_secs(15)).await;
+    let e = enqueue_as(&db.pool, &owner(), None, "sleep", json!({ "steps": 20, "step_ms": 20 })).await;
+    let mut client = SseClient::connect(&host.events_url(e.run_id), &host.token, None).await;
+    let frames = client.collect(LONG).await;
+    let seqs: Vec<i64> = frames.iter().map(|f| f.data["seq"].as_i64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "every seq once, in order");
+    for f in &frames {
+        assert_eq!(f.id.as_deref(), Some(f.data["seq"].to_string().as_str()));
+        assert_eq!(f.event, f.data["type"].as_str().unwrap());
+    }
+    assert_eq!(frames[0].event, "user_message_created");
+    assert_eq!(frames.last().unwrap().event, "complete");
+    assert_eq!(frames.last().unwrap().data["status"], "completed");
+    let j = journal_payloads(&db, e.run_id).await;
+    assert_eq!(frames.len(), j.len(), "the stream equals the journal");
+    host.stop().await;
+}
+
+/// A client drops at seq k and reconnects with `Last-Event-ID: k`: it gets
+/// exactly k+1 to the end. No gap, no duplicate.
+#[tokio::test]
+async fn a_client_that_drops_and_rejoins_gets_exactly_the_rest() {
+    let db = TestDb::new().await;
+    let host = Host::start(&db, Some(Hub::start(db.url.clone())), fast_config("w"), Duration::from_secs(15)).await;
+    let e = enqueue(&db.pool, None, "sleep", json!({ "steps": 30, "step_ms": 30 })).await;
+    let mut seen = Vec::new();
+    let mut client = SseClient::connect(&host.events_url(e.run_id), &host.token, None).await;
+    while seen.len() < 6 {
+        let f = client.next(LONG).await.expect("stream ended early");
+        seen.push(f.data["seq"].as_i64().unwrap());
+    }
+    drop(client); // the tab closes mid-run
+    let k = *seen.last().unwrap() as i32;
+    // `from` in the URL is older than the header: the header wins, as for EventSource.
+    let url = format!("{}?from=1", host.events_url(e.run_id));
+    let mut client = SseClient::connect(&url, &host.token, Some(k)).await;
+    let rest = client.collect(LONG).await;
+    seen.extend(rest.iter().map(|f| f.data["seq"].as_i64().unwrap()));
+    let j = journal_payloads(&db, e.run_id).await;
+    assert_eq!(seen, j.iter().map(|(s, _, _)| *s as i64).collect::<Vec<_>>());
+    assert_eq!(rest.last().unwrap().event, "complete");
+    // Closing the stream was not a stop.
+    assert_eq!(status(&db.pool, e.run_id).await, "completed");
+    host.stop().await;
+}
+
+#[tokio::test]
+async fn json_pages_walk_the_journal_with_next_from() {
+    let db = TestDb::new().await;
+    let host = Host::start(&db, Some(Hub::start(db.url.clone())), fast_config("w"), Duration::from_secs(15)).await;
+    let e = enqueue(&db.pool, None, "echo", json!({})).await;
+    wait_status(&db.pool, e.run_id, "completed", LONG).await;
+    let client = reqwest::Client::new();
+    let get = |from: i64| {
+        client
+            .get(format!("{}?from={from}", host.events_url(e.run_id)))
+            .bearer_auth(&host.token)
+            .header("Accept", "application/json")
+            .send()
+    };
+    let page: Value = get(0).await.unwrap().json().await.unwrap();
+    let events = page["events"].as_array().unwrap();
+    assert_eq!(page["terminal"], true);
+    assert_eq!(page["next_from"], events.last().unwrap()["seq"]);
+    assert_eq!(events.last().unwrap()["type"], "complete");
+    let tail: Value = get(3).await.unwrap().json().await.unwrap();
+    assert_eq!(tail["events"][0]["seq"], 4);
+    let res =
+        client.get(format!("{}?from=-1", host.events_url(e.run_id))).bearer_auth(&host.token).send().await.unwrap();
+    assert_eq!(res.status(), 400);
+    // Someone else's run: 404, streams included.
+    let bob = tokens::create(&db.pool, "bob", "acme", false).await.unwrap();
+    let res = client
+        .get(host.events_url(e.run_id))
+        .bearer_auth(&bob)
+        .header("Accept", "text/event-stream")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 404);
+    host.stop().await;
+}
+
+/// A finalizer that died after the status flip but before its `complete`:
+/// the tail ends with one synthesized from the row.
+#[tokio::test]
+async fn a_missing_complete_is_synthesized_from_the_run_row() {
+    let db = TestDb::new().await;
+    let host = Host::start(
+        &db,
+        Some(Hub::start(db.url.clone())),
+        WorkerConfig { dispatch: false, ..fast_config("w") },
+        Duration::from_millis(200),
+    )
+    .await;
+    let e = enqueue(&db.pool, None, "noop", json!({})).await;
+    runs::claim(&db.pool, &runs::Claim { limit: 1, lease: LONG, worker_id: "dying", prefilter: true }).await.unwrap();
+    let mut client = SseClient::connect(&host.events_url(e.run_id), &host.token, None).await;
+    for _ in 0..3 {
+        client.next(LONG).await.unwrap();
+    }
+    // The status flips; the complete event never comes.
+    sqlx::query("UPDATE agent_run SET status = 'failed', error = 'finalizer died', finished_at = now() WHERE id = $1")
+        .bind(e.run_id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let last = client.next(LONG).await.unwrap();
+    assert_eq!(last.event, "complete");
+    assert_eq!((last.data["status"].as_str(), last.data["error"].as_str()), (Some("failed"), Some("finalizer died")));
+    assert_eq!(last.data["seq"], 4);
+    assert!(client.next(LONG).await.is_none(), "the stream ends after the complete");
+    host.stop().await;
+}
+
+#[tokio::test]
+async fn retention_trims_events_keeps_the_transcript_and_tails_still_end() {
+    let db = TestDb::new().await;
+    let host = Host::start(&db, Some(Hub::start(db.url.clone())), fast_config("w"), Duration::from_secs(15)).await;
+    let old = enqueue(&db.pool, None, "echo", json!({})).await;
+    let fresh = enqueue(&db.pool, None, "echo", json!({})).await;
+    wait_status(&db.pool, old.run_id, "completed", LONG).await;
+    wait_status(&db.pool, fresh.run_id, "completed", LONG).await;
+    sqlx::query("UPDATE agent_run SET finished_at = now() - interval '25 hours' WHERE id = $1")
+        .bind(old.run_id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(runs::trim_terminal(&db.pool, Duration::from_secs(24 * 3600), 100).await.unwrap(), 1);
+    assert!(journal(&db.pool, old.run_id).await.is_empty());
+    assert!(!journal(&db.pool, fresh.run_id).await.is_empty());
+    let request: Option<Value> = sqlx::query_scalar("SELECT request FROM agent_run WHERE id = $1")
+        .bind(old.run_id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(request.is_none());
+    let messages: i64 = sqlx::query_scalar("SELECT count(*) FROM message WHERE conversation_id = $1")
+        .bind(old.conversation_id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(messages, 2, "the transcript stays");
+    let mut client = SseClient::connect(&host.events_url(old.run_id), &host.token, None).await;
+    let frames = client.collect(LONG).await;
+    assert_eq!(frames.len(), 1);
+    assert_eq!((frames[0].event.as_str(), frames[0].data["status"].as_str()), ("complete", Some("completed")));
+    assert_eq!(runs::trim_terminal(&db.pool, Duration::from_secs(24 * 3600), 100).await.unwrap(), 0);
+    host.stop().await;
+}
+
+/// With the hub down for good, runs still start and tails still deliver, at
+/// the poll interval: slower, never wrong.
+#[tokio::test]
+async fn with_the_hub_down_everything_falls_back_to_polling() {
+    let db = TestDb::new().await;
+    let dead = Hub::start("postgres://postgres@127.0.0.1:1/nowhere".into());
+    let config = WorkerConfig { poll_tick: Duration::from_millis(300), ..fast_config("w") };
+    let host = Host::start(&db, Some(dead.clone()), config, Duration::from_millis(300)).await;
+    let e = enqueue(&db.pool, None, "sleep", json!({ "steps": 5, "step_ms": 50 })).await;
+    let mut client = SseClient::connect(&host.events_url(e.run_id), &host.token, None).await;
+    let frames = client.collect(LONG).await;
+    assert_eq!(frames.last().unwrap().event, "complete");
+    assert_eq!(frames.len(), journal(&db.pool, e.run_id).await.len());
+    assert!(!dead.stats().connected.load(Ordering::Relaxed));
+    host.stop().await;
+}
+
+/// The LISTEN connection is killed: the hub reconnects, and wakes are
+/// milliseconds again (the poll tick here is a minute).
+#[tokio::test]
+async fn a_killed_listen_connection_reconnects_and_wakes_come_back() {
+    let db = TestDb::new().await;
+    let hub = Hub::start(db.url.clone());
+    let config = WorkerConfig { poll_tick: Duration::from_secs(60), ..fast_config("w") };
+    let host = Host::start(&db, Some(hub.clone()), config, Duration::from_secs(60)).await;
+    let first = enqueue(&db.pool, None, "echo", json!({})).await;
+    wait_status(&db.pool, first.run_id, "completed", Duration::from_secs(10)).await;
+
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+         WHERE datname = current_database() AND query ILIKE 'LISTEN %'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(killed >= 1, "no LISTEN connection found");
+    let h = hub.clone();
+    wait_for("the hub to reconnect", LONG, || {
+        let h = h.clone();
+        async move { h.stats().reconnects.load(Ordering::Relaxed) >= 1 && h.stats().connected.load(Ordering::Relaxed) }
+    })
+    .await;
+    let second = enqueue(&db.pool, None, "echo", json!({})).await;
+    let mut client = SseClient::connect(&host.events_url(second.run_id), &host.token, None).await;
+    let frames = client.collect(Duration::from_secs(10)).await;
+    assert_eq!(frames.last().unwrap().event, "complete");
+    host.stop().await;
+}
