@@ -359,3 +359,16 @@ async fn a_killed_listen_connection_reconnects_and_wakes_come_back() {
     assert_eq!(frames.last().unwrap().event, "complete");
     host.stop().await;
 }
+
+/// A quiet run still sends keepalives, so proxies do not cut the stream.
+#[tokio::test]
+async fn a_quiet_stream_gets_keepalives() {
+    let db = TestDb::new().await;
+    let host = Host::start(&db, Some(Hub::start(db.url.clone())), fast_config("w"), Duration::from_millis(100)).await;
+    let e = enqueue(&db.pool, None, "sleep", json!({ "steps": 2, "step_ms": 700 })).await;
+    let mut client = SseClient::connect(&host.events_url(e.run_id), &host.token, None).await;
+    let frames = client.collect(LONG).await;
+    assert_eq!(frames.last().unwrap().event, "complete");
+    assert!(client.comments >= 3, "only {} keepalives over a 1.4 s quiet run", client.comments);
+    host.stop().await;
+}
