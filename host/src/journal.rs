@@ -44,15 +44,16 @@ enum Cmd {
     Flush { ack: oneshot::Sender<Result<(), HostError>> },
 }
 
-/// Handle to a run's writer task.
+/// Handle to a run's writer. The writer task starts with the first event, so
+/// a run that emits nothing costs nothing here.
 pub struct Journal {
-    tx: mpsc::Sender<Cmd>,
+    running: Option<(mpsc::Sender<Cmd>, JoinHandle<()>)>,
+    idle: Option<Writer>,
     fenced: Arc<AtomicBool>,
-    task: JoinHandle<()>,
 }
 
 impl Journal {
-    /// Starts the writer. `lost` is cancelled if the fence trips.
+    /// Prepares the writer. `lost` is cancelled if the fence trips.
     pub fn start(
         pool: PgPool,
         run: RunId,
@@ -62,7 +63,6 @@ impl Journal {
         lost: CancellationToken,
         stats: Arc<JournalStats>,
     ) -> Journal {
-        let (tx, rx) = mpsc::channel(QUEUE_MAX);
         let fenced = Arc::new(AtomicBool::new(false));
         let writer = Writer {
             pool,
@@ -78,44 +78,48 @@ impl Journal {
             lost,
             stats,
         };
-        let task = tokio::spawn(writer.run(rx));
-        Journal { tx, fenced, task }
+        Journal { running: None, idle: Some(writer), fenced }
     }
 
-    fn check(&self) -> Result<(), HostError> {
+    fn sender(&mut self) -> Result<&mpsc::Sender<Cmd>, HostError> {
         if self.fenced.load(Ordering::Relaxed) {
             return Err(HostError::Fenced);
         }
-        Ok(())
+        if let Some(writer) = self.idle.take() {
+            let (tx, rx) = mpsc::channel(QUEUE_MAX);
+            self.running = Some((tx, tokio::spawn(writer.run(rx))));
+        }
+        Ok(&self.running.as_ref().expect("writer started").0)
     }
 
     /// A delta: buffered, merged with its neighbours of the same stream.
-    pub async fn delta(&self, payload: Value) -> Result<(), HostError> {
-        self.check()?;
-        self.tx.send(Cmd::Delta(payload)).await.map_err(|_| HostError::Fenced)
+    pub async fn delta(&mut self, payload: Value) -> Result<(), HostError> {
+        self.sender()?.send(Cmd::Delta(payload)).await.map_err(|_| HostError::Fenced)
     }
 
     /// A structural event: flushes the buffer and is written at once.
-    pub async fn event(&self, kind: &str, payload: Value) -> Result<(), HostError> {
-        self.check()?;
+    pub async fn event(&mut self, kind: &str, payload: Value) -> Result<(), HostError> {
         let (ack, done) = oneshot::channel();
-        self.tx.send(Cmd::Event { kind: kind.to_string(), payload, ack }).await.map_err(|_| HostError::Fenced)?;
-        done.await.map_err(|_| HostError::Fenced)?
-    }
-
-    /// Writes whatever is buffered.
-    pub async fn flush(&self) -> Result<(), HostError> {
-        let (ack, done) = oneshot::channel();
-        self.tx.send(Cmd::Flush { ack }).await.map_err(|_| HostError::Fenced)?;
+        self.sender()?
+            .send(Cmd::Event { kind: kind.to_string(), payload, ack })
+            .await
+            .map_err(|_| HostError::Fenced)?;
         done.await.map_err(|_| HostError::Fenced)?
     }
 
     /// Flushes and stops the writer; the run's next seq then belongs to the
     /// terminal write.
-    pub async fn close(self) -> Result<(), HostError> {
-        let r = self.flush().await;
-        drop(self.tx);
-        let _ = self.task.await;
+    pub async fn close(mut self) -> Result<(), HostError> {
+        let Some((tx, task)) = self.running.take() else {
+            return Ok(()); // nothing was ever emitted
+        };
+        let (ack, done) = oneshot::channel();
+        let r = match tx.send(Cmd::Flush { ack }).await {
+            Ok(()) => done.await.unwrap_or(Err(HostError::Fenced)),
+            Err(_) => Err(HostError::Fenced),
+        };
+        drop(tx);
+        let _ = task.await;
         r
     }
 }
