@@ -103,11 +103,7 @@ async fn sigterm_drains_in_flight_runs_within_the_budget() {
     assert!(took < Duration::from_secs(10), "drain took {took:?}");
     assert_eq!(status(&db.pool, short.run_id).await, "completed");
     assert_eq!(status(&db.pool, long.run_id).await, "failed");
-    let error: String = sqlx::query_scalar("SELECT error FROM agent_run WHERE id = $1")
-        .bind(long.run_id)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let error = run_error(&db.pool, long.run_id).await;
     assert!(error.contains("drain timeout"), "{error}");
     let running: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'running'")
         .fetch_one(&db.pool)

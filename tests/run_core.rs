@@ -361,11 +361,7 @@ async fn reaped_worker_writes_change_nothing() {
     let assistant: i64 =
         sqlx::query_scalar("SELECT count(*) FROM message WHERE role = 'assistant'").fetch_one(&db.pool).await.unwrap();
     assert_eq!(assistant, 0);
-    let error: String = sqlx::query_scalar("SELECT error FROM agent_run WHERE id = $1")
-        .bind(e.run_id)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let error = run_error(&db.pool, e.run_id).await;
     assert!(error.contains("worker lost") && error.contains("zombie"), "{error}");
 }
 
@@ -432,18 +428,9 @@ async fn backstop_ends_a_panicked_run_failed_and_errors_keep_partial_text() {
     let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents, fast_config("w")).await.unwrap();
     wait_status(&db.pool, p.run_id, "failed", LONG).await;
     wait_status(&db.pool, f.run_id, "failed", LONG).await;
-    let error = |id: RunId| {
-        let pool = db.pool.clone();
-        async move {
-            sqlx::query_scalar::<_, String>("SELECT error FROM agent_run WHERE id = $1")
-                .bind(id)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }
-    };
-    assert!(error(p.run_id).await.contains("panicked"), "{}", error(p.run_id).await);
-    assert!(error(f.run_id).await.contains("model unavailable"));
+    let panicked = run_error(&db.pool, p.run_id).await;
+    assert!(panicked.contains("panicked"), "{panicked}");
+    assert!(run_error(&db.pool, f.run_id).await.contains("model unavailable"));
     assert_eq!(w.stats().backstopped.load(std::sync::atomic::Ordering::Relaxed), 1);
     let partial: (String, String) =
         sqlx::query_as("SELECT content, status FROM message WHERE run_id = $1 AND role = 'assistant'")
@@ -497,11 +484,7 @@ async fn drain_lets_short_runs_finish_and_ends_long_ones_failed() {
     assert_eq!(report.aborted, 1);
     assert_eq!(status(&db.pool, short.run_id).await, "completed");
     assert_eq!(status(&db.pool, long.run_id).await, "failed");
-    let error: String = sqlx::query_scalar("SELECT error FROM agent_run WHERE id = $1")
-        .bind(long.run_id)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let error = run_error(&db.pool, long.run_id).await;
     assert!(error.contains("drain timeout"), "{error}");
     // Phase 1 stopped claiming: a run queued now stays queued.
     let after = enqueue(&db.pool, None, "noop", json!({})).await;

@@ -187,3 +187,13 @@ pub async fn assert_journal_sound(pool: &PgPool, id: RunId) -> Vec<(i32, String)
     }
     j
 }
+
+/// A run's error text (empty when none).
+pub async fn run_error(pool: &PgPool, id: RunId) -> String {
+    sqlx::query_scalar::<_, Option<String>>("SELECT error FROM agent_run WHERE id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+        .unwrap_or_default()
+}
