@@ -77,6 +77,7 @@ async fn failed_enqueue_leaves_nothing_and_wakes_nobody() {
             content: "lost",
             plugin: "noop",
             plugin_digest: None,
+            plugin_manifest: None,
             config: &config,
             request: &config,
             idempotency_key: None,
@@ -245,7 +246,7 @@ struct Counting(Arc<Mutex<HashMap<RunId, usize>>>);
 
 #[async_trait]
 impl Agent for Counting {
-    async fn run(&self, host: &mut RunHost, input: RunInput) -> Result<String, AgentError> {
+    async fn run(&self, host: &RunHost, input: RunInput) -> Result<String, AgentError> {
         *self.0.lock().unwrap().entry(input.run_id).or_default() += 1;
         host.emit_delta("x").await?;
         Ok("done".into())
@@ -402,7 +403,7 @@ struct Panics;
 
 #[async_trait]
 impl Agent for Panics {
-    async fn run(&self, _host: &mut RunHost, _input: RunInput) -> Result<String, AgentError> {
+    async fn run(&self, _host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
         panic!("agent bug");
     }
 }
@@ -411,7 +412,7 @@ struct Fails;
 
 #[async_trait]
 impl Agent for Fails {
-    async fn run(&self, host: &mut RunHost, _input: RunInput) -> Result<String, AgentError> {
+    async fn run(&self, host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
         host.emit_delta("partial ").await?;
         Err(AgentError::Failed("model unavailable".into()))
     }

@@ -25,7 +25,7 @@ struct Chatty(usize);
 
 #[async_trait]
 impl Agent for Chatty {
-    async fn run(&self, host: &mut RunHost, _input: RunInput) -> Result<String, AgentError> {
+    async fn run(&self, host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
         let mut text = String::new();
         for i in 0..self.0 {
             if i == self.0 / 2 {

@@ -71,22 +71,30 @@ pub enum AgentError {
 #[async_trait]
 pub trait Agent: Send + Sync + 'static {
     /// Runs one turn and returns the final assistant text.
-    async fn run(&self, host: &mut RunHost, input: RunInput) -> Result<String, AgentError>;
+    async fn run(&self, host: &RunHost, input: RunInput) -> Result<String, AgentError>;
 }
 
-/// The host side of one run: the imports an agent may call.
+/// The host side of one run: the imports an agent may call. Cheap to clone
+/// (a sandboxed guest's store holds a clone); the run task keeps the original
+/// and closes the journal after the agent, however the agent ended.
+#[derive(Clone)]
 pub struct RunHost {
     run_id: RunId,
-    journal: Journal,
     cancel_requested: Arc<AtomicBool>,
+    inner: Arc<tokio::sync::Mutex<HostInner>>,
+}
+
+struct HostInner {
+    journal: Option<Journal>,
     /// Text streamed so far as `content_delta`: kept as the partial answer if
     /// the turn is cut off.
-    pub(crate) streamed: String,
+    streamed: String,
 }
 
 impl RunHost {
     pub(crate) fn new(run_id: RunId, journal: Journal, cancel_requested: Arc<AtomicBool>) -> Self {
-        RunHost { run_id, journal, cancel_requested, streamed: String::new() }
+        let inner = HostInner { journal: Some(journal), streamed: String::new() };
+        RunHost { run_id, cancel_requested, inner: Arc::new(tokio::sync::Mutex::new(inner)) }
     }
 
     pub fn run_id(&self) -> RunId {
@@ -95,7 +103,7 @@ impl RunHost {
 
     /// Appends one event to the run's journal (fenced): `content_delta` with a
     /// string `delta` is buffered and merged; anything else is written through.
-    pub async fn emit_event(&mut self, kind: &str, payload: Value) -> Result<(), HostError> {
+    pub async fn emit_event(&self, kind: &str, payload: Value) -> Result<(), HostError> {
         if kind.is_empty() || kind.len() > EVENT_KIND_BYTES_MAX {
             return Err(HostError::Invalid(format!("event kind must be 1-{EVENT_KIND_BYTES_MAX} bytes")));
         }
@@ -112,17 +120,20 @@ impl RunHost {
         if self.check_cancel() {
             return Err(HostError::Cancelled);
         }
+        let mut inner = self.inner.lock().await;
+        let inner = &mut *inner;
+        let journal = inner.journal.as_mut().ok_or(HostError::Fenced)?;
         match payload.get("delta").and_then(Value::as_str) {
             Some(delta) if kind == DELTA_KIND => {
-                self.streamed.push_str(delta);
-                self.journal.delta(payload).await
+                inner.streamed.push_str(delta);
+                journal.delta(payload).await
             }
-            _ => self.journal.event(kind, payload).await,
+            _ => journal.event(kind, payload).await,
         }
     }
 
     /// Streams a piece of the answer (`content_delta`).
-    pub async fn emit_delta(&mut self, delta: &str) -> Result<(), HostError> {
+    pub async fn emit_delta(&self, delta: &str) -> Result<(), HostError> {
         self.emit_event(DELTA_KIND, json!({ "delta": delta })).await
     }
 
@@ -131,17 +142,24 @@ impl RunHost {
         self.cancel_requested.load(Ordering::Relaxed)
     }
 
-    /// Flushes and closes the journal: the terminal write comes next.
-    pub(crate) async fn close(self) -> (String, Result<(), HostError>) {
-        let r = self.journal.close().await;
-        (self.streamed, r)
+    /// Flushes and closes the journal (every clone then refuses with
+    /// `fenced`): the terminal write comes next. Returns the streamed text.
+    pub(crate) async fn close(&self) -> (String, Result<(), HostError>) {
+        let mut inner = self.inner.lock().await;
+        let r = match inner.journal.take() {
+            Some(j) => j.close().await,
+            None => Ok(()),
+        };
+        (std::mem::take(&mut inner.streamed), r)
     }
 }
 
-/// Agents by plugin name.
+/// Agents by plugin name: built-in agents, and the sandbox that runs
+/// registered WebAssembly plugins by digest.
 #[derive(Clone, Default)]
 pub struct AgentRegistry {
     agents: HashMap<String, Arc<dyn Agent>>,
+    sandbox: Option<Arc<crate::sandbox::Sandbox>>,
 }
 
 impl AgentRegistry {
@@ -152,6 +170,16 @@ impl AgentRegistry {
         r.insert("echo", Arc::new(Echo));
         r.insert("sleep", Arc::new(Sleep));
         r
+    }
+
+    /// Runs registered WebAssembly plugins with `sandbox`.
+    pub fn with_sandbox(mut self, sandbox: Arc<crate::sandbox::Sandbox>) -> Self {
+        self.sandbox = Some(sandbox);
+        self
+    }
+
+    pub fn sandbox(&self) -> Option<&Arc<crate::sandbox::Sandbox>> {
+        self.sandbox.as_ref()
     }
 
     pub fn insert(&mut self, name: &str, agent: Arc<dyn Agent>) {
@@ -178,7 +206,7 @@ pub struct Noop;
 
 #[async_trait]
 impl Agent for Noop {
-    async fn run(&self, _host: &mut RunHost, _input: RunInput) -> Result<String, AgentError> {
+    async fn run(&self, _host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
         Ok(String::new())
     }
 }
@@ -188,7 +216,7 @@ pub struct Echo;
 
 #[async_trait]
 impl Agent for Echo {
-    async fn run(&self, host: &mut RunHost, input: RunInput) -> Result<String, AgentError> {
+    async fn run(&self, host: &RunHost, input: RunInput) -> Result<String, AgentError> {
         for word in input.content.split_inclusive(' ') {
             host.emit_delta(word).await?;
         }
@@ -202,7 +230,7 @@ pub struct Sleep;
 
 #[async_trait]
 impl Agent for Sleep {
-    async fn run(&self, host: &mut RunHost, input: RunInput) -> Result<String, AgentError> {
+    async fn run(&self, host: &RunHost, input: RunInput) -> Result<String, AgentError> {
         let steps = input.config.get("steps").and_then(Value::as_u64).unwrap_or(10).min(100_000);
         let step_ms = input.config.get("step_ms").and_then(Value::as_u64).unwrap_or(100).min(3_600_000);
         let mut text = String::new();

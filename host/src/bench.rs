@@ -30,7 +30,7 @@ struct Pickup(mpsc::UnboundedSender<Instant>);
 
 #[async_trait]
 impl Agent for Pickup {
-    async fn run(&self, _host: &mut RunHost, _input: RunInput) -> Result<String, AgentError> {
+    async fn run(&self, _host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
         let _ = self.0.send(Instant::now());
         Ok(String::new())
     }
@@ -116,6 +116,7 @@ async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::R
             content: "bench",
             plugin: "pickup",
             plugin_digest: None,
+            plugin_manifest: None,
             config: &config,
             request: &config,
             idempotency_key: None,

@@ -29,6 +29,9 @@ pub struct DbArgs {
     /// Directory of the private cluster (used only without DATABASE_URL).
     #[arg(long, env = "AGENT_HOST_DATA_DIR", default_value = ".agent-host", global = true)]
     pub data_dir: PathBuf,
+    /// Where compiled plugin components are cached (keyed by digest and engine).
+    #[arg(long, env = "AGENT_HOST_CACHE_DIR", default_value = ".agent-host/cache", global = true)]
+    pub cache_dir: PathBuf,
     /// Connections in the process's pool.
     #[arg(long, env = "AGENT_HOST_DB_POOL_MAX", default_value_t = 32, global = true)]
     pub db_pool_max: u32,
@@ -45,6 +48,24 @@ pub enum Command {
     Tokens(TokensCommand),
     /// Measure enqueue latency, pickup latency and drain throughput.
     Bench(BenchArgs),
+    /// Manage WebAssembly plugins.
+    #[command(subcommand)]
+    Plugins(PluginsCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PluginsCommand {
+    /// Validate a component and point NAME at it (with its manifest).
+    Add {
+        name: String,
+        /// The component (.wasm) built for the agent-host:plugin world.
+        file: PathBuf,
+        /// The manifest (JSON): granted tools and limits.
+        #[arg(long)]
+        manifest: Option<PathBuf>,
+    },
+    /// List plugins: name, digest, size, manifest.
+    List,
 }
 
 #[derive(Debug, Subcommand)]

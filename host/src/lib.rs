@@ -11,5 +11,6 @@ pub mod config;
 pub mod db;
 pub mod hub;
 pub mod journal;
+pub mod sandbox;
 pub mod server;
 pub mod worker;

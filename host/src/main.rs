@@ -2,7 +2,7 @@ use anyhow::Context;
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
-use agent_host::config::{Cli, Command, TokensCommand};
+use agent_host::config::{Cli, Command, PluginsCommand, TokensCommand};
 use agent_host::{bench, db, server};
 
 #[tokio::main]
@@ -37,5 +37,9 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) => bench::run(&cli.db, &args).await,
+        Command::Plugins(PluginsCommand::Add { name, file, manifest }) => {
+            server::plugins_add(&cli.db, &name, &file, manifest.as_deref()).await
+        }
+        Command::Plugins(PluginsCommand::List) => server::plugins_list(&cli.db).await,
     }
 }

@@ -59,7 +59,8 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let mut database = open_database(db_args).await?;
     let pool = connect_and_migrate(&database.url, db_args.db_pool_max).await?;
     let hub = (!args.worker.no_hub).then(|| Hub::start(database.listen_url.clone()));
-    let agents = AgentRegistry::with_builtins();
+    let sandbox = crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
+    let agents = AgentRegistry::with_builtins().with_sandbox(sandbox);
     let worker = Worker::start(pool.clone(), hub.clone(), agents.clone(), config).await?;
 
     let listener =
@@ -110,6 +111,7 @@ async fn demo(pool: &PgPool, addr: std::net::SocketAddr) -> anyhow::Result<()> {
             content: "Count to twenty, slowly.",
             plugin: "sleep",
             plugin_digest: None,
+            plugin_manifest: None,
             config: &config,
             request: &request,
             idempotency_key: None,
@@ -147,4 +149,58 @@ impl ShutdownSignal {
             _ = self.int.recv() => {}
         }
     }
+}
+
+/// `plugins add`: validate against the world, then store and point the name.
+pub async fn plugins_add(
+    db_args: &DbArgs,
+    name: &str,
+    file: &std::path::Path,
+    manifest: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !name.is_empty()
+            && name.len() <= 63
+            && name.starts_with(|c: char| c.is_ascii_lowercase())
+            && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-'),
+        "plugin name {name:?} must be 1-63 characters of a-z, 0-9, _ and -, starting with a letter"
+    );
+    let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+    let manifest: serde_json::Value = match manifest {
+        Some(path) => {
+            serde_json::from_str(&std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?)
+                .with_context(|| format!("{} is not JSON", path.display()))?
+        }
+        None => json!({}),
+    };
+    crate::sandbox::Manifest::parse(&manifest).map_err(anyhow::Error::msg)?;
+    let mut database = open_database(db_args).await?;
+    let pool = connect_and_migrate(&database.url, 2).await?;
+    let sandbox = crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
+    let result = async {
+        sandbox.validate(&bytes)?;
+        let row = db::plugins::put(&pool, name, &bytes, &manifest).await?;
+        println!("{} -> {} ({} bytes)", row.name, row.digest, row.size_bytes);
+        anyhow::Ok(())
+    }
+    .await;
+    pool.close().await;
+    if let Some(c) = database.cluster.as_mut() {
+        c.stop();
+    }
+    result
+}
+
+/// `plugins list`.
+pub async fn plugins_list(db_args: &DbArgs) -> anyhow::Result<()> {
+    let mut database = open_database(db_args).await?;
+    let pool = connect_and_migrate(&database.url, 2).await?;
+    for p in db::plugins::list(&pool).await? {
+        println!("{}\t{}\t{} bytes\t{}", p.name, p.digest, p.size_bytes, p.manifest);
+    }
+    pool.close().await;
+    if let Some(c) = database.cluster.as_mut() {
+        c.stop();
+    }
+    Ok(())
 }

@@ -107,6 +107,7 @@ pub async fn enqueue_as(
             content: "hello agent",
             plugin,
             plugin_digest: None,
+            plugin_manifest: None,
             config: &config,
             request: &request,
             idempotency_key: None,
@@ -196,4 +197,23 @@ pub async fn run_error(pool: &PgPool, id: RunId) -> String {
         .await
         .unwrap()
         .unwrap_or_default()
+}
+
+/// A guest component from `plugins/`, built once (for wasm32-wasip2) if the
+/// test command has not built it already.
+pub fn plugin_wasm(name: &str) -> Vec<u8> {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+    let path = root.join("plugins/target/wasm32-wasip2/release").join(format!("{name}.wasm"));
+    if !path.exists() {
+        BUILT.get_or_init(|| {
+            let status = std::process::Command::new(env!("CARGO"))
+                .args(["build", "--release", "--target", "wasm32-wasip2", "--manifest-path"])
+                .arg(root.join("plugins/Cargo.toml"))
+                .status()
+                .expect("running cargo for the plugins");
+            assert!(status.success(), "building plugins/ failed (is the wasm32-wasip2 target installed?)");
+        });
+    }
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }

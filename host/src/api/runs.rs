@@ -80,12 +80,19 @@ async fn enqueue(
     if chars > CONTENT_CHARS_MAX {
         return Err(ApiError::invalid(format!("content has {chars} characters; the limit is {CONTENT_CHARS_MAX}")));
     }
-    if !state.agents.contains(&body.plugin) {
-        return Err(ApiError::invalid(format!(
-            "unknown plugin {:?}; available: {}",
-            body.plugin,
-            state.agents.names().join(", ")
-        )));
+    // A registered plugin, pinned now to the digest (and manifest) its name
+    // points at, so re-pointing the name later changes nothing for this run;
+    // else a built-in agent of that name.
+    let registered = match state.agents.sandbox() {
+        Some(_) => crate::db::plugins::get(&state.pool, &body.plugin).await?,
+        None => None,
+    };
+    if registered.is_none() && !state.agents.contains(&body.plugin) {
+        let mut names = state.agents.names();
+        names.extend(crate::db::plugins::list(&state.pool).await?.into_iter().map(|p| p.name));
+        names.sort();
+        names.dedup();
+        return Err(ApiError::invalid(format!("unknown plugin {:?}; available: {}", body.plugin, names.join(", "))));
     }
     let config = body.config.unwrap_or_else(|| json!({}));
     if !config.is_object() {
@@ -112,7 +119,8 @@ async fn enqueue(
         conversation_id: body.conversation_id,
         content: &body.content,
         plugin: &body.plugin,
-        plugin_digest: None,
+        plugin_digest: registered.as_ref().map(|p| p.digest.as_str()),
+        plugin_manifest: registered.as_ref().map(|p| &p.manifest),
         config: &config,
         request: &request,
         idempotency_key,

@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod cluster;
+pub mod plugins;
 pub mod runs;
 pub mod tokens;
 

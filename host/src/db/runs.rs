@@ -29,6 +29,8 @@ pub struct NewRun<'a> {
     pub content: &'a str,
     pub plugin: &'a str,
     pub plugin_digest: Option<&'a str>,
+    /// The manifest the run executes with, pinned beside the digest.
+    pub plugin_manifest: Option<&'a Value>,
     pub config: &'a Value,
     pub request: &'a Value,
     pub idempotency_key: Option<&'a str>,
@@ -61,6 +63,7 @@ pub struct ClaimedRun {
     pub tenant_id: String,
     pub plugin: String,
     pub plugin_digest: Option<String>,
+    pub plugin_manifest: Option<Value>,
     pub config: Value,
     pub content: String,
 }
@@ -158,8 +161,8 @@ pub async fn enqueue_in(tx: &mut Transaction<'_, Postgres>, new: &NewRun<'_>) ->
     .await?;
     sqlx::query(
         "INSERT INTO agent_run (id, conversation_id, owner_id, tenant_id, user_message_id,
-                                plugin, plugin_digest, request, config, idempotency_key)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+                                plugin, plugin_digest, request, config, idempotency_key, plugin_manifest)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
     )
     .bind(run_id)
     .bind(conversation_id)
@@ -171,6 +174,7 @@ pub async fn enqueue_in(tx: &mut Transaction<'_, Postgres>, new: &NewRun<'_>) ->
     .bind(new.request)
     .bind(new.config)
     .bind(new.idempotency_key)
+    .bind(new.plugin_manifest)
     .execute(&mut **tx)
     .await?;
     sqlx::query(
@@ -257,7 +261,7 @@ WITH claimed AS (
         FOR UPDATE SKIP LOCKED                 -- contended rows turn invisible
     )
     RETURNING r.id, r.conversation_id, r.claim_token, r.user_message_id, r.owner_id,
-              r.tenant_id, r.plugin, r.plugin_digest, r.config
+              r.tenant_id, r.plugin, r.plugin_digest, r.plugin_manifest, r.config
 ),
 started AS (
     -- seq 3 belongs to the claim: the run_started event commits with it.
@@ -572,6 +576,29 @@ pub async fn terminal_state(
     .fetch_optional(db)
     .await?;
     Ok(row.and_then(|(s, e, seq)| s.parse().ok().map(|s| (s, e, seq))))
+}
+
+/// Messages of the conversation before `before` (the run's user message),
+/// oldest first: the most recent `limit` complete or partial ones.
+pub async fn history(
+    db: impl PgExecutor<'_>,
+    conversation: ConversationId,
+    before: MessageId,
+    limit: i64,
+) -> Result<Vec<(String, String)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT role, content FROM (
+             SELECT role, content, created_at FROM message
+             WHERE conversation_id = $1 AND id <> $2 AND status IN ('complete', 'partial')
+               AND created_at < (SELECT created_at FROM message WHERE id = $2)
+             ORDER BY created_at DESC LIMIT $3) m
+         ORDER BY created_at",
+    )
+    .bind(conversation)
+    .bind(before)
+    .bind(limit)
+    .fetch_all(db)
+    .await
 }
 
 /// One journal row, as stored.

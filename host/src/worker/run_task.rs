@@ -15,6 +15,9 @@ use crate::journal::Journal;
 
 use super::{Held, Shared};
 
+/// Messages of history a plugin receives at most.
+const HISTORY_MESSAGES_MAX: i64 = 200;
+
 /// How a run task ended.
 enum Outcome {
     /// Its ending is written.
@@ -78,14 +81,26 @@ async fn execute(
     lost: CancellationToken,
     cancel_requested: Arc<AtomicBool>,
 ) -> Outcome {
-    let Some(agent) = shared.agents.get(&row.plugin) else {
-        return finalize(
-            &shared,
-            &row,
-            Err(AgentError::Failed(format!("plugin {:?} is not available on this host", row.plugin))),
-            "",
-        )
-        .await;
+    enum Runner {
+        Builtin(std::sync::Arc<dyn crate::agent::Agent>),
+        Wasm(std::sync::Arc<crate::sandbox::Sandbox>, String, crate::sandbox::Manifest),
+    }
+    let runner = match (&row.plugin_digest, shared.agents.sandbox()) {
+        (Some(digest), Some(sandbox)) => {
+            let manifest =
+                row.plugin_manifest.as_ref().map(crate::sandbox::Manifest::parse).unwrap_or(Ok(Default::default()));
+            match manifest {
+                Ok(m) => Runner::Wasm(sandbox.clone(), digest.clone(), m),
+                Err(e) => return finalize(&shared, &row, Err(AgentError::Failed(e)), "").await,
+            }
+        }
+        (None, _) if shared.agents.get(&row.plugin).is_some() => {
+            Runner::Builtin(shared.agents.get(&row.plugin).unwrap())
+        }
+        _ => {
+            let e = AgentError::Failed(format!("plugin {:?} is not available on this host", row.plugin));
+            return finalize(&shared, &row, Err(e), "").await;
+        }
     };
     let journal = Journal::start(
         shared.pool.clone(),
@@ -96,7 +111,7 @@ async fn execute(
         lost.clone(),
         shared.journal_stats.clone(),
     );
-    let mut host = RunHost::new(row.id, journal, cancel_requested);
+    let host = RunHost::new(row.id, journal, cancel_requested);
     let input = RunInput {
         run_id: row.id,
         conversation_id: row.conversation_id,
@@ -107,7 +122,17 @@ async fn execute(
         // The fence tripped (heartbeat or journal found the claim gone): stop at once.
         _ = lost.cancelled() => return Outcome::Lost,
         _ = shared.abort_runs.cancelled() => Err(AgentError::Failed("drain timeout: the host shut down before the run finished".into())),
-        r = agent.run(&mut host, input) => r,
+        r = async {
+            match &runner {
+                Runner::Builtin(agent) => agent.run(&host, input).await,
+                Runner::Wasm(sandbox, digest, manifest) => {
+                    let history = db::runs::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX)
+                        .await
+                        .map_err(|e| AgentError::Host(HostError::Unavailable(e.to_string())))?;
+                    sandbox.run(&host, digest, manifest, input, history).await
+                }
+            }
+        } => r,
     };
     // Everything journaled lands before the ending.
     let (streamed, flushed) = host.close().await;

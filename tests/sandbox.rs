@@ -1,0 +1,250 @@
+//! Sandboxed runs with real guest components built from `plugins/`: the echo
+//! plugin end to end, misbehaving fixtures ending with named reasons while
+//! other runs complete, refused uploads, pinned digests, fenced guests.
+
+mod support;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_host::agent::AgentRegistry;
+use agent_host::api::{self, AppState};
+use agent_host::db::{plugins, runs, tokens, RunId};
+use agent_host::hub::Hub;
+use agent_host::sandbox::Sandbox;
+use agent_host::worker::{Worker, WorkerConfig};
+use axum::body::Body;
+use axum::http::{header, Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use support::*;
+use tower::ServiceExt;
+
+const LONG: Duration = Duration::from_secs(60);
+
+struct Env {
+    db: TestDb,
+    agents: AgentRegistry,
+    router: axum::Router,
+    token: String,
+}
+
+impl Env {
+    async fn new() -> Env {
+        let db = TestDb::new().await;
+        let cache = std::env::temp_dir().join(format!("agent-host-cache-{}", std::process::id()));
+        let sandbox = Sandbox::new(db.pool.clone(), Some(cache)).unwrap();
+        let agents = AgentRegistry::with_builtins().with_sandbox(sandbox);
+        let router = api::router(AppState::new(db.pool.clone(), agents.clone(), None));
+        let token = tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
+        Env { db, agents, router, token }
+    }
+
+    fn sandbox(&self) -> &Arc<Sandbox> {
+        self.agents.sandbox().unwrap()
+    }
+
+    async fn register(&self, name: &str, wasm: &str, manifest: Value) -> String {
+        let bytes = plugin_wasm(wasm);
+        self.sandbox().validate(&bytes).unwrap();
+        plugins::put(&self.db.pool, name, &bytes, &manifest).await.unwrap().digest
+    }
+
+    async fn post_run(&self, plugin: &str, content: &str, config: Value) -> (StatusCode, Value) {
+        let body = json!({ "content": content, "plugin": plugin, "config": config }).to_string();
+        let req = Request::builder()
+            .method("POST")
+            .uri("/v1/runs")
+            .header(header::AUTHORIZATION, format!("Bearer {}", self.token))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body))
+            .unwrap();
+        let res = self.router.clone().oneshot(req).await.unwrap();
+        let status = res.status();
+        let bytes = res.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    async fn run(&self, plugin: &str, content: &str, config: Value) -> RunId {
+        let (status, v) = self.post_run(plugin, content, config).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{v}");
+        v["run_id"].as_str().unwrap().parse().unwrap()
+    }
+
+    async fn worker(&self, config: WorkerConfig) -> Worker {
+        Worker::start(self.db.pool.clone(), Some(Hub::start(self.db.url.clone())), self.agents.clone(), config)
+            .await
+            .unwrap()
+    }
+
+    async fn wait_terminal(&self, id: RunId) -> (String, String) {
+        let pool = self.db.pool.clone();
+        wait_for(&format!("run {id} to end"), LONG, || {
+            let pool = pool.clone();
+            async move { ["completed", "failed", "cancelled"].contains(&status(&pool, id).await.as_str()) }
+        })
+        .await;
+        (status(&self.db.pool, id).await, run_error(&self.db.pool, id).await)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_echo_plugin_streams_the_message_back() {
+    let env = Env::new().await;
+    let digest = env.register("echo", "echo", json!({})).await;
+    let w = env.worker(fast_config("w")).await;
+    let id = env.run("echo", "hello from a sandboxed guest", json!({})).await;
+    assert_eq!(env.wait_terminal(id).await, ("completed".into(), String::new()));
+    let pinned: Option<String> = sqlx::query_scalar("SELECT plugin_digest FROM agent_run WHERE id = $1")
+        .bind(id)
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(pinned.as_deref(), Some(digest.as_str()));
+    let deltas: Vec<String> = sqlx::query_scalar(
+        "SELECT payload->>'delta' FROM run_event WHERE run_id = $1 AND type = 'content_delta' ORDER BY seq",
+    )
+    .bind(id)
+    .fetch_all(&env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(deltas.concat(), "hello from a sandboxed guest");
+    let answer: String = sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
+        .bind(id)
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(answer, "hello from a sandboxed guest");
+    assert_journal_sound(&env.db.pool, id).await;
+    w.drain().await;
+}
+
+/// Each misbehaviour ends its own run with a named reason within its limit,
+/// while an ordinary run on the same host completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misbehaving_guests_end_with_named_reasons_and_others_carry_on() {
+    let env = Env::new().await;
+    let limits = json!({ "limits": { "cpu_ms": 300, "memory_bytes": 32 << 20, "wall_ms": 3000, "events_max": 5 } });
+    env.register("fixtures", "fixtures", limits).await;
+    env.register("echo", "echo", json!({})).await;
+    let w = env.worker(WorkerConfig { max_runs: 12, ..fast_config("w") }).await;
+    let cases = [
+        ("spin", "failed", "limit: cpu time"),
+        ("membomb", "failed", "limit: memory"),
+        ("trap", "failed", "trap"),
+        ("oversized", "failed", "limit: event payload"),
+        ("ungranted-tool", "failed", "denied"),
+        ("chatty", "failed", "limit: more than 5 events"),
+        ("block", "failed", "limit: wall time"),
+    ];
+    let mut ids = Vec::new();
+    for (mode, _, _) in &cases {
+        ids.push(env.run("fixtures", "misbehave", json!({ "mode": mode, "count": 10 })).await);
+    }
+    let ordinary = env.run("echo", "still here", json!({})).await;
+    assert_eq!(env.wait_terminal(ordinary).await.0, "completed");
+    for ((mode, want_status, want_reason), id) in cases.iter().zip(ids) {
+        let (status, error) = env.wait_terminal(id).await;
+        assert_eq!(&status, want_status, "{mode}: {error}");
+        assert!(error.contains(want_reason), "{mode}: {error:?} does not name {want_reason:?}");
+        // The reason reaches the stream's complete event too.
+        let complete: Value =
+            sqlx::query_scalar("SELECT payload FROM run_event WHERE run_id = $1 AND type = 'complete'")
+                .bind(id)
+                .fetch_one(&env.db.pool)
+                .await
+                .unwrap();
+        assert_eq!(complete["error"].as_str(), Some(error.as_str()), "{mode}");
+    }
+    w.drain().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wasi_grants_nothing() {
+    let env = Env::new().await;
+    env.register("fixtures", "fixtures", json!({})).await;
+    let w = env.worker(fast_config("w")).await;
+    let id = env.run("fixtures", "try", json!({ "mode": "escape" })).await;
+    assert_eq!(env.wait_terminal(id).await.0, "completed");
+    let answer: String = sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
+        .bind(id)
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+    let seen: Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(seen, json!({ "file": false, "env": 0, "net": false }));
+    w.drain().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn components_that_do_not_fit_the_world_are_refused() {
+    let env = Env::new().await;
+    let err = env.sandbox().validate(b"definitely not wasm").unwrap_err().to_string();
+    assert!(err.contains("not a component"), "{err}");
+    // A valid component that does not export `run`.
+    let err = env.sandbox().validate(b"(component)").unwrap_err().to_string();
+    assert!(err.contains("not a component of the agent-host:plugin world"), "{err}");
+    // A component importing something the host does not provide.
+    let wat = r#"(component (import "evil:net/sockets" (instance (export "connect" (func)))))"#;
+    let err = env.sandbox().validate(wat.as_bytes()).unwrap_err().to_string();
+    assert!(err.contains("evil:net/sockets"), "{err}");
+    // An unknown plugin is refused at enqueue.
+    let (status, v) = env.post_run("nope", "x", json!({})).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+}
+
+/// A run executes the digest its plugin name pointed at when it was enqueued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repointed_name_does_not_change_an_enqueued_run() {
+    let env = Env::new().await;
+    let echo = env.register("agent", "echo", json!({})).await;
+    let id = env.run("agent", "pinned words", json!({ "mode": "trap" })).await;
+    let fixtures = env.register("agent", "fixtures", json!({})).await;
+    assert_ne!(echo, fixtures);
+    let w = env.worker(fast_config("w")).await;
+    assert_eq!(env.wait_terminal(id).await.0, "completed", "the run executed the re-pointed component");
+    let later = env.run("agent", "x", json!({ "mode": "trap" })).await;
+    assert_eq!(env.wait_terminal(later).await.0, "failed");
+    w.drain().await;
+}
+
+/// A guest that keeps going after its claim was lost gets `fenced` and is
+/// interrupted: nothing more is written, and the worker stands down at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_keeps_going_after_its_claim_was_lost_is_interrupted() {
+    let env = Env::new().await;
+    env.register("fixtures", "fixtures", json!({})).await;
+    let config = WorkerConfig {
+        lease: Duration::from_secs(600),
+        heartbeat: Duration::from_secs(300),
+        reap_interval: Duration::from_secs(3600),
+        journal_flush: Duration::from_millis(20),
+        ..fast_config("w")
+    };
+    let w = env.worker(config).await;
+    let id = env.run("fixtures", "go", json!({ "mode": "narrate" })).await;
+    let pool = env.db.pool.clone();
+    wait_for("the guest to narrate", LONG, || {
+        let pool = pool.clone();
+        async move { journal(&pool, id).await.len() > 5 }
+    })
+    .await;
+    sqlx::query("UPDATE agent_run SET claim_expires_at = now() - interval '1 hour' WHERE id = $1")
+        .bind(id)
+        .execute(&env.db.pool)
+        .await
+        .unwrap();
+    let expired = runs::find_expired(&env.db.pool, Duration::ZERO, 10).await.unwrap();
+    assert!(runs::reap(&env.db.pool, expired[0], Duration::ZERO).await.unwrap());
+    let ended = journal(&env.db.pool, id).await;
+    let ws = w.stats();
+    wait_for("the guest to be interrupted", LONG, || {
+        let ws = ws.clone();
+        async move { ws.fenced.load(Ordering::Relaxed) == 1 }
+    })
+    .await;
+    assert_eq!(w.in_flight(), 0);
+    assert_eq!(journal(&env.db.pool, id).await, ended);
+    w.drain().await;
+}
