@@ -243,3 +243,41 @@ async fn a_tail_served_by_one_process_for_a_run_executed_by_another() {
     assert_eq!(frames.last().unwrap().event, "complete");
     drop((a, b));
 }
+
+/// `plugins add` validates against the world before it stores anything;
+/// `plugins list` shows what names point at.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugins_cli_validates_stores_and_lists() {
+    let db = TestDb::new().await;
+    let dir = std::env::temp_dir().join(format!("agent-host-cli-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let echo = dir.join("echo.wasm");
+    std::fs::write(&echo, plugin_wasm("echo")).unwrap();
+    let junk = dir.join("junk.wasm");
+    std::fs::write(&junk, b"not a component").unwrap();
+    let manifest = dir.join("manifest.json");
+    std::fs::write(&manifest, r#"{"tools": [], "limits": {"cpu_ms": 1000}}"#).unwrap();
+    let cli = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+            .args(["--database-url", &db.url, "--cache-dir"])
+            .arg(dir.join("cache"))
+            .args(["plugins"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = cli(&["add", "bad", junk.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a component"), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = cli(&["add", "echo", echo.to_str().unwrap(), "--manifest", manifest.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let added = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(added.starts_with("echo -> sha256:"), "{added}");
+    let out = cli(&["list"]);
+    let listed = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(listed.contains("echo\tsha256:") && listed.contains("\"cpu_ms\":1000"), "{listed}");
+    assert!(!listed.contains("bad"));
+    let out = cli(&["add", "Bad Name", echo.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
