@@ -268,7 +268,11 @@ async fn plugins_cli_validates_stores_and_lists() {
     };
     let out = cli(&["add", "bad", junk.to_str().unwrap()]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not a component"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not a component"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = cli(&["add", "echo", echo.to_str().unwrap(), "--manifest", manifest.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let added = String::from_utf8_lossy(&out.stdout).to_string();

@@ -174,6 +174,9 @@ async fn wasi_grants_nothing() {
         .unwrap();
     let seen: Value = serde_json::from_str(&answer).unwrap();
     assert_eq!(seen, json!({ "file": false, "env": 0, "net": false }));
+    // Output past the cap is dropped, not fatal: a chatty guest still completes.
+    let noisy = env.run("fixtures", "print", json!({ "mode": "noisy" })).await;
+    assert_eq!(env.wait_terminal(noisy).await, ("completed".into(), String::new()));
     w.drain().await;
 }
 

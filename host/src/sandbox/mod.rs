@@ -9,6 +9,7 @@
 //! its future (claim lost, drain) stops it within a tick.
 
 pub mod manifest;
+mod output;
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -21,7 +22,6 @@ use serde_json::Value;
 use sqlx::PgPool;
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, UpdateDeadline};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::agent::{AgentError, HostError, RunHost, RunInput};
@@ -181,8 +181,8 @@ impl Sandbox {
     ) -> Result<String, AgentError> {
         let pre = self.pre(digest).await.map_err(|e| AgentError::Failed(e.to_string()))?;
         let limits = manifest.limits.clone();
-        let stdout = MemoryOutputPipe::new(GUEST_OUTPUT_BYTES_MAX);
-        let stderr = MemoryOutputPipe::new(GUEST_OUTPUT_BYTES_MAX);
+        let stdout = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
+        let stderr = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
         // Nothing is granted: no preopens, no environment, no network.
         let wasi = WasiCtx::builder().stdout(stdout.clone()).stderr(stderr.clone()).build();
         let guest = Guest {
@@ -246,11 +246,11 @@ impl Sandbox {
     }
 }
 
-fn log_output(run_id: crate::db::RunId, stream: &str, pipe: &MemoryOutputPipe) {
-    let bytes = pipe.contents();
-    if !bytes.is_empty() {
-        let text = String::from_utf8_lossy(&bytes);
-        tracing::info!(%run_id, stream, bytes = bytes.len(), capped = bytes.len() >= GUEST_OUTPUT_BYTES_MAX, "guest output:\n{text}");
+fn log_output(run_id: crate::db::RunId, stream: &str, out: &output::CappedOutput) {
+    let (kept, dropped) = out.contents();
+    if !kept.is_empty() {
+        let text = String::from_utf8_lossy(&kept);
+        tracing::info!(%run_id, stream, bytes = kept.len(), dropped_bytes = dropped, "guest output:\n{text}");
     }
 }
 
