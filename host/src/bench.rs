@@ -49,6 +49,7 @@ pub async fn run(db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
     enqueue_latency(&pool, args).await?;
     pickup_latency(&pool, &url, args).await?;
     throughput(&pool, &url, args).await?;
+    sandbox(&pool, db_args, args).await?;
 
     pool.close().await;
     if let Some(c) = database.cluster.as_mut() {
@@ -265,13 +266,149 @@ async fn enqueue_all(pool: &PgPool, n: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The sandbox's costs: instantiation from the cached pre plus a trivial
+/// run, one `emit-event` host call, and memory per parked guest.
+async fn sandbox(pool: &PgPool, db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
+    let dir = &args.plugin_dir;
+    let (echo, fixtures) = (dir.join("echo.wasm"), dir.join("fixtures.wasm"));
+    if !echo.exists() || !fixtures.exists() {
+        println!(
+            "sandbox: skipped, no plugins in {} (cargo build --release --target wasm32-wasip2 --manifest-path plugins/Cargo.toml)",
+            dir.display()
+        );
+        return Ok(());
+    }
+    db::bench::reset(pool).await?;
+    let sandbox = crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
+    let mut digests = Vec::new();
+    for (name, path) in [("echo", &echo), ("fixtures", &fixtures)] {
+        let bytes = std::fs::read(path)?;
+        sandbox.validate(&bytes)?;
+        digests.push(db::plugins::put(pool, name, &bytes, &json!({})).await?.digest);
+    }
+    let manifest = crate::sandbox::Manifest::default();
+    // A real claimed run behind the host, so emits go through the journal.
+    let owner = Owner { user_id: "bench".into(), tenant_id: "bench".into() };
+    let config = json!({});
+    let new = NewRun {
+        owner: &owner,
+        conversation_id: None,
+        content: "bench",
+        plugin: "echo",
+        plugin_digest: Some(&digests[0]),
+        plugin_manifest: None,
+        config: &config,
+        request: &config,
+        idempotency_key: None,
+    };
+    let run = runs::enqueue(pool, &new).await?;
+    let claim = Claim { limit: 1, lease: Duration::from_secs(3600), worker_id: "bench", prefilter: true };
+    let claimed = runs::claim(pool, &claim).await?.pop().context("bench run not claimed")?;
+    let journal = crate::journal::Journal::start(
+        pool.clone(),
+        claimed.id,
+        claimed.claim_token,
+        4,
+        crate::journal::FLUSH_DEFAULT,
+        tokio_util::sync::CancellationToken::new(),
+        Default::default(),
+    );
+    let host = RunHost::new(claimed.id, journal, Default::default());
+    let input = |content: &str, config: serde_json::Value| RunInput {
+        run_id: run.run_id,
+        conversation_id: run.conversation_id,
+        content: content.to_string(),
+        config,
+    };
+
+    // Instantiate from the cached pre and run a guest that makes no host call.
+    sandbox.run(&host, &digests[0], &manifest, input("", json!({})), vec![]).await?; // warm the caches
+    let mut samples = Vec::with_capacity(args.samples);
+    for _ in 0..args.samples {
+        let t0 = Instant::now();
+        sandbox.run(&host, &digests[0], &manifest, input("", json!({})), vec![]).await?;
+        samples.push(t0.elapsed());
+    }
+    println!("sandbox: store + instantiate + trivial run, {} runs: {}", args.samples, percentiles(&mut samples));
+
+    // emit-event: 1,000 content deltas in one run, through the journal writer.
+    let words = "w ".repeat(1000);
+    let mut per_call = Vec::new();
+    for _ in 0..20 {
+        let t0 = Instant::now();
+        sandbox.run(&host, &digests[0], &manifest, input(&words, json!({})), vec![]).await?;
+        per_call.push(t0.elapsed() / 1000);
+    }
+    println!("sandbox: one emit-event (content_delta) host call: {}", percentiles(&mut per_call));
+    let (_, flushed) = host.close().await;
+    flushed?;
+
+    // Memory: guests parked in a long host call.
+    let parked = args.parked;
+    let rss_before = rss_bytes();
+    let host = RunHost::new(
+        claimed.id,
+        crate::journal::Journal::start(
+            pool.clone(),
+            claimed.id,
+            claimed.claim_token,
+            1_000_000,
+            crate::journal::FLUSH_DEFAULT,
+            tokio_util::sync::CancellationToken::new(),
+            Default::default(),
+        ),
+        Default::default(),
+    );
+    let mut tasks = Vec::new();
+    for _ in 0..parked {
+        let (sandbox, host, digest, manifest) = (sandbox.clone(), host.clone(), digests[1].clone(), manifest.clone());
+        let input = input("park", json!({ "mode": "block" }));
+        tasks.push(tokio::spawn(async move { sandbox.run(&host, &digest, &manifest, input, vec![]).await }));
+    }
+    let t0 = Instant::now();
+    while sandbox.live() < parked {
+        anyhow::ensure!(t0.elapsed() < Duration::from_secs(120), "only {} of {parked} guests parked", sandbox.live());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let rss_after = rss_bytes();
+    println!(
+        "sandbox: {parked} guests parked in a host call: process RSS {:.0} MiB, {:.0} KiB per parked guest",
+        rss_after as f64 / (1 << 20) as f64,
+        rss_after.saturating_sub(rss_before) as f64 / 1024.0 / parked as f64
+    );
+    for t in tasks {
+        t.abort();
+    }
+    Ok(())
+}
+
+/// Resident set size of this process.
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
 fn percentiles(samples: &mut [Duration]) -> String {
     samples.sort();
     let at = |p: f64| {
         let i = ((p * samples.len() as f64).ceil() as usize).clamp(1, samples.len()) - 1;
-        samples[i].as_secs_f64() * 1e3
+        samples[i]
     };
-    format!("p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms", at(0.50), at(0.99), at(1.0))
+    let fmt = |d: Duration| {
+        if d < Duration::from_millis(1) {
+            format!("{:.1} µs", d.as_secs_f64() * 1e6)
+        } else {
+            format!("{:.2} ms", d.as_secs_f64() * 1e3)
+        }
+    };
+    format!("p50 {}, p99 {}, max {}", fmt(at(0.50)), fmt(at(0.99)), fmt(at(1.0)))
 }
 
 fn median(v: &mut [f64]) -> f64 {

@@ -173,4 +173,10 @@ pub struct BenchArgs {
     /// Samples for the latency measurements.
     #[arg(long, default_value_t = 500)]
     pub samples: usize,
+    /// Where the built guest plugins are (echo.wasm, fixtures.wasm).
+    #[arg(long, default_value = "plugins/target/wasm32-wasip2/release")]
+    pub plugin_dir: PathBuf,
+    /// Guests parked at once for the memory measurement.
+    #[arg(long, default_value_t = 1000)]
+    pub parked: usize,
 }

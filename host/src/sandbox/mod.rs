@@ -14,7 +14,7 @@ mod output;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -46,7 +46,7 @@ pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 /// Guest stdout and stderr kept for the host's log, per stream.
 pub const GUEST_OUTPUT_BYTES_MAX: usize = 64 * 1024;
 /// Concurrent guest instances the pooling allocator is sized for.
-pub const INSTANCES_MAX: u32 = 1_000;
+pub const INSTANCES_MAX: u32 = 2_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
@@ -68,6 +68,16 @@ pub struct Sandbox {
     cache_dir: Option<PathBuf>,
     pres: Mutex<HashMap<String, AgentPre<Guest>>>,
     ticker_stop: Arc<AtomicBool>,
+    live: Arc<AtomicUsize>,
+}
+
+/// Counts a live guest instance for as long as it is held.
+struct LiveGuard(Arc<AtomicUsize>);
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Drop for Sandbox {
@@ -111,7 +121,20 @@ impl Sandbox {
             std::fs::create_dir_all(dir)
                 .map_err(|e| SandboxError::Engine(format!("cache dir {}: {e}", dir.display())))?;
         }
-        Ok(Arc::new(Sandbox { engine, linker, pool, cache_dir, pres: Mutex::new(HashMap::new()), ticker_stop }))
+        Ok(Arc::new(Sandbox {
+            engine,
+            linker,
+            pool,
+            cache_dir,
+            pres: Mutex::new(HashMap::new()),
+            ticker_stop,
+            live: Arc::new(AtomicUsize::new(0)),
+        }))
+    }
+
+    /// Guest instances alive right now.
+    pub fn live(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
     }
 
     /// Checks that `bytes` are a component of this world that imports only
@@ -219,8 +242,11 @@ impl Sandbox {
             config: input.config.to_string(),
         };
         let wall = Duration::from_millis(limits.wall_ms);
+        let live = &self.live;
         let outcome = tokio::time::timeout(wall, async {
             let agent = pre.instantiate_async(&mut store).await?;
+            live.fetch_add(1, Ordering::Relaxed);
+            let _live = LiveGuard(live.clone());
             agent.call_run(&mut store, &wit_input).await
         })
         .await;

@@ -10,15 +10,7 @@ use crate::db;
 use super::Shared;
 
 pub(super) async fn run(shared: Arc<Shared>) {
-    let mut tick = tokio::time::interval(shared.config.heartbeat);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shared.stop_services.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        beat(&shared).await;
-    }
+    super::every(&shared, shared.config.heartbeat, false, || beat(&shared)).await;
 }
 
 async fn beat(shared: &Shared) {

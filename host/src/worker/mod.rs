@@ -127,6 +127,28 @@ impl WorkerConfig {
     }
 }
 
+/// Calls `pass` every `period` until the services stop. The first tick is
+/// immediate unless `skip_first` (the caller already did a pass). A slow pass
+/// delays the next one rather than bunching them up.
+async fn every<F, Fut>(shared: &Shared, period: Duration, skip_first: bool, mut pass: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    if skip_first {
+        tick.tick().await;
+    }
+    loop {
+        tokio::select! {
+            _ = shared.stop_services.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        pass().await;
+    }
+}
+
 /// A run this process holds: what the heartbeat presents and whom it tells
 /// when the run is lost.
 struct Held {

@@ -13,18 +13,13 @@ use crate::db;
 use super::{Shared, WorkerStats, REAP_BATCH_MAX};
 
 pub(super) async fn run(shared: Arc<Shared>) {
-    let mut tick = tokio::time::interval(shared.config.reap_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await; // the boot sweep already ran
-    loop {
-        tokio::select! {
-            _ = shared.stop_services.cancelled() => return,
-            _ = tick.tick() => {}
-        }
+    // The boot sweep already ran: skip the first tick.
+    super::every(&shared, shared.config.reap_interval, true, || async {
         if let Err(e) = sweep(&shared.pool, shared.config.reap_grace, &shared.stats).await {
             tracing::warn!(error = %e, "reap sweep failed");
         }
-    }
+    })
+    .await;
 }
 
 /// One pass: read the orphans, then reap each with the liveness re-check in

@@ -15,25 +15,21 @@ const BATCH_RUNS: i64 = 100;
 const BATCHES_PER_PASS_MAX: usize = 50;
 
 pub(super) async fn run(shared: Arc<Shared>) {
-    let mut tick = tokio::time::interval(shared.config.retention_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shared.stop_services.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        for _ in 0..BATCHES_PER_PASS_MAX {
-            match db::runs::trim_terminal(&shared.pool, shared.config.retention, BATCH_RUNS).await {
-                Ok(n) => {
-                    shared.stats.trimmed.fetch_add(n, Ordering::Relaxed);
-                    if (n as i64) < BATCH_RUNS {
-                        break;
-                    }
+    super::every(&shared, shared.config.retention_interval, false, || pass(&shared)).await;
+}
+
+async fn pass(shared: &Shared) {
+    for _ in 0..BATCHES_PER_PASS_MAX {
+        match db::runs::trim_terminal(&shared.pool, shared.config.retention, BATCH_RUNS).await {
+            Ok(n) => {
+                shared.stats.trimmed.fetch_add(n, Ordering::Relaxed);
+                if (n as i64) < BATCH_RUNS {
+                    return;
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "retention pass failed");
-                    break;
-                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "retention pass failed");
+                return;
             }
         }
     }
