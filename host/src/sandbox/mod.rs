@@ -66,7 +66,8 @@ pub struct Sandbox {
     linker: Linker<Guest>,
     pool: PgPool,
     cache_dir: Option<PathBuf>,
-    pres: Mutex<HashMap<String, AgentPre<Guest>>>,
+    /// One cell per digest: concurrent first runs of a plugin compile it once.
+    pres: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<AgentPre<Guest>>>>>,
     ticker_stop: Arc<AtomicBool>,
     live: Arc<AtomicUsize>,
 }
@@ -157,11 +158,14 @@ impl Sandbox {
         self.cache_dir.as_ref().map(|d| d.join(format!("{hex}-{:016x}.cwasm", h.finish())))
     }
 
-    /// The prepared component for `digest`: memory, then disk, then the database.
+    /// The prepared component for `digest`: memory, then disk, then the
+    /// database. Concurrent callers for one digest wait for a single load.
     async fn pre(&self, digest: &str) -> Result<AgentPre<Guest>, SandboxError> {
-        if let Some(pre) = self.pres.lock().unwrap().get(digest) {
-            return Ok(pre.clone());
-        }
+        let cell = self.pres.lock().unwrap().entry(digest.to_string()).or_default().clone();
+        cell.get_or_try_init(|| self.load(digest)).await.cloned()
+    }
+
+    async fn load(&self, digest: &str) -> Result<AgentPre<Guest>, SandboxError> {
         let cached = self.cache_path(digest).filter(|p| p.exists());
         let component = match cached.as_ref().and_then(|p| {
             // SAFETY: files in the cache directory are written only by
@@ -180,17 +184,19 @@ impl Sandbox {
                     .map_err(|e| SandboxError::Engine(e.to_string()))?
                     .map_err(|e| SandboxError::Invalid(format!("{e:#}")))?;
                 if let (Some(path), Ok(bytes)) = (self.cache_path(digest), component.serialize()) {
-                    let tmp = path.with_extension("tmp");
+                    // Another process may write the same file: a private
+                    // temporary name, then an atomic rename.
+                    let tmp =
+                        path.with_extension(format!("{}.{}.tmp", std::process::id(), uuid::Uuid::new_v4().simple()));
                     if std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
+                        let _ = std::fs::remove_file(&tmp);
                         tracing::warn!(path = %path.display(), "could not cache the compiled component");
                     }
                 }
                 component
             }
         };
-        let pre = self.prepare(&component)?;
-        self.pres.lock().unwrap().insert(digest.to_string(), pre.clone());
-        Ok(pre)
+        self.prepare(&component)
     }
 
     /// Runs one turn of the component `digest` under `manifest`.
