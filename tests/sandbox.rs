@@ -251,3 +251,84 @@ async fn a_guest_that_keeps_going_after_its_claim_was_lost_is_interrupted() {
     assert_eq!(journal(&env.db.pool, id).await, ended);
     w.drain().await;
 }
+
+fn multipart(fields: &[(&str, &[u8])]) -> (String, Vec<u8>) {
+    let boundary = "agent-host-test-boundary";
+    let mut body = Vec::new();
+    for (name, value) in fields {
+        body.extend_from_slice(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"").as_bytes());
+        if *name == "component" {
+            body.extend_from_slice(b"; filename=\"plugin.wasm\"\r\nContent-Type: application/wasm");
+        }
+        body.extend_from_slice(b"\r\n\r\n");
+        body.extend_from_slice(value);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    (format!("multipart/form-data; boundary={boundary}"), body)
+}
+
+/// `POST /v1/plugins` (admins only) validates before it stores; `GET` lists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugins_upload_over_http_for_admins_only() {
+    let env = Env::new().await;
+    let admin = tokens::create(&env.db.pool, "root", "acme", true).await.unwrap();
+    let upload = |token: String, fields: Vec<(&'static str, Vec<u8>)>| {
+        let router = env.router.clone();
+        async move {
+            let borrowed: Vec<(&str, &[u8])> = fields.iter().map(|(n, v)| (*n, v.as_slice())).collect();
+            let (ct, body) = multipart(&borrowed);
+            let req = Request::builder()
+                .method("POST")
+                .uri("/v1/plugins")
+                .header(header::AUTHORIZATION, format!("Bearer {token}"))
+                .header(header::CONTENT_TYPE, ct)
+                .body(Body::from(body))
+                .unwrap();
+            let res = router.oneshot(req).await.unwrap();
+            let status = res.status();
+            let bytes = res.into_body().collect().await.unwrap().to_bytes();
+            (status, serde_json::from_slice::<Value>(&bytes).unwrap_or(Value::Null))
+        }
+    };
+    let echo = plugin_wasm("echo");
+    let (status, v) = upload(env.token.clone(), vec![("name", b"echo".to_vec()), ("component", echo.clone())]).await;
+    assert_eq!((status, v["error"]["code"].as_str()), (StatusCode::FORBIDDEN, Some("forbidden")));
+    let (status, v) = upload(admin.clone(), vec![("name", b"junk".to_vec()), ("component", b"nope".to_vec())]).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("not a component"), "{v}");
+    let (status, v) = upload(
+        admin.clone(),
+        vec![
+            ("name", b"echo".to_vec()),
+            ("component", echo.clone()),
+            ("manifest", br#"{"limits": {"nope": 1}}"#.to_vec()),
+        ],
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+    let (status, v) = upload(
+        admin.clone(),
+        vec![("name", b"echo".to_vec()), ("component", echo.clone()), ("manifest", br#"{"tools": ["llm"]}"#.to_vec())],
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+    assert_eq!(v["digest"].as_str().unwrap(), plugins::digest_of(&echo));
+    assert_eq!(v["manifest"]["tools"][0], "llm");
+
+    let req = Request::builder()
+        .uri("/v1/plugins")
+        .header(header::AUTHORIZATION, format!("Bearer {}", env.token))
+        .body(Body::empty())
+        .unwrap();
+    let res = env.router.clone().oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let listed: Value = serde_json::from_slice(&res.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let names: Vec<&str> = listed["plugins"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert!(names.contains(&"echo") && names.contains(&"noop") && !names.contains(&"junk"), "{listed}");
+    // The uploaded plugin runs.
+    let w = env.worker(fast_config("w")).await;
+    let id = env.run("echo", "uploaded and running", json!({})).await;
+    assert_eq!(env.wait_terminal(id).await.0, "completed");
+    w.drain().await;
+}

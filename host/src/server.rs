@@ -159,10 +159,7 @@ pub async fn plugins_add(
     manifest: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
     anyhow::ensure!(
-        !name.is_empty()
-            && name.len() <= 63
-            && name.starts_with(|c: char| c.is_ascii_lowercase())
-            && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-'),
+        db::plugins::valid_name(name),
         "plugin name {name:?} must be 1-63 characters of a-z, 0-9, _ and -, starting with a letter"
     );
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;

@@ -2,6 +2,7 @@
 
 mod error;
 mod events;
+mod plugins;
 mod runs;
 
 use axum::extract::{FromRef, FromRequest, FromRequestParts, Request, State};
@@ -45,6 +46,12 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs", post(runs::create_run))
         .route("/v1/runs/{id}", get(runs::get_run))
         .route("/v1/runs/{id}/events", get(events::events))
+        .route(
+            "/v1/plugins",
+            get(plugins::list)
+                .post(plugins::upload)
+                .layer(axum::extract::DefaultBodyLimit::max(plugins::COMPONENT_BYTES_MAX + 64 * 1024)),
+        )
         .route("/v1/conversations", post(runs::create_conversation))
         .route("/v1/conversations/{id}/runs", post(runs::create_run_in_conversation))
         .route("/healthz", get(|| async { Json(json!({ "status": "ok" })) }))

@@ -7,6 +7,15 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use sqlx::{PgExecutor, PgPool};
 
+/// A plugin name: 1-63 of a-z, 0-9, `_`, `-`, starting with a letter (the
+/// schema checks the same).
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name.starts_with(|c: char| c.is_ascii_lowercase())
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-')
+}
+
 /// `sha256:<hex>` of a component's bytes.
 pub fn digest_of(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
