@@ -555,12 +555,6 @@ pub async fn get_run(db: impl PgExecutor<'_>, id: RunId, owner_id: &str) -> Resu
     .await
 }
 
-/// A run's status, for tests and tools that watch runs without an owner.
-pub async fn status_of(db: impl PgExecutor<'_>, id: RunId) -> Result<Option<RunStatus>, sqlx::Error> {
-    let s: Option<String> =
-        sqlx::query_scalar("SELECT status FROM agent_run WHERE id = $1").bind(id).fetch_optional(db).await?;
-    Ok(s.and_then(|s| s.parse().ok()))
-}
 
 /// A terminal run's (status, error, last seq in its journal); `None` while
 /// the run is not terminal.

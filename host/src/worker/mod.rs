@@ -9,7 +9,7 @@ mod run_task;
 mod waker;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -190,7 +190,6 @@ pub(crate) struct Shared {
     stop_services: CancellationToken,
     stats: Arc<WorkerStats>,
     journal_stats: Arc<crate::journal::JournalStats>,
-    draining: AtomicBool,
     /// Conversations whose run this process just ended, for the waker.
     ended: mpsc::Sender<(RunId, ConversationId)>,
 }
@@ -234,7 +233,6 @@ impl Worker {
             stop_services: CancellationToken::new(),
             stats: Arc::new(WorkerStats::default()),
             journal_stats: Arc::new(crate::journal::JournalStats::default()),
-            draining: AtomicBool::new(false),
             ended,
         });
         // The boot reconciler: a full-cluster restart leaves orphans no
@@ -270,7 +268,6 @@ impl Worker {
     /// finish within the drain budget; whatever outlives it is aborted and
     /// ends failed (fenced), or is left to the reaper if even that fails.
     pub async fn drain(mut self) -> DrainReport {
-        self.shared.draining.store(true, Ordering::Relaxed);
         self.shared.stop_claiming.cancel();
         if let Some(d) = self.dispatcher.take() {
             let _ = d.await;
