@@ -122,6 +122,7 @@ async fn demo(pool: &PgPool, addr: std::net::SocketAddr) -> anyhow::Result<()> {
         "\ndemo token: {token}\n\
          demo run:   {run_id} (plugin sleep, 20 steps of 200 ms)\n\n\
          watch it:   curl -s -H 'Authorization: Bearer {token}' http://{addr}/v1/runs/{run_id}\n\
+         stream it:  curl -sN -H 'Authorization: Bearer {token}' -H 'Accept: text/event-stream' http://{addr}/v1/runs/{run_id}/events\n\
          start one:  curl -s -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' \\\n\
          \x20           -d '{{\"content\":\"hello there\",\"plugin\":\"echo\"}}' http://{addr}/v1/runs\n",
         run_id = run.run_id

@@ -555,7 +555,6 @@ pub async fn get_run(db: impl PgExecutor<'_>, id: RunId, owner_id: &str) -> Resu
     .await
 }
 
-
 /// A terminal run's (status, error, last seq in its journal); `None` while
 /// the run is not terminal.
 pub async fn terminal_state(
