@@ -227,13 +227,14 @@ impl Sandbox {
         };
         let mut store = Store::new(&self.engine, guest);
         store.limiter(|g| &mut g.limiter);
-        let cpu_ticks_max = limits.cpu_ms.div_ceil(EPOCH_TICK.as_millis() as u64).max(1);
+        let cpu_ms = limits.cpu_ms;
+        let cpu_ticks_max = cpu_ms.div_ceil(EPOCH_TICK.as_millis() as u64).max(1);
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |mut ctx| {
             let g = ctx.data_mut();
             g.cpu_ticks += 1;
             if g.cpu_ticks > cpu_ticks_max {
-                g.failure = Some(format!("limit: cpu time budget of {} ms exceeded", cpu_ticks_max * 10));
+                g.failure = Some(format!("limit: cpu time budget of {cpu_ms} ms exceeded"));
                 return Ok(UpdateDeadline::Interrupt);
             }
             // Yield to the host every tick: the run's future can then be
