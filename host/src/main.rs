@@ -16,25 +16,19 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => server::serve(&cli.db, &args).await,
         Command::Migrate => {
-            let mut database = server::open_database(&cli.db).await?;
-            let pool = server::connect_and_migrate(&database.url, 2).await?;
-            println!("migrations applied ({} in all)", db::MIGRATOR.iter().count());
-            pool.close().await;
-            if let Some(c) = database.cluster.as_mut() {
-                c.stop();
-            }
-            Ok(())
+            server::with_pool(&cli.db, |_| async {
+                println!("migrations applied ({} in all)", db::MIGRATOR.iter().count());
+                Ok(())
+            })
+            .await
         }
         Command::Tokens(TokensCommand::Create { user, tenant, admin }) => {
-            let mut database = server::open_database(&cli.db).await?;
-            let pool = server::connect_and_migrate(&database.url, 2).await?;
-            let token = db::tokens::create(&pool, &user, &tenant, admin).await.context("creating the token")?;
-            println!("{token}");
-            pool.close().await;
-            if let Some(c) = database.cluster.as_mut() {
-                c.stop();
-            }
-            Ok(())
+            server::with_pool(&cli.db, |pool| async move {
+                let token = db::tokens::create(&pool, &user, &tenant, admin).await.context("creating the token")?;
+                println!("{token}");
+                Ok(())
+            })
+            .await
         }
         Command::Bench(args) => bench::run(&cli.db, &args).await,
         Command::Plugins(PluginsCommand::Add { name, file, manifest }) => {

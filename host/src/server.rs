@@ -172,33 +172,41 @@ pub async fn plugins_add(
         None => json!({}),
     };
     crate::sandbox::Manifest::parse(&manifest).map_err(anyhow::Error::msg)?;
-    let mut database = open_database(db_args).await?;
-    let pool = connect_and_migrate(&database.url, 2).await?;
-    let sandbox = crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
-    let result = async {
+    with_pool(db_args, |pool| async move {
+        let sandbox = crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
         sandbox.validate(&bytes)?;
         let row = db::plugins::put(&pool, name, &bytes, &manifest).await?;
         println!("{} -> {} ({} bytes)", row.name, row.digest, row.size_bytes);
-        anyhow::Ok(())
-    }
-    .await;
+        Ok(())
+    })
+    .await
+}
+
+/// `plugins list`.
+pub async fn plugins_list(db_args: &DbArgs) -> anyhow::Result<()> {
+    with_pool(db_args, |pool| async move {
+        for p in db::plugins::list(&pool).await? {
+            println!("{}\t{}\t{} bytes\t{}", p.name, p.digest, p.size_bytes, p.manifest);
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// A one-shot command's database: opened (private cluster if need be) and
+/// migrated, handed to `work`, then closed and the cluster stopped, whatever
+/// `work` returned.
+pub async fn with_pool<T, F, Fut>(db_args: &DbArgs, work: F) -> anyhow::Result<T>
+where
+    F: FnOnce(PgPool) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let mut database = open_database(db_args).await?;
+    let pool = connect_and_migrate(&database.url, 2).await?;
+    let result = work(pool.clone()).await;
     pool.close().await;
     if let Some(c) = database.cluster.as_mut() {
         c.stop();
     }
     result
-}
-
-/// `plugins list`.
-pub async fn plugins_list(db_args: &DbArgs) -> anyhow::Result<()> {
-    let mut database = open_database(db_args).await?;
-    let pool = connect_and_migrate(&database.url, 2).await?;
-    for p in db::plugins::list(&pool).await? {
-        println!("{}\t{}\t{} bytes\t{}", p.name, p.digest, p.size_bytes, p.manifest);
-    }
-    pool.close().await;
-    if let Some(c) = database.cluster.as_mut() {
-        c.stop();
-    }
-    Ok(())
 }
