@@ -244,6 +244,38 @@ async fn a_tail_served_by_one_process_for_a_run_executed_by_another() {
     drop((a, b));
 }
 
+/// A stop posted to one process reaches the run another process executes:
+/// the flag and the NOTIFY cross processes through PostgreSQL. A's heartbeat
+/// is 10 s, so only the NOTIFY explains an ending this soon.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_posted_to_one_process_stops_a_run_executing_in_another() {
+    let db = TestDb::new().await;
+    let a = HostProcess::spawn(&db.url, "A", &["--lease-ms", "30000", "--heartbeat-ms", "10000"]);
+    let b = HostProcess::spawn(&db.url, "B", &["--no-dispatch"]);
+    let token = agent_host::db::tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
+    let run = enqueue(&db.pool, None, "sleep", serde_json::from_str(FOREVER).unwrap()).await;
+    let pool = db.pool.clone();
+    wait_for("the run to stream", LONG, || {
+        let pool = pool.clone();
+        async move { journal(&pool, run.run_id).await.iter().any(|(_, t)| t == "content_delta") }
+    })
+    .await;
+    let res = reqwest::Client::new()
+        .post(format!("http://{}/v1/runs/{}/cancel", b.addr, run.run_id))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), reqwest::StatusCode::ACCEPTED);
+    let asked = Instant::now();
+    wait_status(&db.pool, run.run_id, "cancelled", Duration::from_secs(5)).await;
+    eprintln!("cancel via B to cancelled on A: {:?}", asked.elapsed());
+    assert_eq!(worker_of(&db, run.run_id).await.as_deref(), Some("A"));
+    assert_eq!(completes(&db, run.run_id).await, 1);
+    assert_journal_sound(&db.pool, run.run_id).await;
+    drop((a, b));
+}
+
 /// `plugins add` validates against the world before it stores anything;
 /// `plugins list` shows what names point at.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

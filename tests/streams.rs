@@ -77,25 +77,13 @@ impl Host {
     }
 }
 
-async fn journal_payloads(db: &TestDb, run: RunId) -> Vec<(i32, String, Value)> {
-    sqlx::query_as("SELECT seq, type, payload FROM run_event WHERE run_id = $1 ORDER BY seq")
-        .bind(run)
-        .fetch_all(&db.pool)
-        .await
-        .unwrap()
-}
-
-fn deltas_text(journal: &[(i32, String, Value)]) -> String {
-    journal.iter().filter(|(_, t, _)| t == "content_delta").map(|(_, _, p)| p["delta"].as_str().unwrap()).collect()
-}
-
 #[tokio::test]
 async fn deltas_merge_structural_events_write_through_and_order_holds() {
     let db = TestDb::new().await;
     let e = enqueue(&db.pool, None, "chatty", json!({})).await;
     let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents(), fast_config("w")).await.unwrap();
     wait_status(&db.pool, e.run_id, "completed", LONG).await;
-    let j = journal_payloads(&db, e.run_id).await;
+    let j = journal_payloads(&db.pool, e.run_id).await;
     let expected: String = (0..1000).map(|i| format!("{i} ")).collect();
     assert_eq!(deltas_text(&j), expected, "merged deltas keep every character, in order");
     // The structural event sits between the halves, written through.
@@ -173,7 +161,7 @@ async fn sse_replays_then_follows_live_until_complete() {
     assert_eq!(frames[0].event, "user_message_created");
     assert_eq!(frames.last().unwrap().event, "complete");
     assert_eq!(frames.last().unwrap().data["status"], "completed");
-    let j = journal_payloads(&db, e.run_id).await;
+    let j = journal_payloads(&db.pool, e.run_id).await;
     assert_eq!(frames.len(), j.len(), "the stream equals the journal");
     host.stop().await;
 }
@@ -198,7 +186,7 @@ async fn a_client_that_drops_and_rejoins_gets_exactly_the_rest() {
     let mut client = SseClient::connect(&url, &host.token, Some(k)).await;
     let rest = client.collect(LONG).await;
     seen.extend(rest.iter().map(|f| f.data["seq"].as_i64().unwrap()));
-    let j = journal_payloads(&db, e.run_id).await;
+    let j = journal_payloads(&db.pool, e.run_id).await;
     assert_eq!(seen, j.iter().map(|(s, _, _)| *s as i64).collect::<Vec<_>>());
     assert_eq!(rest.last().unwrap().event, "complete");
     // Closing the stream was not a stop.

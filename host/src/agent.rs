@@ -6,12 +6,12 @@
 //! they refuse with [`HostError::Fenced`].
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
 
 use crate::db::{ConversationId, RunId};
 use crate::journal::{Journal, DELTA_KIND};
@@ -66,6 +66,9 @@ pub enum AgentError {
     Failed(String),
     #[error(transparent)]
     Host(#[from] HostError),
+    /// A stop was requested and the agent had not returned within the grace.
+    #[error("cancelled: the run had not stopped {0} ms after the stop and was interrupted")]
+    Interrupted(u64),
 }
 
 #[async_trait]
@@ -80,7 +83,8 @@ pub trait Agent: Send + Sync + 'static {
 #[derive(Clone)]
 pub struct RunHost {
     run_id: RunId,
-    cancel_requested: Arc<AtomicBool>,
+    /// Fired when a stop is requested (the NOTIFY or the heartbeat saw the flag).
+    cancel: CancellationToken,
     inner: Arc<tokio::sync::Mutex<HostInner>>,
 }
 
@@ -92,9 +96,9 @@ struct HostInner {
 }
 
 impl RunHost {
-    pub(crate) fn new(run_id: RunId, journal: Journal, cancel_requested: Arc<AtomicBool>) -> Self {
+    pub(crate) fn new(run_id: RunId, journal: Journal, cancel: CancellationToken) -> Self {
         let inner = HostInner { journal: Some(journal), streamed: String::new() };
-        RunHost { run_id, cancel_requested, inner: Arc::new(tokio::sync::Mutex::new(inner)) }
+        RunHost { run_id, cancel, inner: Arc::new(tokio::sync::Mutex::new(inner)) }
     }
 
     pub fn run_id(&self) -> RunId {
@@ -120,6 +124,17 @@ impl RunHost {
         if self.check_cancel() {
             return Err(HostError::Cancelled);
         }
+        self.append(kind, payload).await
+    }
+
+    /// Appends an event the host itself writes (a reserved kind such as
+    /// `tool_call_finished`): no reserved-kind check and no cancel check, so a
+    /// tool call cut off by a stop is still journaled; fenced like the rest.
+    pub(crate) async fn emit_host_event(&self, kind: &str, payload: Value) -> Result<(), HostError> {
+        self.append(kind, payload).await
+    }
+
+    async fn append(&self, kind: &str, payload: Value) -> Result<(), HostError> {
         let mut inner = self.inner.lock().await;
         let inner = &mut *inner;
         let journal = inner.journal.as_mut().ok_or(HostError::Fenced)?;
@@ -139,7 +154,13 @@ impl RunHost {
 
     /// Whether a stop was requested for this run.
     pub fn check_cancel(&self) -> bool {
-        self.cancel_requested.load(Ordering::Relaxed)
+        self.cancel.is_cancelled()
+    }
+
+    /// Resolves once a stop is requested: host work in flight for the run
+    /// (a model stream, a webhook call) selects on it and aborts.
+    pub async fn cancelled(&self) {
+        self.cancel.cancelled().await
     }
 
     /// Flushes and closes the journal (every clone then refuses with
@@ -225,7 +246,7 @@ impl Agent for Echo {
 }
 
 /// A long turn for demos and tests: `config.steps` deltas (default 10), one
-/// every `config.step_ms` (default 100), honouring cancel between steps.
+/// every `config.step_ms` (default 100), stopping at once when cancelled.
 pub struct Sleep;
 
 #[async_trait]
@@ -235,10 +256,10 @@ impl Agent for Sleep {
         let step_ms = input.config.get("step_ms").and_then(Value::as_u64).unwrap_or(100).min(3_600_000);
         let mut text = String::new();
         for i in 0..steps {
-            if host.check_cancel() {
-                return Err(HostError::Cancelled.into());
+            tokio::select! {
+                _ = host.cancelled() => return Err(HostError::Cancelled.into()),
+                _ = tokio::time::sleep(Duration::from_millis(step_ms)) => {}
             }
-            tokio::time::sleep(Duration::from_millis(step_ms)).await;
             let piece = format!("step {i}. ");
             host.emit_delta(&piece).await?;
             text.push_str(&piece);

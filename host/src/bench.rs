@@ -49,7 +49,7 @@ pub async fn run(db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
     enqueue_latency(&pool, args).await?;
     pickup_latency(&pool, &url, args).await?;
     throughput(&pool, &url, args).await?;
-    sandbox(&pool, db_args, args).await?;
+    sandbox(&pool, &url, db_args, args).await?;
 
     pool.close().await;
     if let Some(c) = database.cluster.as_mut() {
@@ -268,7 +268,7 @@ async fn enqueue_all(pool: &PgPool, n: usize) -> anyhow::Result<()> {
 
 /// The sandbox's costs: instantiation from the cached pre plus a trivial
 /// run, one `emit-event` host call, and memory per parked guest.
-async fn sandbox(pool: &PgPool, db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
+async fn sandbox(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
     let dir = &args.plugin_dir;
     let (echo, fixtures) = (dir.join("echo.wasm"), dir.join("fixtures.wasm"));
     if !echo.exists() || !fixtures.exists() {
@@ -343,6 +343,8 @@ async fn sandbox(pool: &PgPool, db_args: &DbArgs, args: &BenchArgs) -> anyhow::R
     let (_, flushed) = host.close().await;
     flushed?;
 
+    cancel_latency(pool, url, &sandbox, &digests, args).await?;
+
     // Memory: guests parked in a long host call.
     let parked = args.parked;
     let rss_before = rss_bytes();
@@ -379,6 +381,67 @@ async fn sandbox(pool: &PgPool, db_args: &DbArgs, args: &BenchArgs) -> anyhow::R
     for t in tasks {
         t.abort();
     }
+    Ok(())
+}
+
+/// Cancel commit to terminal commit, through a real worker: a cooperative
+/// guest (echo, checking cancel between words) and one that never looks
+/// (interrupted after the grace).
+async fn cancel_latency(
+    pool: &PgPool,
+    url: &str,
+    sandbox: &Arc<crate::sandbox::Sandbox>,
+    digests: &[String],
+    args: &BenchArgs,
+) -> anyhow::Result<()> {
+    db::bench::reset(pool).await?;
+    let grace = Duration::from_millis(500);
+    let agents = AgentRegistry::default().with_sandbox(sandbox.clone());
+    let config = WorkerConfig { worker_id: "bench".into(), cancel_grace: grace, ..WorkerConfig::default() };
+    let hub = Hub::start(url.to_string());
+    let worker = Worker::start(pool.clone(), Some(hub.clone()), agents, config).await?;
+    let owner = Owner { user_id: "bench".into(), tenant_id: "bench".into() };
+    let words = "word ".repeat(100_000);
+    let cases = [
+        ("echo", &digests[0], words.as_str(), json!({ "delay_ms": 2 }), args.samples.min(50)),
+        ("fixtures", &digests[1], "x", json!({ "mode": "ignore-cancel" }), args.samples.min(10)),
+    ];
+    for (plugin, digest, content, config, n) in cases {
+        let mut samples = Vec::with_capacity(n);
+        for _ in 0..n {
+            let new = NewRun {
+                owner: &owner,
+                conversation_id: None,
+                content,
+                plugin,
+                plugin_digest: Some(digest),
+                plugin_manifest: None,
+                config: &config,
+                request: &config,
+                idempotency_key: None,
+            };
+            let run = runs::enqueue(pool, &new).await?;
+            let mut ended = hub.subscribe(&runs::events_channel(run.run_id)).await;
+            let t0 = Instant::now();
+            let status =
+                || sqlx::query_scalar::<_, String>("SELECT status FROM agent_run WHERE id = $1").bind(run.run_id);
+            while status().fetch_one(pool).await? != "running" {
+                anyhow::ensure!(t0.elapsed() < Duration::from_secs(30), "bench run was not claimed");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            // Let the guest get going before the stop.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            db::stop::cancel(pool, run.run_id, "bench").await?;
+            let asked = Instant::now();
+            while runs::terminal_state(pool, run.run_id).await?.is_none() {
+                tokio::time::timeout(Duration::from_secs(30), ended.recv()).await.context("run did not end")?;
+            }
+            samples.push(asked.elapsed());
+        }
+        let what = if plugin == "echo" { "cooperative guest" } else { "guest ignoring cancel, grace 500 ms" };
+        println!("cancel to terminal, {what}, {n} runs: {}", percentiles(&mut samples));
+    }
+    worker.drain().await;
     Ok(())
 }
 

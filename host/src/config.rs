@@ -128,6 +128,9 @@ pub struct WorkerArgs {
     /// How often retention runs.
     #[arg(long, env = "AGENT_HOST_RETENTION_INTERVAL_MS", default_value_t = 60_000)]
     pub retention_interval_ms: u64,
+    /// How long a run may keep going after a stop before it is interrupted.
+    #[arg(long, env = "AGENT_HOST_CANCEL_GRACE_MS", default_value_t = 5_000)]
+    pub cancel_grace_ms: u64,
     /// This process's name in claims (default: hostname-pid).
     #[arg(long, env = "AGENT_HOST_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -154,6 +157,7 @@ impl WorkerArgs {
             journal_flush: ms(self.journal_flush_ms),
             retention: Duration::from_secs(self.event_retention_s),
             retention_interval: ms(self.retention_interval_ms),
+            cancel_grace: ms(self.cancel_grace_ms),
             dispatch: !self.no_dispatch,
         }
     }

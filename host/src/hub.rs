@@ -68,6 +68,11 @@ impl Subscription {
         self.rx.recv().await
     }
 
+    /// A wake already queued, without waiting.
+    pub fn try_recv(&mut self) -> Option<Wake> {
+        self.rx.try_recv().ok()
+    }
+
     /// Discards wakes already queued (the caller is about to re-read rows).
     pub fn drain(&mut self) {
         while self.rx.try_recv().is_ok() {}

@@ -2,6 +2,7 @@
 //! server in DATABASE_URL), a migrated template, and a fresh database per test.
 #![allow(dead_code)]
 
+pub mod http;
 pub mod process;
 pub mod sse;
 
@@ -131,6 +132,7 @@ pub fn fast_config(worker_id: &str) -> WorkerConfig {
         journal_flush: Duration::from_millis(50),
         retention: Duration::from_secs(24 * 3600),
         retention_interval: Duration::from_secs(60),
+        cancel_grace: Duration::from_millis(500),
         dispatch: true,
     }
 }
@@ -172,6 +174,20 @@ pub async fn journal(pool: &PgPool, id: RunId) -> Vec<(i32, String)> {
         .fetch_all(pool)
         .await
         .unwrap()
+}
+
+/// The journal of a run as (seq, type, payload).
+pub async fn journal_payloads(pool: &PgPool, run: RunId) -> Vec<(i32, String, Value)> {
+    sqlx::query_as("SELECT seq, type, payload FROM run_event WHERE run_id = $1 ORDER BY seq")
+        .bind(run)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// The text of a journal's `content_delta` events, in order.
+pub fn deltas_text(journal: &[(i32, String, Value)]) -> String {
+    journal.iter().filter(|(_, t, _)| t == "content_delta").map(|(_, _, p)| p["delta"].as_str().unwrap()).collect()
 }
 
 /// Journal invariants every run keeps: seq 1..n without gaps, at most one

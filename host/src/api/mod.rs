@@ -46,6 +46,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs", post(runs::create_run))
         .route("/v1/runs/{id}", get(runs::get_run))
         .route("/v1/runs/{id}/events", get(events::events))
+        .route("/v1/runs/{id}/cancel", post(runs::cancel_run))
         .route(
             "/v1/plugins",
             get(plugins::list)
@@ -54,6 +55,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/conversations", post(runs::create_conversation))
         .route("/v1/conversations/{id}/runs", post(runs::create_run_in_conversation))
+        .route("/v1/conversations/{id}/stop", post(runs::stop_conversation))
         .route("/healthz", get(|| async { Json(json!({ "status": "ok" })) }))
         .route("/readyz", get(readyz))
         .fallback(|| async { ApiError::not_found("route") })

@@ -8,7 +8,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::db::runs::{self, EnqueueError, NewRun, Owner};
-use crate::db::{ConversationId, RunId};
+use crate::db::stop::{self, Cancelled};
+use crate::db::{ConversationId, RunId, RunStatus};
 
 use super::{ApiError, ApiJson, AppState, Auth};
 
@@ -161,4 +162,38 @@ pub async fn get_run(
     let run =
         runs::get_run(&state.pool, id, &p.user_id).await?.ok_or_else(|| ApiError::not_found(format!("run {id}")))?;
     Ok(Json(run))
+}
+
+/// `POST /v1/runs/{id}/cancel`: a durable stop request. 202 while the run
+/// winds down (or once a queued run is cancelled outright); 200 with the
+/// status, changing nothing, when the run had already ended.
+pub async fn cancel_run(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id: RunId = parse_id(&id, "run")?;
+    let done =
+        stop::cancel(&state.pool, id, &p.user_id).await?.ok_or_else(|| ApiError::not_found(format!("run {id}")))?;
+    let (code, status) = match done {
+        Cancelled::Queued => (StatusCode::ACCEPTED, RunStatus::Cancelled),
+        Cancelled::Flagged => (StatusCode::ACCEPTED, RunStatus::Running),
+        Cancelled::Terminal(s) => (StatusCode::OK, s),
+    };
+    let cancel_requested = code == StatusCode::ACCEPTED || status == RunStatus::Cancelled;
+    Ok((code, Json(json!({ "id": id, "status": status.as_str(), "cancel_requested": cancel_requested }))))
+}
+
+/// `POST /v1/conversations/{id}/stop`: one transaction over every queued and
+/// running turn (see `db::stop::stop_conversation`).
+pub async fn stop_conversation(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id: ConversationId = parse_id(&id, "conversation")?;
+    let stopped = stop::stop_conversation(&state.pool, id, &p.user_id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("conversation {id}")))?;
+    Ok(Json(stopped))
 }

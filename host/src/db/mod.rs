@@ -5,6 +5,7 @@ pub mod bench;
 pub mod cluster;
 pub mod plugins;
 pub mod runs;
+pub mod stop;
 pub mod tokens;
 
 use std::str::FromStr;

@@ -36,7 +36,8 @@ async fn beat(shared: &Shared) {
             continue;
         }
         match alive.get(&id) {
-            Some(cancel) => h.cancel_requested.store(*cancel, Ordering::Relaxed),
+            Some(true) => h.cancel.cancel(),
+            Some(false) => {}
             None => {
                 tracing::warn!(run_id = %id, "heartbeat found the claim gone; stopping the run");
                 h.lost.cancel();

@@ -1,6 +1,7 @@
 //! The worker side of a process: dispatcher (claim loop), run tasks,
 //! heartbeat, reaper, and the two-phase drain.
 
+mod canceller;
 mod dispatcher;
 mod heartbeat;
 mod reaper;
@@ -9,7 +10,7 @@ mod run_task;
 mod waker;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -35,6 +36,8 @@ pub const DRAIN_TIMEOUT_DEFAULT: Duration = Duration::from_secs(25);
 pub const MAX_RUNS_DEFAULT: usize = 16;
 pub const RETENTION_DEFAULT: Duration = Duration::from_secs(24 * 3600);
 pub const RETENTION_INTERVAL_DEFAULT: Duration = Duration::from_secs(60);
+/// How long a run may keep going after a stop before it is interrupted.
+pub const CANCEL_GRACE_DEFAULT: Duration = Duration::from_secs(5);
 /// Rows one reaper pass ends at most; the next pass takes the rest.
 pub const REAP_BATCH_MAX: i64 = 100;
 /// Bound on waiting for aborted runs to write their ending after a drain timeout.
@@ -58,6 +61,9 @@ pub struct WorkerConfig {
     pub retention: Duration,
     /// How often retention runs.
     pub retention_interval: Duration,
+    /// How long a run may keep going after a stop is requested before the
+    /// host interrupts it (the run still ends `cancelled`).
+    pub cancel_grace: Duration,
     /// Run the claim loop (false: this process only reaps and serves).
     pub dispatch: bool,
 }
@@ -76,6 +82,7 @@ impl Default for WorkerConfig {
             journal_flush: crate::journal::FLUSH_DEFAULT,
             retention: RETENTION_DEFAULT,
             retention_interval: RETENTION_INTERVAL_DEFAULT,
+            cancel_grace: CANCEL_GRACE_DEFAULT,
             dispatch: true,
         }
     }
@@ -155,7 +162,8 @@ struct Held {
     token: ClaimToken,
     /// Cancelled when the fence shows the claim is gone: the run stops at once.
     lost: CancellationToken,
-    cancel_requested: Arc<AtomicBool>,
+    /// Fired when a stop is requested (cancel NOTIFY, or the flag on a heartbeat).
+    cancel: CancellationToken,
 }
 
 /// Counters a person (and `/metrics`) can read.
@@ -240,12 +248,15 @@ impl Worker {
         if let Err(e) = reaper::sweep(&shared.pool, shared.config.reap_grace, &shared.stats).await {
             tracing::warn!(error = %e, "boot reap sweep failed; the reaper loop will retry");
         }
-        let services = vec![
+        let mut services = vec![
             tokio::spawn(heartbeat::run(shared.clone())),
             tokio::spawn(reaper::run(shared.clone())),
             tokio::spawn(waker::run(shared.clone(), ended_rx)),
             tokio::spawn(retention::run(shared.clone())),
         ];
+        if let Some(hub) = &hub {
+            services.push(tokio::spawn(canceller::run(shared.clone(), hub.clone())));
+        }
         let dispatcher = shared.config.dispatch.then(|| tokio::spawn(dispatcher::run(shared.clone(), hub)));
         Ok(Worker { shared, dispatcher, services })
     }

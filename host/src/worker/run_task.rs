@@ -2,7 +2,7 @@
 //! slot. A backstop gives a run whose task died without an ending (panic,
 //! error) a failed ending; a run whose claim was lost writes nothing more.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tokio::sync::OwnedSemaphorePermit;
@@ -30,11 +30,12 @@ enum Outcome {
 
 pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphorePermit) {
     let lost = CancellationToken::new();
-    let cancel_requested = Arc::new(AtomicBool::new(false));
-    shared.held.lock().unwrap().insert(
-        row.id,
-        Held { token: row.claim_token, lost: lost.clone(), cancel_requested: cancel_requested.clone() },
-    );
+    let cancel = CancellationToken::new();
+    shared
+        .held
+        .lock()
+        .unwrap()
+        .insert(row.id, Held { token: row.claim_token, lost: lost.clone(), cancel: cancel.clone() });
     let span = tracing::info_span!("run", run_id = %row.id, plugin = %row.plugin);
     let shared2 = shared.clone();
     shared.tasks.spawn(
@@ -43,7 +44,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
             let (id, token, conversation) = (row.id, row.claim_token, row.conversation_id);
             // The run itself runs in its own task, so a panic in it is a
             // JoinError here rather than a lost ending.
-            let outcome = tokio::spawn(execute(shared.clone(), row, lost, cancel_requested))
+            let outcome = tokio::spawn(execute(shared.clone(), row, lost, cancel))
                 .in_current_span()
                 .await
                 .unwrap_or_else(|e| Outcome::Unfinalized(format!("host error: run task {e}")));
@@ -75,12 +76,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
     );
 }
 
-async fn execute(
-    shared: Arc<Shared>,
-    row: ClaimedRun,
-    lost: CancellationToken,
-    cancel_requested: Arc<AtomicBool>,
-) -> Outcome {
+async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, cancel: CancellationToken) -> Outcome {
     enum Runner {
         Builtin(std::sync::Arc<dyn crate::agent::Agent>),
         Wasm(std::sync::Arc<crate::sandbox::Sandbox>, String, crate::sandbox::Manifest),
@@ -111,16 +107,28 @@ async fn execute(
         lost.clone(),
         shared.journal_stats.clone(),
     );
-    let host = RunHost::new(row.id, journal, cancel_requested);
+    let host = RunHost::new(row.id, journal, cancel.clone());
     let input = RunInput {
         run_id: row.id,
         conversation_id: row.conversation_id,
         content: row.content.clone(),
         config: row.config.clone(),
     };
+    // A stop is cooperative first: the agent sees `check-cancel` and refusals.
+    // One that has not returned within the grace is interrupted (its future,
+    // and a guest's store with it, is dropped at its next yield).
+    let grace = shared.config.cancel_grace;
+    let forced = async {
+        cancel.cancelled().await;
+        tokio::time::sleep(grace).await;
+    };
     let result = tokio::select! {
         // The fence tripped (heartbeat or journal found the claim gone): stop at once.
         _ = lost.cancelled() => return Outcome::Lost,
+        _ = forced => {
+            tracing::warn!(grace_ms = grace.as_millis() as u64, "run ignored its stop past the grace; interrupted");
+            Err(AgentError::Interrupted(grace.as_millis() as u64))
+        }
         _ = shared.abort_runs.cancelled() => Err(AgentError::Failed("drain timeout: the host shut down before the run finished".into())),
         r = async {
             match &runner {
@@ -133,6 +141,17 @@ async fn execute(
                 }
             }
         } => r,
+    };
+    // Once a stop was requested, a turn that did not finish ended because of
+    // it, whatever it says (a guest's own error string, a trap at interrupt).
+    let result = match result {
+        Err(e @ (AgentError::Failed(_) | AgentError::Host(_)))
+            if cancel.is_cancelled() && e != AgentError::Host(HostError::Fenced) =>
+        {
+            tracing::debug!(error = %e, "run ended after a stop");
+            Err(AgentError::Host(HostError::Cancelled))
+        }
+        r => r,
     };
     // Everything journaled lands before the ending.
     let (streamed, flushed) = host.close().await;
@@ -148,6 +167,9 @@ async fn finalize(shared: &Shared, row: &ClaimedRun, result: Result<String, Agen
         Err(AgentError::Host(HostError::Fenced)) => return Outcome::Lost,
         Err(AgentError::Host(HostError::Cancelled)) => {
             (RunStatus::Cancelled, None, (!streamed.is_empty()).then_some((streamed, "partial")))
+        }
+        Err(e @ AgentError::Interrupted(_)) => {
+            (RunStatus::Cancelled, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, "partial")))
         }
         Err(e) => (RunStatus::Failed, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, "partial"))),
     };

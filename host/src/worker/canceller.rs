@@ -1,0 +1,60 @@
+//! The cancel fast path: one subscription to the cancel channel per process.
+//! A NOTIFY names a run; if this process holds it, the flag is re-read (the
+//! row is the truth, the signal a hint) and the run's cancel token fires. A
+//! hub reconnect re-reads the flags of every held run, since notifies may
+//! have been missed. Without the hub, the heartbeat's re-read alone stops a
+//! run, one beat later.
+
+use std::sync::Arc;
+
+use crate::db::{self, stop::RUN_CANCEL_CHANNEL, RunId};
+use crate::hub::{Hub, Wake};
+
+use super::Shared;
+
+pub(super) async fn run(shared: Arc<Shared>, hub: Hub) {
+    let mut wakes = hub.subscribe(RUN_CANCEL_CHANNEL).await;
+    loop {
+        let wake = tokio::select! {
+            _ = shared.stop_services.cancelled() => return,
+            w = wakes.recv() => match w {
+                Some(w) => w,
+                None => return,
+            },
+        };
+        let mut everything = false;
+        let mut named = Vec::new();
+        let mut take = |w: Wake| match w {
+            Wake::Notify(payload) => named.extend(payload.parse::<RunId>().ok()),
+            Wake::Reconnected => everything = true,
+        };
+        take(wake);
+        while let Some(w) = wakes.try_recv() {
+            take(w);
+        }
+        let held: Vec<_> = {
+            let map = shared.held.lock().unwrap();
+            if everything {
+                map.iter().map(|(id, h)| (*id, h.token)).collect()
+            } else {
+                named.iter().filter_map(|id| map.get(id).map(|h| (*id, h.token))).collect()
+            }
+        };
+        if held.is_empty() {
+            continue;
+        }
+        match db::stop::cancel_requested(&shared.pool, &held).await {
+            Ok(ids) => {
+                let map = shared.held.lock().unwrap();
+                for id in ids {
+                    if let Some(h) = map.get(&id) {
+                        tracing::info!(run_id = %id, "stop requested");
+                        h.cancel.cancel();
+                    }
+                }
+            }
+            // The heartbeat re-reads the flag: a failed read costs one beat.
+            Err(e) => tracing::warn!(error = %e, "reading cancel flags failed"),
+        }
+    }
+}
