@@ -375,3 +375,88 @@ async fn guests_stop_cooperatively_or_are_interrupted_after_the_grace() {
     }
     host.stop().await;
 }
+
+/// The retry a person asks for: a new run for the same message, only for a
+/// failed or cancelled latest turn; the conversation reads show it all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_reruns_the_latest_stopped_turn_and_conversation_reads_show_it() {
+    let db = TestDb::new().await;
+    let pool = &db.pool;
+    let host =
+        TestHost::start(&db, Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), fast_config("w")).await;
+    let conv = conversation(&host).await;
+    let done = post_turn(&host, conv, "echo", "one", json!({})).await;
+    assert_eq!(wait_terminal(pool, done, LONG).await, "completed");
+    let long = post_turn(&host, conv, "sleep", "two", json!({ "steps": 10_000, "step_ms": 20 })).await;
+    wait_status(pool, long, "running", LONG).await;
+    let queued = post_turn(&host, conv, "echo", "three", json!({})).await;
+
+    let (code, v) = host.call("GET", &format!("/v1/conversations/{conv}"), None).await;
+    assert_eq!(code, StatusCode::OK, "{v}");
+    assert_eq!(v["active_run_id"], json!(long.to_string()));
+    assert_eq!(v["queued_run_ids"], json!([queued.to_string()]));
+
+    // Not terminal, not latest: refused with reasons.
+    let (code, v) = host.call("POST", &format!("/v1/runs/{long}/retry"), None).await;
+    assert_eq!(code, StatusCode::CONFLICT, "{v}");
+    let (code, v) = host.call("POST", &format!("/v1/runs/{done}/retry"), None).await;
+    assert_eq!(code, StatusCode::CONFLICT, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("failed or cancelled"), "{v}");
+
+    let (code, _) = host.call("POST", &format!("/v1/conversations/{conv}/stop"), None).await;
+    assert_eq!(code, StatusCode::OK);
+    assert_eq!(wait_terminal(pool, long, LONG).await, "cancelled");
+    // `long` is no longer the latest turn (`queued` came after it).
+    let (code, _) = host.call("POST", &format!("/v1/runs/{long}/retry"), None).await;
+    assert_eq!(code, StatusCode::CONFLICT);
+    // The cancelled queued turn is: retry it, concurrently, twice.
+    let path = format!("/v1/runs/{queued}/retry");
+    let (a, b) = tokio::join!(host.call("POST", &path, None), host.call("POST", &path, None));
+    let mut codes = [a.0, b.0];
+    codes.sort();
+    assert_eq!(codes, [StatusCode::ACCEPTED, StatusCode::CONFLICT], "exactly one retry wins: {a:?} {b:?}");
+    let retried = if a.0 == StatusCode::ACCEPTED { a.1 } else { b.1 };
+    let again: RunId = retried["run_id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(retried["status"], "queued");
+    assert_eq!(wait_terminal(pool, again, LONG).await, "completed");
+
+    let (code, v) = host.call("GET", &format!("/v1/conversations/{conv}/messages"), None).await;
+    assert_eq!(code, StatusCode::OK, "{v}");
+    let transcript: Vec<(String, String, String)> = v["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap().into(),
+                m["status"].as_str().unwrap().into(),
+                m["content"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    let partial = deltas_text(&journal_payloads(pool, long).await);
+    let want: Vec<(String, String, String)> = [
+        ("user", "complete", "one"),
+        ("assistant", "complete", "one"),
+        ("user", "complete", "two"),
+        ("assistant", "partial", partial.as_str()),
+        ("user", "complete", "three"),
+        ("assistant", "complete", "three"),
+    ]
+    .iter()
+    .map(|(a, b, c)| (a.to_string(), b.to_string(), c.to_string()))
+    .collect();
+    assert_eq!(transcript, want);
+    // The history the third turn's agent sees: every earlier turn with its
+    // answer, though "three" was posted before "two" had answered.
+    let three: agent_host::db::MessageId = retried["user_message_id"].as_str().unwrap().parse().unwrap();
+    let history = agent_host::db::runs::history(pool, conv, three, 200).await.unwrap();
+    let want_history: Vec<(String, String)> = want[..4].iter().map(|(r, _, c)| (r.clone(), c.clone())).collect();
+    assert_eq!(history, want_history);
+    let mallory = tokens::create(pool, "mallory", "acme", false).await.unwrap();
+    for path in [format!("/v1/conversations/{conv}"), format!("/v1/conversations/{conv}/messages")] {
+        assert_eq!(host.call_as(&mallory, "GET", &path, None).await.0, StatusCode::NOT_FOUND);
+    }
+    assert_eq!(host.call_as(&mallory, "POST", &path, None).await.0, StatusCode::NOT_FOUND);
+    host.stop().await;
+}

@@ -47,6 +47,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}", get(runs::get_run))
         .route("/v1/runs/{id}/events", get(events::events))
         .route("/v1/runs/{id}/cancel", post(runs::cancel_run))
+        .route("/v1/runs/{id}/retry", post(runs::retry_run))
         .route(
             "/v1/plugins",
             get(plugins::list)
@@ -54,6 +55,8 @@ pub fn router(state: AppState) -> Router {
                 .layer(axum::extract::DefaultBodyLimit::max(plugins::COMPONENT_BYTES_MAX + 64 * 1024)),
         )
         .route("/v1/conversations", post(runs::create_conversation))
+        .route("/v1/conversations/{id}", get(runs::get_conversation))
+        .route("/v1/conversations/{id}/messages", get(runs::conversation_messages))
         .route("/v1/conversations/{id}/runs", post(runs::create_run_in_conversation))
         .route("/v1/conversations/{id}/stop", post(runs::stop_conversation))
         .route("/healthz", get(|| async { Json(json!({ "status": "ok" })) }))

@@ -7,6 +7,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::db::conversations::{self, RetryError};
 use crate::db::runs::{self, EnqueueError, NewRun, Owner};
 use crate::db::stop::{self, Cancelled};
 use crate::db::{ConversationId, RunId, RunStatus};
@@ -196,4 +197,44 @@ pub async fn stop_conversation(
         .await?
         .ok_or_else(|| ApiError::not_found(format!("conversation {id}")))?;
     Ok(Json(stopped))
+}
+
+/// `POST /v1/runs/{id}/retry`: a new run for the same user message, asked for
+/// on purpose; only for a failed or cancelled run that is the latest turn.
+pub async fn retry_run(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id: RunId = parse_id(&id, "run")?;
+    match conversations::retry(&state.pool, id, &p.user_id).await {
+        Ok(enqueued) => Ok((StatusCode::ACCEPTED, Json(enqueued))),
+        Err(RetryError::NotFound) => Err(ApiError::not_found(format!("run {id}"))),
+        Err(RetryError::Conflict(m)) => Err(ApiError::new(StatusCode::CONFLICT, "conflict", m)),
+        Err(RetryError::Db(e)) => Err(e.into()),
+    }
+}
+
+pub async fn get_conversation(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id: ConversationId = parse_id(&id, "conversation")?;
+    let view = conversations::get(&state.pool, id, &p.user_id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("conversation {id}")))?;
+    Ok(Json(view))
+}
+
+pub async fn conversation_messages(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id: ConversationId = parse_id(&id, "conversation")?;
+    let messages = conversations::messages(&state.pool, id, &p.user_id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("conversation {id}")))?;
+    Ok(Json(json!({ "messages": messages })))
 }

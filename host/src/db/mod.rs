@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod cluster;
+pub mod conversations;
 pub mod plugins;
 pub mod runs;
 pub mod stop;

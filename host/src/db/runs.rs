@@ -571,22 +571,35 @@ pub async fn terminal_state(
     Ok(row.and_then(|(s, e, seq)| s.parse().ok().map(|s| (s, e, seq))))
 }
 
-/// Messages of the conversation before `before` (the run's user message),
-/// oldest first: the most recent `limit` complete or partial ones.
+/// A conversation's messages in transcript order, as a CTE named `t` over
+/// `$1` (the conversation): by turn (the user message's creation), the user
+/// message first, then its answers. Creation order alone would put a turn
+/// posted while the previous one ran before that one's answer.
+pub(crate) const TRANSCRIPT_CTE: &str = "WITH t AS (
+    SELECT m.id, m.role, m.content, m.status, m.run_id, m.created_at,
+           u.created_at AS turn_at, u.id AS turn_id, m.role = 'assistant' AS answer
+    FROM message m
+    LEFT JOIN agent_run r ON m.role = 'assistant' AND r.id = m.run_id
+    JOIN message u ON u.id = coalesce(r.user_message_id, m.id)
+    WHERE m.conversation_id = $1)";
+
+/// The turns of the conversation before `before` (the run's user message),
+/// oldest first: the most recent `limit` complete or partial messages.
 pub async fn history(
     db: impl PgExecutor<'_>,
     conversation: ConversationId,
     before: MessageId,
     limit: i64,
 ) -> Result<Vec<(String, String)>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT role, content FROM (
-             SELECT role, content, created_at FROM message
-             WHERE conversation_id = $1 AND id <> $2 AND status IN ('complete', 'partial')
-               AND created_at < (SELECT created_at FROM message WHERE id = $2)
-             ORDER BY created_at DESC LIMIT $3) m
-         ORDER BY created_at",
-    )
+    sqlx::query_as(&format!(
+        "{TRANSCRIPT_CTE}
+         SELECT role, content FROM (
+             SELECT * FROM t
+             WHERE status IN ('complete', 'partial')
+               AND (turn_at, turn_id) < (SELECT created_at, id FROM message WHERE id = $2)
+             ORDER BY turn_at DESC, turn_id DESC, answer DESC, created_at DESC LIMIT $3) h
+         ORDER BY turn_at, turn_id, answer, created_at"
+    ))
     .bind(conversation)
     .bind(before)
     .bind(limit)
