@@ -253,3 +253,58 @@ async fn idempotent_enqueue_replays_the_first_run_and_refuses_a_different_body()
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run").fetch_one(&api.db.pool).await.unwrap();
     assert_eq!(n, 2);
 }
+
+/// A scrape's samples: metric line (name with labels) to value.
+async fn scrape(host: &support::http::TestHost) -> std::collections::HashMap<String, f64> {
+    let res = host.client.get(format!("{}/metrics", host.base)).send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(res.headers()[header::CONTENT_TYPE].to_str().unwrap().starts_with("text/plain"));
+    let text = res.text().await.unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (k, v) = l.rsplit_once(' ').unwrap();
+            (k.to_string(), v.parse().unwrap_or_else(|_| panic!("bad sample {l:?}")))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_move_as_runs_move() {
+    let db = TestDb::new().await;
+    let hub = agent_host::hub::Hub::start(db.url.clone());
+    let host = support::http::TestHost::start(&db, Some(hub), AgentRegistry::with_builtins(), fast_config("w")).await;
+    let before = scrape(&host).await;
+    assert_eq!(before["agent_host_queue_depth"], 0.0);
+    assert_eq!(before["agent_host_runs_claimed_total"], 0.0);
+
+    let body = json!({ "content": "hi", "plugin": "sleep", "config": { "steps": 100000, "step_ms": 20 } });
+    let (code, v) = host.call("POST", "/v1/runs", Some(body)).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{v}");
+    let run: agent_host::db::RunId = v["run_id"].as_str().unwrap().parse().unwrap();
+    wait_status(&db.pool, run, "running", std::time::Duration::from_secs(30)).await;
+    let during = scrape(&host).await;
+    assert_eq!(during["agent_host_runs_running"], 1.0);
+    assert_eq!(during["agent_host_runs_in_flight"], 1.0);
+    assert_eq!(during["agent_host_runs_claimed_total"], 1.0);
+    assert_eq!(during["agent_host_pickup_seconds_count"], 1.0);
+    assert_eq!(during["agent_host_hub_connected"], 1.0);
+
+    let pool = &db.pool;
+    wait_for("a delta", std::time::Duration::from_secs(30), || async move {
+        journal(pool, run).await.iter().any(|(_, t)| t == "content_delta")
+    })
+    .await;
+    host.call("POST", &format!("/v1/runs/{run}/cancel"), None).await;
+    wait_status(&db.pool, run, "cancelled", std::time::Duration::from_secs(30)).await;
+    let p = &host;
+    wait_for("the run task to let go", std::time::Duration::from_secs(10), || async move {
+        scrape(p).await["agent_host_runs_in_flight"] == 0.0
+    })
+    .await;
+    let after = scrape(&host).await;
+    assert_eq!(after["agent_host_runs_running"], 0.0);
+    assert_eq!(after["agent_host_runs_ended_total{status=\"cancelled\",reason=\"none\"}"], 1.0);
+    assert!(after["agent_host_journal_rows_total"] >= 1.0);
+    host.stop().await;
+}

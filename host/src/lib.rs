@@ -11,6 +11,7 @@ pub mod config;
 pub mod db;
 pub mod hub;
 pub mod journal;
+pub mod metrics;
 pub mod sandbox;
 pub mod server;
 pub mod worker;

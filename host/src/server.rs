@@ -68,6 +68,7 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     let mut state = AppState::new(pool.clone(), agents, hub);
     state.keepalive = std::time::Duration::from_millis(args.sse_keepalive_ms);
+    state.stats = Some(worker.observer());
     let app = api::router(state);
     // A line scripts and tests read to find the port.
     println!("agent-host listening on http://{addr}");

@@ -22,7 +22,8 @@ pub struct TestHost {
 impl TestHost {
     pub async fn start(db: &TestDb, hub: Option<Hub>, agents: AgentRegistry, config: WorkerConfig) -> TestHost {
         let worker = Worker::start(db.pool.clone(), hub.clone(), agents.clone(), config).await.unwrap();
-        let state = AppState::new(db.pool.clone(), agents, hub);
+        let mut state = AppState::new(db.pool.clone(), agents, hub);
+        state.stats = Some(worker.observer());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let server = tokio::spawn(async move {

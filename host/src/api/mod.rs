@@ -2,6 +2,7 @@
 
 mod error;
 mod events;
+mod metrics;
 mod plugins;
 mod runs;
 
@@ -33,11 +34,13 @@ pub struct AppState {
     pub hub: Option<Hub>,
     /// SSE keepalive, which is also the tail's fallback poll.
     pub keepalive: Duration,
+    /// The process's worker, for `/metrics` (`None`: queue gauges only).
+    pub stats: Option<crate::worker::WorkerObserver>,
 }
 
 impl AppState {
     pub fn new(pool: PgPool, agents: AgentRegistry, hub: Option<Hub>) -> Self {
-        AppState { pool, agents, hub, keepalive: events::KEEPALIVE_DEFAULT }
+        AppState { pool, agents, hub, keepalive: events::KEEPALIVE_DEFAULT, stats: None }
     }
 }
 
@@ -61,6 +64,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/conversations/{id}/stop", post(runs::stop_conversation))
         .route("/healthz", get(|| async { Json(json!({ "status": "ok" })) }))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics::metrics))
         .fallback(|| async { ApiError::not_found("route") })
         .layer(axum::extract::DefaultBodyLimit::max(BODY_BYTES_MAX))
         .with_state(state)

@@ -66,6 +66,8 @@ pub struct ClaimedRun {
     pub plugin_manifest: Option<Value>,
     pub config: Value,
     pub content: String,
+    /// Seconds from enqueue to this claim (the database's clock).
+    pub waited_s: f64,
 }
 
 /// A run as clients see it (`GET /v1/runs/{id}`).
@@ -261,7 +263,8 @@ WITH claimed AS (
         FOR UPDATE SKIP LOCKED                 -- contended rows turn invisible
     )
     RETURNING r.id, r.conversation_id, r.claim_token, r.user_message_id, r.owner_id,
-              r.tenant_id, r.plugin, r.plugin_digest, r.plugin_manifest, r.config
+              r.tenant_id, r.plugin, r.plugin_digest, r.plugin_manifest, r.config,
+              extract(epoch FROM now() - r.created_at)::float8 AS waited_s
 ),
 started AS (
     -- seq 3 belongs to the claim: the run_started event commits with it.

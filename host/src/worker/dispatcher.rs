@@ -79,6 +79,9 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             continue;
         }
         shared.stats.claimed.fetch_add(claimed.len() as u64, Ordering::Relaxed);
+        for row in &claimed {
+            shared.stats.pickup.observe(row.waited_s);
+        }
         // Surplus slots go back before the runs start.
         permits.truncate(claimed.len());
         for (row, permit) in claimed.into_iter().zip(permits) {
@@ -92,9 +95,14 @@ async fn idle_wait(shared: &Shared, wakes: Option<&mut Subscription>, timeout: D
     let wait = async {
         match wakes {
             Some(w) => {
-                let _ = tokio::time::timeout(timeout, w.recv()).await;
+                if tokio::time::timeout(timeout, w.recv()).await.is_err() {
+                    shared.stats.poll_wakeups.fetch_add(1, Ordering::Relaxed);
+                }
             }
-            None => tokio::time::sleep(timeout).await,
+            None => {
+                tokio::time::sleep(timeout).await;
+                shared.stats.poll_wakeups.fetch_add(1, Ordering::Relaxed);
+            }
         }
     };
     tokio::select! {

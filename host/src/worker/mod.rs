@@ -181,6 +181,19 @@ pub struct WorkerStats {
     pub heartbeat_errors: AtomicU64,
     /// Runs whose journal retention trimmed.
     pub trimmed: AtomicU64,
+    /// Idle waits that ended on the poll tick rather than a wake.
+    pub poll_wakeups: AtomicU64,
+    /// Enqueue commit to claim, by the database's clock.
+    pub pickup: crate::metrics::Histogram,
+    /// Terminal writes this process made, by (status, reason class).
+    pub ended: Mutex<std::collections::BTreeMap<(&'static str, String), u64>>,
+}
+
+impl WorkerStats {
+    pub(crate) fn record_end(&self, status: crate::db::RunStatus, error: Option<&str>) {
+        let key = (status.as_str(), crate::metrics::reason_class(error));
+        *self.ended.lock().unwrap().entry(key).or_default() += 1;
+    }
 }
 
 pub(crate) struct Shared {
@@ -200,6 +213,20 @@ pub(crate) struct Shared {
     journal_stats: Arc<crate::journal::JournalStats>,
     /// Conversations whose run this process just ended, for the waker.
     ended: mpsc::Sender<(RunId, ConversationId)>,
+}
+
+/// What `/metrics` reads of a running worker.
+#[derive(Clone)]
+pub struct WorkerObserver {
+    pub worker: Arc<WorkerStats>,
+    pub journal: Arc<crate::journal::JournalStats>,
+    shared: Arc<Shared>,
+}
+
+impl WorkerObserver {
+    pub fn in_flight(&self) -> usize {
+        self.shared.held.lock().unwrap().len()
+    }
 }
 
 /// The running worker services of one process.
@@ -272,6 +299,15 @@ impl Worker {
     /// Runs this process holds right now.
     pub fn in_flight(&self) -> usize {
         self.shared.held.lock().unwrap().len()
+    }
+
+    /// A handle `/metrics` reads while the worker runs.
+    pub fn observer(&self) -> WorkerObserver {
+        WorkerObserver {
+            worker: self.shared.stats.clone(),
+            journal: self.shared.journal_stats.clone(),
+            shared: self.shared.clone(),
+        }
     }
 
     /// The two-phase drain. Phase 1 stops claiming (milliseconds: the loop is

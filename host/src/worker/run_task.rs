@@ -62,7 +62,8 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                     tracing::error!(%reason, "run ended without a terminal write; backstop ends it failed");
                     let finish = Finish { status: RunStatus::Failed, error: Some(&reason), assistant: None };
                     match db::runs::finish(&shared.pool, id, token, &finish).await {
-                        Ok(_) => {}
+                        Ok(true) => shared.stats.record_end(RunStatus::Failed, Some(&reason)),
+                        Ok(false) => {}
                         Err(e) => tracing::error!(error = %e, "backstop write failed; the reaper will end the run"),
                     }
                 }
@@ -178,7 +179,10 @@ async fn finalize(shared: &Shared, row: &ClaimedRun, result: Result<String, Agen
     // terminal write would find the claim gone and cry wolf.
     shared.held.lock().unwrap().remove(&row.id);
     match db::runs::finish(&shared.pool, row.id, row.claim_token, &finish).await {
-        Ok(true) => Outcome::Finalized,
+        Ok(true) => {
+            shared.stats.record_end(status, error.as_deref());
+            Outcome::Finalized
+        }
         // Zero rows: someone else ended this run. Stand down.
         Ok(false) => Outcome::Lost,
         Err(e) => Outcome::Unfinalized(format!("host error: terminal write failed: {e}")),

@@ -1,0 +1,71 @@
+//! `GET /metrics`: Prometheus text. Queue figures are read from the database
+//! at scrape time (the partial indexes make them cheap); everything else is
+//! this process's counters.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+
+use crate::metrics::{label_value, Exposition};
+
+use super::{ApiError, AppState};
+
+pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
+    let (queued, running, oldest): (i64, i64, f64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM agent_run WHERE status = 'queued'),
+                (SELECT count(*) FROM agent_run WHERE status = 'running'),
+                coalesce(extract(epoch FROM now() - (SELECT created_at FROM agent_run WHERE status = 'queued'
+                                                     ORDER BY queue_pos LIMIT 1)), 0)::float8",
+    )
+    .fetch_one(&state.pool)
+    .await?;
+    let mut e = Exposition::default();
+    e.gauge("agent_host_queue_depth", "Runs queued, all processes.", queued as f64);
+    e.gauge("agent_host_runs_running", "Runs running, all processes.", running as f64);
+    e.gauge("agent_host_oldest_queued_age_seconds", "Age of the oldest queued run.", oldest);
+    if let Some(stats) = &state.stats {
+        let w = &stats.worker;
+        e.gauge("agent_host_runs_in_flight", "Runs this process is executing.", stats.in_flight() as f64);
+        e.counter("agent_host_claim_rounds_total", "Claim statements executed.", w.claim_rounds.load(Relaxed));
+        e.counter("agent_host_runs_claimed_total", "Runs this process claimed.", w.claimed.load(Relaxed));
+        e.histogram("agent_host_pickup_seconds", "Enqueue commit to claim, database clock.", &w.pickup);
+        let ended: Vec<(String, f64)> = w
+            .ended
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|((status, reason), n)| (format!("status=\"{status}\",reason=\"{}\"", label_value(reason)), *n as f64))
+            .collect();
+        e.labelled("agent_host_runs_ended_total", "counter", "Terminal writes by this process.", &ended);
+        e.counter("agent_host_reaped_total", "Runs this process's reaper ended.", w.reaped.load(Relaxed));
+        e.counter("agent_host_fence_trips_total", "Runs this process lost to the fence.", w.fenced.load(Relaxed));
+        e.counter("agent_host_backstops_total", "Runs ended by the backstop.", w.backstopped.load(Relaxed));
+        e.counter("agent_host_claim_conflicts_total", "Claims the index turned away.", w.claim_conflicts.load(Relaxed));
+        e.counter("agent_host_heartbeat_errors_total", "Heartbeats that failed.", w.heartbeat_errors.load(Relaxed));
+        e.counter(
+            "agent_host_poll_fallbacks_total",
+            "Idle waits ended by the poll tick.",
+            w.poll_wakeups.load(Relaxed),
+        );
+        e.counter("agent_host_journal_flushes_total", "Journal flush statements.", stats.journal.flushes.load(Relaxed));
+        e.counter("agent_host_journal_rows_total", "Journal rows written.", stats.journal.rows.load(Relaxed));
+        e.counter("agent_host_journal_deltas_total", "Content deltas received.", stats.journal.deltas_in.load(Relaxed));
+    }
+    if let Some(hub) = &state.hub {
+        let h = hub.stats();
+        e.gauge(
+            "agent_host_hub_connected",
+            "Whether the LISTEN connection is up.",
+            h.connected.load(Relaxed) as u8 as f64,
+        );
+        e.counter("agent_host_hub_reconnects_total", "LISTEN reconnects.", h.reconnects.load(Relaxed));
+        e.counter("agent_host_hub_notifications_total", "Notifications received.", h.notifications.load(Relaxed));
+        e.counter("agent_host_hub_dropped_total", "Wakes dropped on full queues.", h.dropped.load(Relaxed));
+    }
+    if let Some(sandbox) = state.agents.sandbox() {
+        e.gauge("agent_host_sandboxes_live", "Guest instances alive.", sandbox.live() as f64);
+    }
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], e.finish()))
+}
