@@ -103,7 +103,8 @@ async fn terminal_states_are_sticky_in_the_schema() {
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
     let claimed = runs::claim(&db.pool, &claim_args("w", 1, true)).await.unwrap();
     assert_eq!(claimed.len(), 1);
-    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("done", "complete")) };
+    let finish =
+        Finish { status: RunStatus::Completed, error: None, assistant: Some(("done", "complete")), usage: None };
     assert!(runs::finish(&db.pool, e.run_id, claimed[0].claim_token, &finish).await.unwrap());
     for to in ["running", "queued", "failed", "cancelled"] {
         let r = sqlx::query("UPDATE agent_run SET status = $2 WHERE id = $1")
@@ -165,7 +166,7 @@ async fn two_turns_of_one_conversation_never_run_together() {
     assert_eq!(status(&db.pool, t2.run_id).await, "queued");
 
     // Once turn 1 ends, turn 2 is claimable.
-    let finish = Finish { status: RunStatus::Completed, error: None, assistant: None };
+    let finish = Finish { status: RunStatus::Completed, error: None, assistant: None, usage: None };
     assert!(runs::finish(&db.pool, t1.run_id, first[0].claim_token, &finish).await.unwrap());
     let next = runs::claim(&db.pool, &claim_args("b", 10, false)).await.unwrap();
     assert_eq!(next.iter().map(|c| c.id).collect::<Vec<_>>(), vec![t2.run_id]);
@@ -218,7 +219,7 @@ async fn racing_claimers_without_prefilter_keep_one_turn_per_conversation() {
                 for c in claimed {
                     running.lock().unwrap().remove(&c.conversation_id.0);
                     finished.lock().unwrap().push(c.id);
-                    let finish = Finish { status: RunStatus::Completed, error: None, assistant: None };
+                    let finish = Finish { status: RunStatus::Completed, error: None, assistant: None, usage: None };
                     assert!(runs::finish(&pool, c.id, c.claim_token, &finish).await.unwrap());
                 }
             }
@@ -326,7 +327,7 @@ async fn heartbeat_between_reaper_read_and_write_keeps_the_run() {
     // The reap built on the stale read is a no-op.
     assert!(!runs::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
     assert_eq!(status(&db.pool, e.run_id).await, "running");
-    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("ok", "complete")) };
+    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("ok", "complete")), usage: None };
     assert!(runs::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
     assert_eq!(journal(&db.pool, e.run_id).await.iter().filter(|(_, t)| t == "complete").count(), 1);
 }
@@ -354,7 +355,8 @@ async fn reaped_worker_writes_change_nothing() {
         .await
         .unwrap());
     assert!(runs::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30)).await.unwrap().is_empty());
-    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("late", "complete")) };
+    let finish =
+        Finish { status: RunStatus::Completed, error: None, assistant: Some(("late", "complete")), usage: None };
     assert!(!runs::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
 
     assert_eq!(status(&db.pool, e.run_id).await, "failed");

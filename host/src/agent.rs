@@ -86,6 +86,15 @@ pub struct RunHost {
     /// Fired when a stop is requested (the NOTIFY or the heartbeat saw the flag).
     cancel: CancellationToken,
     inner: Arc<tokio::sync::Mutex<HostInner>>,
+    usage: Arc<std::sync::Mutex<Usage>>,
+}
+
+/// Model tokens a run used, over all its model calls.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Usage {
+    pub model_calls: u64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
 }
 
 struct HostInner {
@@ -98,7 +107,7 @@ struct HostInner {
 impl RunHost {
     pub(crate) fn new(run_id: RunId, journal: Journal, cancel: CancellationToken) -> Self {
         let inner = HostInner { journal: Some(journal), streamed: String::new() };
-        RunHost { run_id, cancel, inner: Arc::new(tokio::sync::Mutex::new(inner)) }
+        RunHost { run_id, cancel, inner: Arc::new(tokio::sync::Mutex::new(inner)), usage: Default::default() }
     }
 
     pub fn run_id(&self) -> RunId {
@@ -150,6 +159,20 @@ impl RunHost {
     /// Streams a piece of the answer (`content_delta`).
     pub async fn emit_delta(&self, delta: &str) -> Result<(), HostError> {
         self.emit_event(DELTA_KIND, json!({ "delta": delta })).await
+    }
+
+    /// Adds one model call's tokens to the run's usage.
+    pub fn add_usage(&self, prompt_tokens: u64, completion_tokens: u64) {
+        let mut u = self.usage.lock().unwrap();
+        u.model_calls += 1;
+        u.prompt_tokens += prompt_tokens;
+        u.completion_tokens += completion_tokens;
+    }
+
+    /// The run's model usage so far; `None` if it made no model call.
+    pub fn usage(&self) -> Option<Usage> {
+        let u = *self.usage.lock().unwrap();
+        (u.model_calls > 0).then_some(u)
     }
 
     /// Whether a stop was requested for this run.

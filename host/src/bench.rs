@@ -207,7 +207,12 @@ async fn floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f64> {
                 let Some(run) = claimed.into_iter().next() else {
                     return Ok::<u64, sqlx::Error>(done);
                 };
-                let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("", "complete")) };
+                let finish = Finish {
+                    status: RunStatus::Completed,
+                    error: None,
+                    assistant: Some(("", "complete")),
+                    usage: None,
+                };
                 runs::finish(&pool, run.id, run.claim_token, &finish).await?;
                 done += 1;
             }
@@ -240,7 +245,12 @@ async fn batched_floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f
         let finishes = claimed.into_iter().map(|run| {
             let pool = pool.clone();
             async move {
-                let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("", "complete")) };
+                let finish = Finish {
+                    status: RunStatus::Completed,
+                    error: None,
+                    assistant: Some(("", "complete")),
+                    usage: None,
+                };
                 runs::finish(&pool, run.id, run.claim_token, &finish).await
             }
         });

@@ -40,7 +40,7 @@ pub struct DbArgs {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the HTTP API and a worker (dispatcher, heartbeat, reaper).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Apply the embedded migrations and exit.
     Migrate,
     /// Manage API tokens.
@@ -94,6 +94,51 @@ pub struct ServeArgs {
     pub sse_keepalive_ms: u64,
     #[command(flatten)]
     pub worker: WorkerArgs,
+    #[command(flatten)]
+    pub tools: ToolArgs,
+}
+
+/// The host's tools: the model behind `llm` and the operator's webhooks.
+/// Credentials stay here; guests only ever see what a tool answers.
+#[derive(Debug, Clone, Args)]
+pub struct ToolArgs {
+    /// OpenAI-compatible endpoint, e.g. https://api.openai.com/v1 or
+    /// http://127.0.0.1:11434/v1 (Ollama); unset: the built-in offline model.
+    #[arg(long, env = "AGENT_HOST_LLM_BASE_URL")]
+    pub llm_base_url: Option<String>,
+    /// Sent as `Authorization: Bearer` to the endpoint.
+    #[arg(long, env = "AGENT_HOST_LLM_API_KEY", hide_env_values = true)]
+    pub llm_api_key: Option<String>,
+    #[arg(long, env = "AGENT_HOST_LLM_MODEL", default_value = "gpt-4o-mini")]
+    pub llm_model: String,
+    /// One whole model call, retries before the first token included.
+    #[arg(long, env = "AGENT_HOST_LLM_TIMEOUT_MS", default_value_t = 120_000)]
+    pub llm_timeout_ms: u64,
+    /// Silence allowed between two pieces of a streamed answer.
+    #[arg(long, env = "AGENT_HOST_LLM_IDLE_TIMEOUT_MS", default_value_t = 30_000)]
+    pub llm_idle_timeout_ms: u64,
+    /// Webhook tools (TOML, `[[webhook]]` tables with name, url, timeout_ms,
+    /// max_response_bytes, headers, description).
+    #[arg(long, env = "AGENT_HOST_TOOLS_FILE")]
+    pub tools_file: Option<PathBuf>,
+}
+
+impl ToolArgs {
+    /// The registry these flags describe; errors name the flag or file entry.
+    pub fn registry(&self) -> anyhow::Result<crate::tools::ToolRegistry> {
+        let llm = crate::tools::LlmConfig {
+            base_url: self.llm_base_url.clone(),
+            api_key: self.llm_api_key.clone(),
+            model: self.llm_model.clone(),
+            timeout: Duration::from_millis(self.llm_timeout_ms),
+            idle_timeout: Duration::from_millis(self.llm_idle_timeout_ms),
+        };
+        let webhooks = match &self.tools_file {
+            Some(path) => crate::tools::load_tools_file(path).map_err(anyhow::Error::msg)?,
+            None => Vec::new(),
+        };
+        crate::tools::ToolRegistry::from_config(&llm, &webhooks).map_err(anyhow::Error::msg)
+    }
 }
 
 #[derive(Debug, Clone, Args)]

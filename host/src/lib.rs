@@ -14,4 +14,5 @@ pub mod journal;
 pub mod metrics;
 pub mod sandbox;
 pub mod server;
+pub mod tools;
 pub mod worker;

@@ -23,7 +23,7 @@ impl Histogram {
             self.counts[i].fetch_add(1, Ordering::Relaxed);
         }
         self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_us.fetch_add((seconds * 1e6) as u64, Ordering::Relaxed);
+        self.sum_us.fetch_add((seconds * 1e6).round() as u64, Ordering::Relaxed);
     }
 }
 
@@ -109,7 +109,7 @@ mod tests {
         assert!(text.contains("x_bucket{le=\"0.001\"} 1\n"), "{text}");
         assert!(text.contains("x_bucket{le=\"0.005\"} 3\n"), "{text}");
         assert!(text.contains("x_bucket{le=\"5\"} 4\n"), "{text}");
-        assert!(text.contains("x_bucket{le=\"+Inf\"} 5\nx_sum 105.0065\nx_count 5\n"), "{text}");
+        assert!(text.contains("x_bucket{le=\"+Inf\"} 5\nx_sum 102.0065\nx_count 5\n"), "{text}");
     }
 
     #[test]

@@ -56,10 +56,12 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let mut shutdown = ShutdownSignal::install().context("installing signal handlers")?;
     let config = args.worker.to_config();
     config.validate()?;
+    let tools = args.tools.registry()?;
+    tracing::info!(tools = ?tools.names(), "tools ready");
     let mut database = open_database(db_args).await?;
     let pool = connect_and_migrate(&database.url, db_args.db_pool_max).await?;
     let hub = (!args.worker.no_hub).then(|| Hub::start(database.listen_url.clone()));
-    let sandbox = crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
+    let sandbox = crate::sandbox::Sandbox::with_tools(pool.clone(), Some(db_args.cache_dir.clone()), tools)?;
     let agents = AgentRegistry::with_builtins().with_sandbox(sandbox);
     let worker = Worker::start(pool.clone(), hub.clone(), agents.clone(), config).await?;
 

@@ -85,6 +85,8 @@ pub struct RunView {
     pub started_at: Option<DateTime<Utc>>,
     pub finished_at: Option<DateTime<Utc>>,
     pub last_seq: i32,
+    /// Model calls and tokens, once the run has ended (null without a model call).
+    pub usage: Option<Value>,
 }
 
 /// A status read back from a text column.
@@ -380,6 +382,8 @@ pub struct Finish<'a> {
     pub error: Option<&'a str>,
     /// The assistant's text, if any, with its message status.
     pub assistant: Option<(&'a str, &'a str)>,
+    /// Model usage (`agent::Usage`), if the run called a model.
+    pub usage: Option<Value>,
 }
 
 /// The worker's terminal write, fenced: status flip, the one `complete` event,
@@ -400,7 +404,7 @@ pub async fn finish(
     };
     let applied: Option<bool> = sqlx::query_scalar(
         "WITH fin AS (
-             UPDATE agent_run SET status = $3, error = $4, finished_at = now()
+             UPDATE agent_run SET status = $3, error = $4, finished_at = now(), usage = $9
              WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
              RETURNING id, conversation_id
          ),
@@ -435,6 +439,7 @@ pub async fn finish(
     .bind(text)
     .bind(message_status)
     .bind(RUN_ENQUEUED_CHANNEL)
+    .bind(&finish.usage)
     .fetch_optional(db)
     .await?;
     Ok(applied.is_some())
@@ -549,7 +554,8 @@ pub async fn get_run(db: impl PgExecutor<'_>, id: RunId, owner_id: &str) -> Resu
     sqlx::query_as(
         "SELECT r.id, r.conversation_id, r.status, r.plugin, r.plugin_digest, r.cancel_requested,
                 r.error, r.created_at, r.started_at, r.finished_at,
-                coalesce((SELECT max(seq) FROM run_event e WHERE e.run_id = r.id), 0) AS last_seq
+                coalesce((SELECT max(seq) FROM run_event e WHERE e.run_id = r.id), 0) AS last_seq,
+                r.usage
          FROM agent_run r WHERE r.id = $1 AND r.owner_id = $2",
     )
     .bind(id)

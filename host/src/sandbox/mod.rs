@@ -26,6 +26,7 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::agent::{AgentError, HostError, RunHost, RunInput};
 use crate::db;
+use crate::tools::{LlmConfig, ToolCall, ToolRegistry};
 pub use manifest::{Limits, Manifest};
 
 mod bindings {
@@ -70,6 +71,8 @@ pub struct Sandbox {
     pres: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<AgentPre<Guest>>>>>,
     ticker_stop: Arc<AtomicBool>,
     live: Arc<AtomicUsize>,
+    /// What `call-tool` reaches, behind each plugin's grants.
+    tools: ToolRegistry,
 }
 
 /// Counts a live guest instance for as long as it is held.
@@ -88,9 +91,19 @@ impl Drop for Sandbox {
 }
 
 impl Sandbox {
-    /// Builds the engine and starts its epoch ticker. `cache_dir` keeps
-    /// compiled components across restarts.
+    /// A sandbox whose only tool is the offline model (see [`Sandbox::with_tools`]).
     pub fn new(pool: PgPool, cache_dir: Option<PathBuf>) -> Result<Arc<Sandbox>, SandboxError> {
+        let tools = ToolRegistry::from_config(&LlmConfig::default(), &[]).map_err(SandboxError::Engine)?;
+        Sandbox::with_tools(pool, cache_dir, tools)
+    }
+
+    /// Builds the engine and starts its epoch ticker. `cache_dir` keeps
+    /// compiled components across restarts; `tools` serve `call-tool`.
+    pub fn with_tools(
+        pool: PgPool,
+        cache_dir: Option<PathBuf>,
+        tools: ToolRegistry,
+    ) -> Result<Arc<Sandbox>, SandboxError> {
         let mut pooling = PoolingAllocationConfig::default();
         pooling.total_component_instances(INSTANCES_MAX);
         pooling.total_core_instances(INSTANCES_MAX * 4);
@@ -130,6 +143,7 @@ impl Sandbox {
             pres: Mutex::new(HashMap::new()),
             ticker_stop,
             live: Arc::new(AtomicUsize::new(0)),
+            tools,
         }))
     }
 
@@ -219,6 +233,7 @@ impl Sandbox {
             table: ResourceTable::new(),
             limiter: MemoryLimiter { memory_max: limits.memory_bytes as usize, denied: false },
             host: host.clone(),
+            tools: self.tools.clone(),
             manifest: manifest.clone(),
             events: 0,
             tool_calls: 0,
@@ -312,6 +327,7 @@ pub struct Guest {
     table: ResourceTable,
     limiter: MemoryLimiter,
     host: RunHost,
+    tools: ToolRegistry,
     manifest: Manifest,
     events: u64,
     tool_calls: u64,
@@ -390,9 +406,21 @@ impl wit_host::Host for Guest {
         if self.tool_calls > self.manifest.limits.tool_calls_max {
             return Ok(Err(self.limit(format!("more than {} tool calls", self.manifest.limits.tool_calls_max))));
         }
-        // The tool registry lands with the tools issue; a granted name with no
-        // tool behind it is a tool failure the guest can handle.
-        Ok(Err(wit_types::HostError::ToolFailed(format!("no tool named {name:?} on this host"))))
+        let args: Value = match serde_json::from_str(&args) {
+            Ok(v) => v,
+            Err(e) => return Ok(Err(wit_types::HostError::Invalid(format!("tool arguments are not JSON: {e}")))),
+        };
+        // With the run id, the call's index is the webhook's Idempotency-Key:
+        // 1-based, never repeated within a run.
+        let call = ToolCall { run_id: self.host.run_id(), call_index: self.tool_calls as u32, name: &name, args };
+        let answer = self.tools.invoke(call, &self.host, self.host.cancelled()).await;
+        match answer {
+            Ok(text) if text.len() as u64 > max => {
+                Ok(Err(self.limit(format!("tool answer of {} bytes exceeds {max}", text.len()))))
+            }
+            Ok(text) => Ok(Ok(text)),
+            Err(e) => Ok(Err(to_wit(e))),
+        }
     }
 
     async fn check_cancel(&mut self) -> wasmtime::Result<bool> {

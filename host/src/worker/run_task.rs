@@ -60,7 +60,8 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                     // The backstop: a run never stays running because its task died.
                     shared.stats.backstopped.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(%reason, "run ended without a terminal write; backstop ends it failed");
-                    let finish = Finish { status: RunStatus::Failed, error: Some(&reason), assistant: None };
+                    let finish =
+                        Finish { status: RunStatus::Failed, error: Some(&reason), assistant: None, usage: None };
                     match db::runs::finish(&shared.pool, id, token, &finish).await {
                         Ok(true) => shared.stats.record_end(RunStatus::Failed, Some(&reason)),
                         Ok(false) => {}
@@ -88,7 +89,7 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
                 row.plugin_manifest.as_ref().map(crate::sandbox::Manifest::parse).unwrap_or(Ok(Default::default()));
             match manifest {
                 Ok(m) => Runner::Wasm(sandbox.clone(), digest.clone(), m),
-                Err(e) => return finalize(&shared, &row, Err(AgentError::Failed(e)), "").await,
+                Err(e) => return finalize(&shared, &row, Err(AgentError::Failed(e)), "", None).await,
             }
         }
         (None, _) if shared.agents.get(&row.plugin).is_some() => {
@@ -96,7 +97,7 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         }
         _ => {
             let e = AgentError::Failed(format!("plugin {:?} is not available on this host", row.plugin));
-            return finalize(&shared, &row, Err(e), "").await;
+            return finalize(&shared, &row, Err(e), "", None).await;
         }
     };
     let journal = Journal::start(
@@ -159,10 +160,16 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
     if flushed == Err(HostError::Fenced) {
         return Outcome::Lost;
     }
-    finalize(&shared, &row, result, &streamed).await
+    finalize(&shared, &row, result, &streamed, host.usage()).await
 }
 
-async fn finalize(shared: &Shared, row: &ClaimedRun, result: Result<String, AgentError>, streamed: &str) -> Outcome {
+async fn finalize(
+    shared: &Shared,
+    row: &ClaimedRun,
+    result: Result<String, AgentError>,
+    streamed: &str,
+    usage: Option<crate::agent::Usage>,
+) -> Outcome {
     let (status, error, assistant) = match &result {
         Ok(text) => (RunStatus::Completed, None, Some((text.as_str(), "complete"))),
         Err(AgentError::Host(HostError::Fenced)) => return Outcome::Lost,
@@ -174,7 +181,8 @@ async fn finalize(shared: &Shared, row: &ClaimedRun, result: Result<String, Agen
         }
         Err(e) => (RunStatus::Failed, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, "partial"))),
     };
-    let finish = Finish { status, error: error.as_deref(), assistant };
+    let usage = usage.map(|u| serde_json::to_value(u).expect("usage serializes"));
+    let finish = Finish { status, error: error.as_deref(), assistant, usage };
     // No more heartbeats for a run that is ending: one landing after our
     // terminal write would find the claim gone and cry wolf.
     shared.held.lock().unwrap().remove(&row.id);

@@ -1,0 +1,474 @@
+//! Host tools behind the WIT import `call-tool`: the model (`llm`) and the
+//! operator's webhook tools. The host runs them, not the guest, so that
+//! credentials stay in the host and timeouts, cancellation and journaling hold
+//! whatever the guest does. Grants and per-run limits are the sandbox's
+//! business; the registry runs one call it is handed.
+
+mod config;
+mod llm;
+mod offline;
+mod webhook;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use serde_json::{json, Value};
+
+use crate::agent::{HostError, RunHost};
+use crate::db::RunId;
+
+pub use config::{load_tools_file, LlmConfig, WebhookConfig};
+
+/// The model tool's name; no webhook may take it.
+pub const LLM_TOOL: &str = "llm";
+/// Bytes of an error message kept in `tool_call_finished`.
+const JOURNAL_ERROR_BYTES_MAX: usize = 500;
+/// Bytes of an error answer's body quoted back in a tool error.
+const BODY_SNIPPET_BYTES: usize = 300;
+
+/// Where a tool's streaming output goes: the run's journal in production, a
+/// collecting sink in tests.
+#[async_trait]
+pub trait EventSink: Send + Sync {
+    /// A piece of the answer (`content_delta`).
+    async fn delta(&self, text: &str) -> Result<(), HostError>;
+    /// A host-written event such as `tool_call_started`.
+    async fn event(&self, kind: &str, payload: Value) -> Result<(), HostError>;
+    /// Tokens a model call used, added to the run's total.
+    fn usage(&self, _prompt_tokens: u64, _completion_tokens: u64) {}
+}
+
+#[async_trait]
+impl EventSink for RunHost {
+    /// Refused after a stop, so a model stream ends as soon as the run is cancelled.
+    async fn delta(&self, text: &str) -> Result<(), HostError> {
+        self.emit_delta(text).await
+    }
+
+    /// Not refused after a stop, so a call cut off by one is still journaled.
+    async fn event(&self, kind: &str, payload: Value) -> Result<(), HostError> {
+        self.emit_host_event(kind, payload).await
+    }
+
+    fn usage(&self, prompt_tokens: u64, completion_tokens: u64) {
+        self.add_usage(prompt_tokens, completion_tokens)
+    }
+}
+
+/// One call of a tool by a run.
+pub struct ToolCall<'a> {
+    pub run_id: RunId,
+    /// The call's ordinal within the run: with the run id it makes the
+    /// webhook's `Idempotency-Key`, so it must never repeat within a run.
+    pub call_index: u32,
+    pub name: &'a str,
+    pub args: Value,
+}
+
+#[async_trait]
+pub trait Tool: Send + Sync {
+    /// Runs the call; streamed output goes to `sink`. The registry enforces
+    /// the timeout and cancellation by dropping this future.
+    async fn call(&self, call: &ToolCall<'_>, sink: &dyn EventSink) -> Result<Value, HostError>;
+    /// How long one call may take, end to end.
+    fn timeout(&self) -> Duration;
+}
+
+/// The tools of this host, by name.
+#[derive(Clone, Default)]
+pub struct ToolRegistry {
+    tools: HashMap<String, Arc<dyn Tool>>,
+}
+
+impl ToolRegistry {
+    /// Always an `llm` tool (the OpenAI-compatible endpoint when
+    /// `llm.base_url` is set, else the offline provider), plus `webhooks`.
+    pub fn from_config(llm: &LlmConfig, webhooks: &[WebhookConfig]) -> Result<Self, String> {
+        llm.check()?;
+        let mut registry = ToolRegistry::default();
+        let model: Arc<dyn Tool> = match &llm.base_url {
+            Some(base_url) => Arc::new(llm::OpenAi::new(llm, base_url, http_client()?)),
+            None => Arc::new(offline::Offline::new(llm.timeout)),
+        };
+        registry.insert(LLM_TOOL, model);
+        let client = http_client()?;
+        for w in webhooks {
+            let headers = w.check().map_err(|e| format!("webhook {:?}: {e}", w.name))?;
+            if registry.tools.contains_key(&w.name) {
+                return Err(format!("webhook {:?}: the name is taken", w.name));
+            }
+            registry.insert(&w.name, Arc::new(webhook::Webhook::new(w, headers, client.clone())));
+        }
+        Ok(registry)
+    }
+
+    pub fn insert(&mut self, name: &str, tool: Arc<dyn Tool>) {
+        self.tools.insert(name.to_string(), tool);
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<dyn Tool>> {
+        self.tools.get(name).cloned()
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tools.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Runs one call and returns the tool's JSON answer as text. Journals
+    /// `tool_call_started` and `tool_call_finished` (outcome, duration and
+    /// sizes, never the arguments or the answer); enforces the tool's timeout;
+    /// drops the call and answers `Cancelled` when `cancelled` resolves. An
+    /// unknown name is `Denied` before anything is journaled.
+    pub async fn invoke(
+        &self,
+        call: ToolCall<'_>,
+        sink: &dyn EventSink,
+        cancelled: impl Future<Output = ()>,
+    ) -> Result<String, HostError> {
+        let tool = self
+            .get(call.name)
+            .ok_or_else(|| HostError::Denied(format!("no tool named {:?} on this host", call.name)))?;
+        sink.event("tool_call_started", json!({ "call_index": call.call_index, "name": call.name })).await?;
+        let started = Instant::now();
+        let limit = tool.timeout();
+        let ended: Result<Value, (&str, HostError)> = tokio::select! {
+            biased;
+            () = cancelled => Err(("cancelled", HostError::Cancelled)),
+            r = tokio::time::timeout(limit, tool.call(&call, sink)) => match r {
+                Ok(Ok(answer)) => Ok(answer),
+                Ok(Err(HostError::Cancelled)) => Err(("cancelled", HostError::Cancelled)),
+                Ok(Err(e)) => Err(("error", e)),
+                Err(_) => {
+                    let why = format!("tool {:?} did not answer within {} ms", call.name, limit.as_millis());
+                    Err(("timeout", HostError::ToolFailed(why)))
+                }
+            },
+        };
+        let mut finished = json!({
+            "call_index": call.call_index,
+            "name": call.name,
+            "duration_ms": u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        });
+        let answer = match ended {
+            Ok(answer) => {
+                let text = answer.to_string();
+                finished["outcome"] = json!("ok");
+                finished["result_bytes"] = json!(text.len());
+                if call.name == LLM_TOOL {
+                    // The run's token usage lives in the journal, call by call.
+                    let usage = llm::usage_of(&answer);
+                    let tokens = |k: &str| usage.get(k).and_then(Value::as_u64).unwrap_or(0);
+                    sink.usage(tokens("prompt_tokens"), tokens("completion_tokens"));
+                    finished["usage"] = usage;
+                }
+                Ok(text)
+            }
+            Err((outcome, e)) => {
+                finished["outcome"] = json!(outcome);
+                finished["result_bytes"] = json!(0);
+                finished["error"] = json!(clip(&e.to_string(), JOURNAL_ERROR_BYTES_MAX));
+                Err(e)
+            }
+        };
+        sink.event("tool_call_finished", finished).await?;
+        answer
+    }
+}
+
+/// Calls go only where configured: no redirects followed, no proxy from the
+/// environment.
+fn http_client() -> Result<reqwest::Client, String> {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .no_proxy()
+        .build()
+        .map_err(|e| format!("cannot build the HTTP client: {e}"))
+}
+
+/// `s` cut to at most `max` bytes on a character boundary, marked when cut.
+fn clip(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+/// A request error with its causes, without the URL (which may carry a
+/// secret, and guests see these messages).
+fn describe(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// The body of an answer, or `None` when it is longer than `cap` (the rest
+/// is never read).
+async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<Option<Vec<u8>>, reqwest::Error> {
+    if resp.content_length().is_some_and(|n| n > cap as u64) {
+        return Ok(None);
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await? {
+        if body.len() + chunk.len() > cap {
+            return Ok(None);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Some(body))
+}
+
+/// The start of an error answer's body, for a message a person can act on.
+async fn body_snippet(mut resp: reqwest::Response) -> String {
+    let mut body = Vec::new();
+    let read = async {
+        while body.len() < BODY_SNIPPET_BYTES {
+            match resp.chunk().await {
+                Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+                _ => break,
+            }
+        }
+    };
+    // An error body that trickles must not hold the error back.
+    let _ = tokio::time::timeout(Duration::from_secs(2), read).await;
+    let text = String::from_utf8_lossy(&body);
+    match text.trim() {
+        "" => String::new(),
+        t => format!(": {}", clip(t, BODY_SNIPPET_BYTES)),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use std::net::SocketAddr;
+    use std::sync::Mutex;
+
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    /// Collects what a tool streams; `deltas_to` also reports each delta as
+    /// it arrives, so a test can pace a server on it.
+    #[derive(Default)]
+    pub struct Collect {
+        pub deltas: Mutex<Vec<String>>,
+        pub events: Mutex<Vec<(String, Value)>>,
+        pub deltas_to: Option<mpsc::UnboundedSender<String>>,
+    }
+
+    impl Collect {
+        pub fn deltas(&self) -> Vec<String> {
+            self.deltas.lock().unwrap().clone()
+        }
+
+        pub fn events(&self) -> Vec<(String, Value)> {
+            self.events.lock().unwrap().clone()
+        }
+
+        /// The payload of the one `tool_call_finished` event.
+        pub fn finished(&self) -> Value {
+            let events = self.events();
+            let mut finished = events.iter().filter(|(k, _)| k == "tool_call_finished");
+            let (_, payload) = finished.next().expect("a tool_call_finished event");
+            assert!(finished.next().is_none(), "one tool_call_finished event: {events:?}");
+            payload.clone()
+        }
+    }
+
+    #[async_trait]
+    impl EventSink for Collect {
+        async fn delta(&self, text: &str) -> Result<(), HostError> {
+            self.deltas.lock().unwrap().push(text.to_string());
+            if let Some(tx) = &self.deltas_to {
+                let _ = tx.send(text.to_string());
+            }
+            Ok(())
+        }
+
+        async fn event(&self, kind: &str, payload: Value) -> Result<(), HostError> {
+            self.events.lock().unwrap().push((kind.to_string(), payload));
+            Ok(())
+        }
+    }
+
+    /// Serves `router` on a fresh loopback port for the rest of the test.
+    pub async fn serve(router: axum::Router) -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        addr
+    }
+
+    pub fn call(name: &str, args: Value) -> ToolCall<'_> {
+        ToolCall { run_id: RunId::new(), call_index: 7, name, args }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use tokio::sync::Notify;
+
+    use super::test_support::{call, Collect};
+    use super::*;
+
+    /// What a test sees of a [`Parrot`] call: that it started, and that it was dropped.
+    #[derive(Default)]
+    struct Probe {
+        started: Notify,
+        dropped: AtomicBool,
+    }
+
+    /// Alive while a call runs.
+    struct Started<'a>(&'a Probe);
+
+    impl Drop for Started<'_> {
+        fn drop(&mut self) {
+            self.0.dropped.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Answers its arguments back, fails when asked to, or never answers.
+    struct Parrot(Arc<Probe>);
+
+    #[async_trait]
+    impl Tool for Parrot {
+        async fn call(&self, call: &ToolCall<'_>, _sink: &dyn EventSink) -> Result<Value, HostError> {
+            let _started = Started(&self.0);
+            self.0.started.notify_one();
+            match call.args.get("fail").and_then(Value::as_str) {
+                Some(why) => Err(HostError::ToolFailed(why.to_string())),
+                None if call.args.get("hang").is_some() => std::future::pending().await,
+                None => Ok(json!({ "said": call.args })),
+            }
+        }
+
+        fn timeout(&self) -> Duration {
+            Duration::from_millis(100)
+        }
+    }
+
+    fn registry() -> (ToolRegistry, Arc<Probe>) {
+        let probe = Arc::new(Probe::default());
+        let mut r = ToolRegistry::default();
+        r.insert("parrot", Arc::new(Parrot(probe.clone())));
+        (r, probe)
+    }
+
+    #[tokio::test]
+    async fn an_unknown_tool_is_denied_before_anything_is_journaled() {
+        let (r, _) = registry();
+        let sink = Collect::default();
+        let e = r.invoke(call("nope", json!({})), &sink, std::future::pending()).await.unwrap_err();
+        assert_eq!(e, HostError::Denied("no tool named \"nope\" on this host".into()));
+        assert!(sink.events().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_call_is_journaled_started_and_finished_without_its_payloads() {
+        let (r, _) = registry();
+        let sink = Collect::default();
+        let secret = "x".repeat(2000);
+        let answer = r.invoke(call("parrot", json!({ "text": secret })), &sink, std::future::pending()).await.unwrap();
+        assert_eq!(serde_json::from_str::<Value>(&answer).unwrap(), json!({ "said": { "text": secret } }));
+        let events = sink.events();
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[0], ("tool_call_started".to_string(), json!({ "call_index": 7, "name": "parrot" })));
+        let finished = sink.finished();
+        assert_eq!(finished["outcome"], "ok");
+        assert_eq!(finished["call_index"], 7);
+        assert_eq!(finished["name"], "parrot");
+        assert_eq!(finished["result_bytes"], answer.len());
+        assert!(finished["duration_ms"].is_u64());
+        assert!(events.iter().all(|(_, p)| !p.to_string().contains("xxxx")), "no payloads in the journal: {events:?}");
+    }
+
+    #[tokio::test]
+    async fn a_failure_is_journaled_with_a_bounded_error() {
+        let (r, _) = registry();
+        let sink = Collect::default();
+        let why = "é".repeat(1000);
+        let e = r.invoke(call("parrot", json!({ "fail": why })), &sink, std::future::pending()).await.unwrap_err();
+        assert_eq!(e, HostError::ToolFailed(why));
+        let finished = sink.finished();
+        assert_eq!(finished["outcome"], "error");
+        let error = finished["error"].as_str().unwrap();
+        assert!(error.starts_with("tool failed: éé") && error.ends_with('…') && error.len() <= 504, "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_call_past_its_timeout_is_dropped() {
+        let (r, probe) = registry();
+        let sink = Collect::default();
+        let e = r.invoke(call("parrot", json!({ "hang": true })), &sink, std::future::pending()).await.unwrap_err();
+        assert_eq!(e, HostError::ToolFailed("tool \"parrot\" did not answer within 100 ms".into()));
+        assert_eq!(sink.finished()["outcome"], "timeout");
+        assert!(probe.dropped.load(Ordering::SeqCst));
+    }
+
+    #[tokio::test]
+    async fn a_cancel_drops_the_call_in_flight_and_is_journaled() {
+        let (r, probe) = registry();
+        let sink = Collect::default();
+        let cancelled = probe.started.notified();
+        let e = r.invoke(call("parrot", json!({ "hang": true })), &sink, cancelled).await.unwrap_err();
+        assert_eq!(e, HostError::Cancelled);
+        assert!(probe.dropped.load(Ordering::SeqCst));
+        let finished = sink.finished();
+        assert_eq!(finished["outcome"], "cancelled");
+        assert_eq!(finished["error"], "cancelled: a stop was requested");
+    }
+
+    #[tokio::test]
+    async fn a_cancel_already_requested_wins_over_a_ready_answer() {
+        let (r, _) = registry();
+        let sink = Collect::default();
+        let e = r.invoke(call("parrot", json!({})), &sink, std::future::ready(())).await.unwrap_err();
+        assert_eq!(e, HostError::Cancelled);
+        assert_eq!(sink.finished()["outcome"], "cancelled");
+    }
+
+    #[test]
+    fn from_config_always_has_llm_and_refuses_clashes() {
+        let llm = LlmConfig {
+            base_url: None,
+            api_key: None,
+            model: "m".into(),
+            timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(1),
+        };
+        let hook = |name: &str| WebhookConfig {
+            name: name.into(),
+            url: "http://127.0.0.1:1/".into(),
+            timeout_ms: 1000,
+            max_response_bytes: 1000,
+            headers: Default::default(),
+            description: None,
+        };
+        let r = ToolRegistry::from_config(&llm, &[hook("a"), hook("b")]).unwrap();
+        assert_eq!(r.names(), ["a", "b", "llm"]);
+        let e = ToolRegistry::from_config(&llm, &[hook("a"), hook("a")]).err().unwrap();
+        assert!(e.contains("taken"), "{e}");
+        let e = ToolRegistry::from_config(&llm, &[hook("llm")]).err().unwrap();
+        assert!(e.contains("model tool"), "{e}");
+        let https = LlmConfig { base_url: Some("https://api.example.com/v1".into()), ..llm.clone() };
+        assert_eq!(ToolRegistry::from_config(&https, &[]).unwrap().names(), ["llm"]);
+        let http = LlmConfig { base_url: Some("http://127.0.0.1:1/v1".into()), ..llm };
+        assert_eq!(ToolRegistry::from_config(&http, &[]).unwrap().names(), ["llm"]);
+    }
+}

@@ -1,0 +1,314 @@
+//! Tools behind `call-tool`, end to end through the HTTP API: the `chat`
+//! plugin's loop over the model and webhook tools, against real local HTTP
+//! servers (a streaming chat-completions endpoint and a webhook receiver).
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use agent_host::agent::AgentRegistry;
+use agent_host::db::{plugins, RunId};
+use agent_host::hub::Hub;
+use agent_host::sandbox::Sandbox;
+use agent_host::tools::{LlmConfig, ToolRegistry, WebhookConfig};
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::{Json, Router};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use support::http::TestHost;
+use support::*;
+use tokio::sync::mpsc;
+
+const LONG: Duration = Duration::from_secs(30);
+
+/// What a local server received: headers of interest and the JSON body.
+#[derive(Debug, Clone)]
+struct Received {
+    authorization: Option<String>,
+    idempotency_key: Option<String>,
+    body: Value,
+}
+
+type Log = Arc<Mutex<Vec<Received>>>;
+
+fn received(headers: &HeaderMap, body: Value) -> Received {
+    let h = |k: &str| headers.get(k).map(|v| v.to_str().unwrap().to_string());
+    Received { authorization: h("authorization"), idempotency_key: h("idempotency-key"), body }
+}
+
+/// Serves `router` on a free local port; returns its base URL.
+async fn serve(router: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    base
+}
+
+/// A webhook receiver: `/ok` answers `{"forecast": "sunny"}`, `/fail` 500,
+/// `/hang` never answers (and reports each arrival on `arrived`).
+async fn webhook_receiver(log: Log, arrived: mpsc::UnboundedSender<()>) -> String {
+    let ok = {
+        let log = log.clone();
+        move |headers: HeaderMap, Json(body): Json<Value>| async move {
+            log.lock().unwrap().push(received(&headers, body));
+            Json(json!({ "forecast": "sunny" }))
+        }
+    };
+    let fail = |Json(_): Json<Value>| async { (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "boom") };
+    let hang = move |Json(_): Json<Value>| async move {
+        let _ = arrived.send(());
+        std::future::pending::<()>().await;
+    };
+    serve(Router::new().route("/ok", post(ok)).route("/fail", post(fail)).route("/hang", post(hang))).await
+}
+
+fn webhook(name: &str, url: String, timeout_ms: u64) -> WebhookConfig {
+    let mut headers = std::collections::BTreeMap::new();
+    headers.insert("Authorization".to_string(), "Bearer webhook-secret".to_string());
+    WebhookConfig { name: name.into(), url, timeout_ms, max_response_bytes: 64 * 1024, headers, description: None }
+}
+
+fn offered(name: &str) -> Value {
+    json!({ "name": name, "description": "looks things up", "parameters": { "type": "object" } })
+}
+
+struct Env {
+    db: TestDb,
+    host: TestHost,
+}
+
+impl Env {
+    /// A host whose sandbox has `tools`, with `chat` registered under `name`
+    /// for each (name, granted tools).
+    async fn new(llm: LlmConfig, webhooks: &[WebhookConfig], chats: &[(&str, &[&str])]) -> Env {
+        let db = TestDb::new().await;
+        let cache = std::env::temp_dir().join(format!("agent-host-cache-{}", std::process::id()));
+        let tools = ToolRegistry::from_config(&llm, webhooks).unwrap();
+        let sandbox = Sandbox::with_tools(db.pool.clone(), Some(cache), tools).unwrap();
+        for (name, granted) in chats {
+            plugins::put(&db.pool, name, &plugin_wasm("chat"), &json!({ "tools": granted })).await.unwrap();
+        }
+        let agents = AgentRegistry::with_builtins().with_sandbox(sandbox);
+        let host = TestHost::start(&db, Some(Hub::start(db.url.clone())), agents, fast_config("w")).await;
+        Env { db, host }
+    }
+
+    async fn run(&self, plugin: &str, content: &str, config: Value) -> RunId {
+        let body = json!({ "content": content, "plugin": plugin, "config": config });
+        let (code, v) = self.host.call("POST", "/v1/runs", Some(body)).await;
+        assert_eq!(code, StatusCode::ACCEPTED, "{v}");
+        v["run_id"].as_str().unwrap().parse().unwrap()
+    }
+
+    async fn finish(&self, run: RunId) -> Value {
+        let pool = &self.db.pool;
+        wait_for(&format!("run {run} to end"), LONG, || async move {
+            ["completed", "failed", "cancelled"].contains(&status(pool, run).await.as_str())
+        })
+        .await;
+        assert_journal_sound(pool, run).await;
+        self.host.call("GET", &format!("/v1/runs/{run}"), None).await.1
+    }
+
+    async fn answer(&self, run: RunId) -> (String, String) {
+        sqlx::query_as("SELECT content, status FROM message WHERE run_id = $1 AND role = 'assistant'")
+            .bind(run)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    /// The tool calls the journal shows: (kind, call_index, name, outcome).
+    async fn tool_events(&self, run: RunId) -> Vec<(String, u64, String, String)> {
+        journal_payloads(&self.db.pool, run)
+            .await
+            .into_iter()
+            .filter(|(_, t, _)| t.starts_with("tool_call_"))
+            .map(|(_, t, p)| {
+                let outcome = p["outcome"].as_str().unwrap_or("").to_string();
+                (t, p["call_index"].as_u64().unwrap(), p["name"].as_str().unwrap().to_string(), outcome)
+            })
+            .collect()
+    }
+}
+
+fn ev(kind: &str, i: u64, name: &str, outcome: &str) -> (String, u64, String, String) {
+    (kind.into(), i, name.into(), outcome.into())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_loops_over_the_offline_model_and_a_webhook_tool() {
+    let log = Log::default();
+    let (arrived, _) = mpsc::unbounded_channel();
+    let base = webhook_receiver(log.clone(), arrived).await;
+    let env = Env::new(
+        LlmConfig::default(),
+        &[webhook("weather", format!("{base}/ok"), 5_000)],
+        &[("chat", &["llm", "weather"])],
+    )
+    .await;
+    let run = env.run("chat", "will it rain", json!({ "tools": [offered("weather")] })).await;
+    let view = env.finish(run).await;
+    assert_eq!(view["status"], "completed", "{view}");
+
+    let want = r#"Offline reply to: will it rain Tool weather said: {"forecast":"sunny"}"#;
+    assert_eq!(env.answer(run).await, (want.to_string(), "complete".to_string()));
+    assert_eq!(
+        env.tool_events(run).await,
+        [
+            ev("tool_call_started", 1, "llm", ""),
+            ev("tool_call_finished", 1, "llm", "ok"),
+            ev("tool_call_started", 2, "weather", ""),
+            ev("tool_call_finished", 2, "weather", "ok"),
+            ev("tool_call_started", 3, "llm", ""),
+            ev("tool_call_finished", 3, "llm", "ok"),
+        ]
+    );
+    // The model's words were streamed by the host as they came.
+    let streamed = deltas_text(&journal_payloads(&env.db.pool, run).await);
+    assert_eq!(streamed, want);
+    assert_eq!(view["usage"]["model_calls"], 2, "{view}");
+    // The receiver got one call, idempotent by (run, call index), with the
+    // operator's credential, which no guest ever saw.
+    let got = log.lock().unwrap().clone();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].idempotency_key.as_deref(), Some(format!("{run}:2").as_str()));
+    assert_eq!(got[0].authorization.as_deref(), Some("Bearer webhook-secret"));
+    assert_eq!(
+        got[0].body,
+        json!({ "run_id": run.to_string(), "call_id": format!("{run}:2"), "name": "weather",
+                "args": { "input": "will it rain" } })
+    );
+    let journal = journal_payloads(&env.db.pool, run).await;
+    assert!(!format!("{journal:?}").contains("webhook-secret"));
+    env.host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ungranted_and_failing_tools_are_refused_and_the_model_hears_why() {
+    let log = Log::default();
+    let (arrived, _) = mpsc::unbounded_channel();
+    let base = webhook_receiver(log.clone(), arrived).await;
+    let hooks = [webhook("weather", format!("{base}/ok"), 5_000), webhook("flaky", format!("{base}/fail"), 5_000)];
+    let env = Env::new(LlmConfig::default(), &hooks, &[("chat", &["llm", "flaky"]), ("chat-no-tools", &["llm"])]).await;
+
+    // Offered to the model but not granted to the plugin: denied, never called.
+    let run = env.run("chat-no-tools", "hi", json!({ "tools": [offered("weather")] })).await;
+    assert_eq!(env.finish(run).await["status"], "completed");
+    let (text, _) = env.answer(run).await;
+    assert!(text.contains("Tool weather said: error: denied"), "{text}");
+    assert!(log.lock().unwrap().is_empty(), "an ungranted tool is never called");
+
+    // Granted, but the receiver answers 500: a tool failure naming the status.
+    let run = env.run("chat", "hi", json!({ "tools": [offered("flaky")] })).await;
+    assert_eq!(env.finish(run).await["status"], "completed");
+    let (text, _) = env.answer(run).await;
+    assert!(text.contains("Tool flaky said: error: tool failed") && text.contains("500"), "{text}");
+    let events = env.tool_events(run).await;
+    assert_eq!(events[3], ev("tool_call_finished", 2, "flaky", "error"));
+    env.host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_during_a_webhook_call_aborts_it_at_once() {
+    let log = Log::default();
+    let (arrived, mut arrivals) = mpsc::unbounded_channel();
+    let base = webhook_receiver(log, arrived).await;
+    let env = Env::new(
+        LlmConfig::default(),
+        &[webhook("slow", format!("{base}/hang"), 60_000)],
+        &[("chat", &["llm", "slow"])],
+    )
+    .await;
+    let run = env.run("chat", "take your time", json!({ "tools": [offered("slow")] })).await;
+    tokio::time::timeout(LONG, arrivals.recv()).await.expect("the webhook was called");
+    let asked = Instant::now();
+    let (code, _) = env.host.call("POST", &format!("/v1/runs/{run}/cancel"), None).await;
+    assert_eq!(code, StatusCode::ACCEPTED);
+    let view = env.finish(run).await;
+    let took = asked.elapsed();
+    assert_eq!(view["status"], "cancelled", "{view}");
+    assert!(took < Duration::from_millis(500), "the call was aborted, not waited out: {took:?}");
+    assert_eq!(view["error"], Value::Null, "a guest that stops when told is not interrupted: {view}");
+    assert_eq!(env.tool_events(run).await[3], ev("tool_call_finished", 2, "slow", "cancelled"));
+    env.host.stop().await;
+}
+
+/// A streaming chat-completions endpoint: the first request (tools offered,
+/// no tool result yet) gets a tool call split across chunks; later ones get
+/// text in three pieces with usage. Requests are logged.
+async fn chat_completions_server(log: Log) -> String {
+    async fn complete(State(log): State<Log>, headers: HeaderMap, Json(body): Json<Value>) -> impl IntoResponse {
+        log.lock().unwrap().push(received(&headers, body.clone()));
+        let has_result = body["messages"].as_array().unwrap().iter().any(|m| m["role"] == "tool");
+        let chunk = |delta: Value, finish: Value| {
+            let c = json!({ "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }] });
+            format!("data: {c}\n\n")
+        };
+        let mut sse = String::new();
+        if !has_result {
+            sse += &chunk(
+                json!({ "role": "assistant", "tool_calls": [{ "index": 0, "id": "call_a", "type": "function",
+                "function": { "name": "weather", "arguments": "{\"ci" } }] }),
+                Value::Null,
+            );
+            sse += &chunk(
+                json!({ "tool_calls": [{ "index": 0, "function": { "arguments": "ty\": \"Oslo\"}" } }] }),
+                Value::Null,
+            );
+            sse += &chunk(json!({}), json!("tool_calls"));
+        } else {
+            for piece in ["It is ", "sunny in ", "Oslo."] {
+                sse += &chunk(json!({ "content": piece }), Value::Null);
+            }
+            sse += &chunk(json!({}), json!("stop"));
+        }
+        let usage = json!({ "choices": [], "usage": { "prompt_tokens": 10, "completion_tokens": 5 } });
+        sse += &format!("data: {usage}\n\ndata: [DONE]\n\n");
+        ([("content-type", "text/event-stream")], sse)
+    }
+    serve(Router::new().route("/v1/chat/completions", post(complete)).with_state(log)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_against_a_streaming_chat_completions_endpoint() {
+    let model_log = Log::default();
+    let model = chat_completions_server(model_log.clone()).await;
+    let hook_log = Log::default();
+    let (arrived, _) = mpsc::unbounded_channel();
+    let receiver = webhook_receiver(hook_log.clone(), arrived).await;
+    let llm = LlmConfig {
+        base_url: Some(format!("{model}/v1")),
+        api_key: Some("sk-model-secret".into()),
+        model: "test-model".into(),
+        ..LlmConfig::default()
+    };
+    let env =
+        Env::new(llm, &[webhook("weather", format!("{receiver}/ok"), 5_000)], &[("chat", &["llm", "weather"])]).await;
+    let run = env.run("chat", "weather in Oslo?", json!({ "tools": [offered("weather")], "system": "be brief" })).await;
+    let view = env.finish(run).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    assert_eq!(env.answer(run).await.0, "It is sunny in Oslo.");
+    assert_eq!(deltas_text(&journal_payloads(&env.db.pool, run).await), "It is sunny in Oslo.");
+    assert_eq!(view["usage"], json!({ "model_calls": 2, "prompt_tokens": 20, "completion_tokens": 10 }));
+    assert_eq!(hook_log.lock().unwrap()[0].body["args"], json!({ "city": "Oslo" }));
+
+    let requests = model_log.lock().unwrap().clone();
+    assert_eq!(requests.len(), 2);
+    assert_eq!(requests[0].authorization.as_deref(), Some("Bearer sk-model-secret"));
+    assert_eq!(requests[0].body["model"], "test-model");
+    assert_eq!(requests[0].body["stream"], true);
+    assert_eq!(requests[0].body["tools"][0]["function"]["name"], "weather");
+    let second = requests[1].body["messages"].as_array().unwrap();
+    let roles: Vec<&str> = second.iter().map(|m| m["role"].as_str().unwrap()).collect();
+    assert_eq!(roles, ["system", "user", "assistant", "tool"]);
+    assert_eq!(second[3]["tool_call_id"], "call_a");
+    assert_eq!(second[3]["content"], r#"{"forecast":"sunny"}"#);
+    let journal = journal_payloads(&env.db.pool, run).await;
+    assert!(!format!("{journal:?}").contains("sk-model-secret"), "credentials never reach the journal");
+    env.host.stop().await;
+}
