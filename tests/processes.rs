@@ -317,3 +317,87 @@ async fn plugins_cli_validates_stores_and_lists() {
     assert!(!out.status.success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The CLI a person uses, over the HTTP API of a real host: `runs create`
+/// prints the stream as it arrives, `runs tail` replays it from a cursor,
+/// `runs cancel` and `conversations stop` stop runs, and exit codes tell.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runs_cli_streams_tails_cancels_and_stops_over_http() {
+    let db = TestDb::new().await;
+    let host = HostProcess::spawn(&db.url, "A", FAST);
+    let token = agent_host::db::tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
+    let url = format!("http://{}", host.addr);
+    let cli = |args: &[&str]| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+            .env("AGENT_HOST_URL", &url)
+            .env("AGENT_HOST_TOKEN", &token)
+            .args(args)
+            .kill_on_drop(true)
+            .output()
+    };
+    let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();
+
+    let out = cli(&["runs", "create", "--plugin", "echo", "hello there, world"]).await.unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "hello there, world");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("[completed]"), "{stderr}");
+    let id = stderr.split_whitespace().nth(1).unwrap().to_string();
+
+    // Replaying from a cursor prints only what came after it.
+    let out = cli(&["runs", "tail", &id]).await.unwrap();
+    assert_eq!(text(&out.stdout), "hello there, world");
+    let run: agent_host::db::RunId = id.parse().unwrap();
+    let j = journal_payloads(&db.pool, run).await;
+    let (first_seq, _, first) = j.iter().find(|(_, t, _)| t == "content_delta").unwrap();
+    let rest = "hello there, world".strip_prefix(first["delta"].as_str().unwrap()).unwrap();
+    let out = cli(&["runs", "tail", &id, "--from", &first_seq.to_string()]).await.unwrap();
+    assert!(out.status.success());
+    assert_eq!(text(&out.stdout), rest);
+
+    // A long run, cancelled from a second CLI while the first streams it.
+    let streaming = cli(&["runs", "create", "--plugin", "sleep", "--config", FOREVER, "count"]);
+    let watcher = tokio::spawn(streaming);
+    let pool = db.pool.clone();
+    wait_for("the CLI's run to stream", LONG, || {
+        let pool = pool.clone();
+        async move {
+            let id: Option<agent_host::db::RunId> = sqlx::query_scalar(
+                "SELECT r.id FROM agent_run r JOIN run_event e ON e.run_id = r.id
+                 WHERE r.plugin = 'sleep' AND e.type = 'content_delta' LIMIT 1",
+            )
+            .fetch_optional(&pool)
+            .await
+            .unwrap();
+            id.is_some()
+        }
+    })
+    .await;
+    let id: agent_host::db::RunId =
+        sqlx::query_scalar("SELECT id FROM agent_run WHERE plugin = 'sleep'").fetch_one(&db.pool).await.unwrap();
+    let out = cli(&["runs", "cancel", &id.to_string()]).await.unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("\"cancel_requested\":true"), "{}", text(&out.stdout));
+    let watched = watcher.await.unwrap().unwrap();
+    assert_eq!(watched.status.code(), Some(1), "a cancelled run is not a success");
+    assert!(text(&watched.stderr).contains("[cancelled]"), "{}", text(&watched.stderr));
+    assert!(text(&watched.stdout).starts_with("step 0. "), "{}", text(&watched.stdout));
+
+    // Stop a conversation; refusals are explained, not panicked.
+    let conversation: agent_host::db::ConversationId =
+        sqlx::query_scalar("SELECT conversation_id FROM agent_run WHERE id = $1")
+            .bind(id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let out = cli(&["conversations", "stop", &conversation.to_string()]).await.unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("\"drafts\":[]"), "{}", text(&out.stdout));
+    let out = cli(&["runs", "tail", "not-a-run"]).await.unwrap();
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("400"), "{}", text(&out.stderr));
+    let out = cli(&["runs", "create", "--plugin", "nope", "hi"]).await.unwrap();
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("422"), "{}", text(&out.stderr));
+    drop(host);
+}

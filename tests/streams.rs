@@ -244,7 +244,12 @@ async fn a_missing_complete_is_synthesized_from_the_run_row() {
     )
     .await;
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
-    runs::claim(&db.pool, &runs::Claim { limit: 1, lease: LONG, worker_id: "dying", prefilter: true }).await.unwrap();
+    runs::claim(
+        &db.pool,
+        &runs::Claim { limit: 1, lease: LONG, worker_id: "dying", prefilter: true, tenant_max_running: None },
+    )
+    .await
+    .unwrap();
     let mut client = SseClient::connect(&host.events_url(e.run_id), &host.token, None).await;
     for _ in 0..3 {
         client.next(LONG).await.unwrap();

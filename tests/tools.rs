@@ -59,11 +59,17 @@ async fn webhook_receiver(log: Log, arrived: mpsc::UnboundedSender<()>) -> Strin
         }
     };
     let fail = |Json(_): Json<Value>| async { (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "boom") };
+    // A careless receiver that echoes the request's credentials in its error.
+    let echo_auth = |headers: HeaderMap| async move {
+        let auth = headers.get("authorization").map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+        (axum::http::StatusCode::UNAUTHORIZED, format!("bad credentials: {auth}"))
+    };
     let hang = move |Json(_): Json<Value>| async move {
         let _ = arrived.send(());
         std::future::pending::<()>().await;
     };
-    serve(Router::new().route("/ok", post(ok)).route("/fail", post(fail)).route("/hang", post(hang))).await
+    let routes = Router::new().route("/ok", post(ok)).route("/fail", post(fail)).route("/hang", post(hang));
+    serve(routes.route("/echo-auth", post(echo_auth))).await
 }
 
 fn webhook(name: &str, url: String, timeout_ms: u64) -> WebhookConfig {
@@ -193,8 +199,14 @@ async fn ungranted_and_failing_tools_are_refused_and_the_model_hears_why() {
     let log = Log::default();
     let (arrived, _) = mpsc::unbounded_channel();
     let base = webhook_receiver(log.clone(), arrived).await;
-    let hooks = [webhook("weather", format!("{base}/ok"), 5_000), webhook("flaky", format!("{base}/fail"), 5_000)];
-    let env = Env::new(LlmConfig::default(), &hooks, &[("chat", &["llm", "flaky"]), ("chat-no-tools", &["llm"])]).await;
+    let hooks = [
+        webhook("weather", format!("{base}/ok"), 5_000),
+        webhook("flaky", format!("{base}/fail"), 5_000),
+        webhook("leaky", format!("{base}/echo-auth"), 5_000),
+    ];
+    let chats: &[(&str, &[&str])] =
+        &[("chat", &["llm", "flaky"]), ("chat-no-tools", &["llm"]), ("chat-leaky", &["llm", "leaky"])];
+    let env = Env::new(LlmConfig::default(), &hooks, chats).await;
 
     // Offered to the model but not granted to the plugin: denied, never called.
     let run = env.run("chat-no-tools", "hi", json!({ "tools": [offered("weather")] })).await;
@@ -210,6 +222,15 @@ async fn ungranted_and_failing_tools_are_refused_and_the_model_hears_why() {
     assert!(text.contains("Tool flaky said: error: tool failed") && text.contains("500"), "{text}");
     let events = env.tool_events(run).await;
     assert_eq!(events[3], ev("tool_call_finished", 2, "flaky", "error"));
+
+    // An error body that echoes the operator's credential is redacted before
+    // the guest (and the journal) sees it.
+    let run = env.run("chat-leaky", "hi", json!({ "tools": [offered("leaky")] })).await;
+    assert_eq!(env.finish(run).await["status"], "completed");
+    let (text, _) = env.answer(run).await;
+    assert!(text.contains("401") && text.contains("<redacted>"), "{text}");
+    let journal = format!("{:?}", journal_payloads(&env.db.pool, run).await);
+    assert!(!text.contains("webhook-secret") && !journal.contains("webhook-secret"), "{text}");
     env.host.stop().await;
 }
 

@@ -202,7 +202,13 @@ async fn floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f64> {
             let id = format!("floor-{i}");
             let mut done = 0u64;
             loop {
-                let claim = Claim { limit: 1, lease: Duration::from_secs(30), worker_id: &id, prefilter: true };
+                let claim = Claim {
+                    limit: 1,
+                    lease: Duration::from_secs(30),
+                    worker_id: &id,
+                    prefilter: true,
+                    tenant_max_running: None,
+                };
                 let claimed = runs::claim(&pool, &claim).await?;
                 let Some(run) = claimed.into_iter().next() else {
                     return Ok::<u64, sqlx::Error>(done);
@@ -235,8 +241,13 @@ async fn batched_floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f
     let t0 = Instant::now();
     let mut done = 0;
     loop {
-        let claim =
-            Claim { limit: args.in_flight as i64, lease: Duration::from_secs(30), worker_id: "floor", prefilter: true };
+        let claim = Claim {
+            limit: args.in_flight as i64,
+            lease: Duration::from_secs(30),
+            worker_id: "floor",
+            prefilter: true,
+            tenant_max_running: None,
+        };
         let claimed = runs::claim(pool, &claim).await?;
         if claimed.is_empty() {
             break;
@@ -312,7 +323,13 @@ async fn sandbox(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs) -
         idempotency_key: None,
     };
     let run = runs::enqueue(pool, &new).await?;
-    let claim = Claim { limit: 1, lease: Duration::from_secs(3600), worker_id: "bench", prefilter: true };
+    let claim = Claim {
+        limit: 1,
+        lease: Duration::from_secs(3600),
+        worker_id: "bench",
+        prefilter: true,
+        tenant_max_running: None,
+    };
     let claimed = runs::claim(pool, &claim).await?.pop().context("bench run not claimed")?;
     let journal = crate::journal::Journal::start(
         pool.clone(),

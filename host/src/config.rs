@@ -51,6 +51,66 @@ pub enum Command {
     /// Manage WebAssembly plugins.
     #[command(subcommand)]
     Plugins(PluginsCommand),
+    /// Start, watch and cancel runs over the HTTP API.
+    Runs {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[command(subcommand)]
+        command: RunsCommand,
+    },
+    /// Stop conversations over the HTTP API.
+    Conversations {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[command(subcommand)]
+        command: ConversationsCommand,
+    },
+}
+
+/// Where the API is and who is calling.
+#[derive(Debug, Clone, Args)]
+pub struct ApiArgs {
+    /// Base URL of a running host.
+    #[arg(long, env = "AGENT_HOST_URL", default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// A bearer token (`agent-host tokens create`).
+    #[arg(long, env = "AGENT_HOST_TOKEN", hide_env_values = true)]
+    pub token: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RunsCommand {
+    /// Enqueue a run and print its stream live until it ends.
+    Create {
+        /// The user's message.
+        content: String,
+        #[arg(long)]
+        plugin: String,
+        /// Continue this conversation (default: a new one).
+        #[arg(long)]
+        conversation: Option<String>,
+        /// The run's config, a JSON object.
+        #[arg(long)]
+        config: Option<String>,
+        /// Print the run id and return without streaming.
+        #[arg(long)]
+        no_follow: bool,
+    },
+    /// Print a run's stream from a cursor, live until it ends.
+    Tail {
+        id: String,
+        /// Events after this seq (default 0: everything).
+        #[arg(long, default_value_t = 0)]
+        from: i64,
+    },
+    /// Ask a run to stop.
+    Cancel { id: String },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConversationsCommand {
+    /// Stop every queued and running turn; prints the drafts handed back.
+    Stop { id: String },
 }
 
 #[derive(Debug, Subcommand)]
@@ -176,6 +236,9 @@ pub struct WorkerArgs {
     /// How long a run may keep going after a stop before it is interrupted.
     #[arg(long, env = "AGENT_HOST_CANCEL_GRACE_MS", default_value_t = 5_000)]
     pub cancel_grace_ms: u64,
+    /// Running runs one tenant may have at most, across all processes (unset: no cap).
+    #[arg(long, env = "AGENT_HOST_TENANT_MAX_RUNNING")]
+    pub tenant_max_running: Option<u32>,
     /// This process's name in claims (default: hostname-pid).
     #[arg(long, env = "AGENT_HOST_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -203,6 +266,7 @@ impl WorkerArgs {
             retention: Duration::from_secs(self.event_retention_s),
             retention_interval: ms(self.retention_interval_ms),
             cancel_grace: ms(self.cancel_grace_ms),
+            tenant_max_running: self.tenant_max_running,
             dispatch: !self.no_dispatch,
         }
     }

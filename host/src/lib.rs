@@ -7,6 +7,7 @@
 pub mod agent;
 pub mod api;
 pub mod bench;
+pub mod client;
 pub mod config;
 pub mod db;
 pub mod hub;
@@ -14,5 +15,6 @@ pub mod journal;
 pub mod metrics;
 pub mod sandbox;
 pub mod server;
+pub mod sse;
 pub mod tools;
 pub mod worker;

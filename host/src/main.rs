@@ -2,6 +2,7 @@ use anyhow::Context;
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
+use agent_host::client;
 use agent_host::config::{Cli, Command, PluginsCommand, TokensCommand};
 use agent_host::{bench, db, server};
 
@@ -35,5 +36,7 @@ async fn main() -> anyhow::Result<()> {
             server::plugins_add(&cli.db, &name, &file, manifest.as_deref()).await
         }
         Command::Plugins(PluginsCommand::List) => server::plugins_list(&cli.db).await,
+        Command::Runs { api, command } => client::runs(&api, command).await,
+        Command::Conversations { api, command } => client::conversations(&api, command).await,
     }
 }

@@ -133,6 +133,7 @@ pub fn fast_config(worker_id: &str) -> WorkerConfig {
         retention: Duration::from_secs(24 * 3600),
         retention_interval: Duration::from_secs(60),
         cancel_grace: Duration::from_millis(500),
+        tenant_max_running: None,
         dispatch: true,
     }
 }

@@ -42,6 +42,15 @@ impl AppState {
     pub fn new(pool: PgPool, agents: AgentRegistry, hub: Option<Hub>) -> Self {
         AppState { pool, agents, hub, keepalive: events::KEEPALIVE_DEFAULT, stats: None }
     }
+
+    /// Counts queued runs a cancel or stop ended here, for `/metrics`.
+    fn record_ended(&self, n: usize) {
+        if let Some(stats) = &self.stats {
+            for _ in 0..n {
+                stats.worker.record_end(crate::db::RunStatus::Cancelled, None);
+            }
+        }
+    }
 }
 
 pub fn router(state: AppState) -> Router {

@@ -176,12 +176,14 @@ pub async fn cancel_run(
     let id: RunId = parse_id(&id, "run")?;
     let done =
         stop::cancel(&state.pool, id, &p.user_id).await?.ok_or_else(|| ApiError::not_found(format!("run {id}")))?;
-    let (code, status) = match done {
-        Cancelled::Queued => (StatusCode::ACCEPTED, RunStatus::Cancelled),
-        Cancelled::Flagged => (StatusCode::ACCEPTED, RunStatus::Running),
-        Cancelled::Terminal(s) => (StatusCode::OK, s),
+    let (code, status, cancel_requested) = match done {
+        Cancelled::Queued => {
+            state.record_ended(1);
+            (StatusCode::ACCEPTED, RunStatus::Cancelled, true)
+        }
+        Cancelled::Flagged => (StatusCode::ACCEPTED, RunStatus::Running, true),
+        Cancelled::Terminal(s, flagged) => (StatusCode::OK, s, flagged),
     };
-    let cancel_requested = code == StatusCode::ACCEPTED || status == RunStatus::Cancelled;
     Ok((code, Json(json!({ "id": id, "status": status.as_str(), "cancel_requested": cancel_requested }))))
 }
 
@@ -196,6 +198,7 @@ pub async fn stop_conversation(
     let stopped = stop::stop_conversation(&state.pool, id, &p.user_id)
         .await?
         .ok_or_else(|| ApiError::not_found(format!("conversation {id}")))?;
+    state.record_ended(stopped.cancelled.len());
     Ok(Json(stopped))
 }
 

@@ -237,20 +237,37 @@ pub struct Claim<'a> {
     /// optimisation only (the partial unique index is the guarantee); tests
     /// turn it off to show the index holds alone.
     pub prefilter: bool,
+    /// Running runs one tenant may have at most (`None`: no cap).
+    pub tenant_max_running: Option<i64>,
 }
 
 const CLAIM_SQL: &str = "
-WITH claimed AS (
-    UPDATE agent_run r SET
-        status            = 'running',
-        claim_token       = gen_random_uuid(),
-        claim_expires_at  = now() + make_interval(secs => $2),
-        worker_id         = $3,
-        started_at        = coalesce(r.started_at, now()),
-        last_heartbeat_at = now()
-    WHERE r.id IN (
-        SELECT q.id FROM agent_run q
-        WHERE q.status = 'queued'
+WITH RECURSIVE
+-- Tenants with queued work: a loose index scan (one probe per tenant) over
+-- agent_run_queued_by_tenant, not a scan of the queue.
+tenants AS (
+    (SELECT tenant_id FROM agent_run WHERE status = 'queued' ORDER BY tenant_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT a.tenant_id FROM agent_run a
+            WHERE a.status = 'queued' AND a.tenant_id > t.tenant_id
+            ORDER BY a.tenant_id LIMIT 1)
+    FROM tenants t WHERE t.tenant_id IS NOT NULL
+),
+load AS (
+    SELECT t.tenant_id,
+           (SELECT count(*) FROM agent_run b WHERE b.tenant_id = t.tenant_id AND b.status = 'running') AS running
+    FROM tenants t WHERE t.tenant_id IS NOT NULL
+),
+-- Each tenant's oldest claimable turns, ranked by the load the tenant would
+-- carry if each were claimed (running + its place in the tenant's line): the
+-- least-loaded tenant goes first, and one claim's rows interleave tenants.
+-- The optional cap ($5) keeps a tenant from ever passing that many running.
+candidates AS (
+    SELECT c.id, c.queue_pos, l.running + c.place AS load_after
+    FROM load l CROSS JOIN LATERAL (
+        SELECT q.id, q.queue_pos, row_number() OVER (ORDER BY q.queue_pos) AS place
+        FROM agent_run q
+        WHERE q.tenant_id = l.tenant_id AND q.status = 'queued'
           -- FIFO within a conversation: only its oldest queued turn is a
           -- candidate, so SKIP LOCKED can never slide onto a later turn.
           AND NOT EXISTS (
@@ -262,7 +279,23 @@ WITH claimed AS (
               WHERE b.conversation_id = q.conversation_id AND b.status = 'running'))
         ORDER BY q.queue_pos
         LIMIT $1
-        FOR UPDATE SKIP LOCKED                 -- contended rows turn invisible
+    ) c
+    WHERE $5::bigint IS NULL OR l.running + c.place <= $5
+),
+claimed AS (
+    UPDATE agent_run r SET
+        status            = 'running',
+        claim_token       = gen_random_uuid(),
+        claim_expires_at  = now() + make_interval(secs => $2),
+        worker_id         = $3,
+        started_at        = coalesce(r.started_at, now()),
+        last_heartbeat_at = now()
+    WHERE r.id IN (
+        SELECT q.id FROM agent_run q JOIN candidates c ON c.id = q.id
+        WHERE q.status = 'queued'
+        ORDER BY c.load_after, c.queue_pos
+        LIMIT $1
+        FOR UPDATE OF q SKIP LOCKED            -- contended rows turn invisible
     )
     RETURNING r.id, r.conversation_id, r.claim_token, r.user_message_id, r.owner_id,
               r.tenant_id, r.plugin, r.plugin_digest, r.plugin_manifest, r.config,
@@ -290,6 +323,7 @@ pub async fn claim(db: impl PgExecutor<'_>, claim: &Claim<'_>) -> Result<Vec<Cla
         .bind(secs(claim.lease))
         .bind(claim.worker_id)
         .bind(claim.prefilter)
+        .bind(claim.tenant_max_running)
         .fetch_all(db)
         .await
 }

@@ -21,8 +21,8 @@ pub enum Cancelled {
     Queued,
     /// Running: flagged and woken; the holder finalizes it `cancelled`.
     Flagged,
-    /// Already terminal: nothing changed.
-    Terminal(RunStatus),
+    /// Already terminal: nothing changed (its status and cancel flag).
+    Terminal(RunStatus, bool),
 }
 
 /// A user message handed back by a stop.
@@ -47,13 +47,14 @@ pub struct Stopped {
 /// Idempotent: a second cancel of a running run re-flags and re-wakes.
 pub async fn cancel(pool: &PgPool, run: RunId, owner_id: &str) -> Result<Option<Cancelled>, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let row: Option<(String, ConversationId)> =
-        sqlx::query_as("SELECT status, conversation_id FROM agent_run WHERE id = $1 AND owner_id = $2 FOR UPDATE")
-            .bind(run)
-            .bind(owner_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-    let Some((status, conversation)) = row else {
+    let row: Option<(String, ConversationId, bool)> = sqlx::query_as(
+        "SELECT status, conversation_id, cancel_requested FROM agent_run WHERE id = $1 AND owner_id = $2 FOR UPDATE",
+    )
+    .bind(run)
+    .bind(owner_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((status, conversation, flagged)) = row else {
         return Ok(None);
     };
     let status: RunStatus = status.parse().map_err(|e: String| sqlx::Error::Decode(e.into()))?;
@@ -68,7 +69,7 @@ pub async fn cancel(pool: &PgPool, run: RunId, owner_id: &str) -> Result<Option<
             flag(&mut tx, &[run]).await?;
             Cancelled::Flagged
         }
-        terminal => Cancelled::Terminal(terminal),
+        terminal => Cancelled::Terminal(terminal, flagged),
     };
     tx.commit().await?;
     Ok(Some(done))

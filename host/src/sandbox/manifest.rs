@@ -28,6 +28,8 @@ pub struct Limits {
     pub events_max: u64,
     /// Tool calls one run may make.
     pub tool_calls_max: u64,
+    /// One tool call, at most (a tool's own timeout may be shorter).
+    pub tool_timeout_ms: u64,
 }
 
 pub const MEMORY_BYTES_DEFAULT: u64 = 64 << 20;
@@ -43,6 +45,7 @@ impl Default for Limits {
             payload_bytes: 1 << 20,
             events_max: 100_000,
             tool_calls_max: 1_000,
+            tool_timeout_ms: 300_000,
         }
     }
 }
@@ -61,6 +64,7 @@ impl Manifest {
             ("payload_bytes", l.payload_bytes),
             ("events_max", l.events_max),
             ("tool_calls_max", l.tool_calls_max),
+            ("tool_timeout_ms", l.tool_timeout_ms),
         ] {
             if v == 0 {
                 return Err(format!("manifest: limits.{name} must be greater than zero"));

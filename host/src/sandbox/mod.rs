@@ -412,7 +412,13 @@ impl wit_host::Host for Guest {
         };
         // With the run id, the call's index is the webhook's Idempotency-Key:
         // 1-based, never repeated within a run.
-        let call = ToolCall { run_id: self.host.run_id(), call_index: self.tool_calls as u32, name: &name, args };
+        let call = ToolCall {
+            run_id: self.host.run_id(),
+            call_index: self.tool_calls as u32,
+            name: &name,
+            args,
+            timeout_max: Some(Duration::from_millis(self.manifest.limits.tool_timeout_ms)),
+        };
         let answer = self.tools.invoke(call, &self.host, self.host.cancelled()).await;
         match answer {
             Ok(text) if text.len() as u64 > max => {

@@ -16,8 +16,6 @@ use crate::agent::HostError;
 
 /// Text and tool-call arguments one reply may carry.
 const REPLY_BYTES_MAX: usize = 1 << 20;
-/// A stream line this long with no newline is not a chat-completions stream.
-const LINE_BYTES_MAX: usize = 4 << 20;
 /// Retries of a request that never got an answer, or got 429 or 5xx.
 const RETRIES: u32 = 2;
 const RETRY_BACKOFF: Duration = Duration::from_millis(200);
@@ -276,7 +274,7 @@ impl OpenAi {
                     let status = resp.status();
                     let retry = status == reqwest::StatusCode::TOO_MANY_REQUESTS || status.is_server_error();
                     if last || !retry {
-                        let snippet = body_snippet(resp).await;
+                        let snippet = body_snippet(resp, &[self.api_key.as_deref().unwrap_or_default()]).await;
                         return Err(failed(format!("model endpoint answered {status}{tries}{snippet}")));
                     }
                 }
@@ -294,13 +292,13 @@ impl OpenAi {
     async fn read(&self, resp: reqwest::Response, sink: &dyn EventSink) -> Result<Answer, HostError> {
         let content_type = resp.headers().get(reqwest::header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
         if content_type.is_some_and(|t| t.starts_with("application/json")) {
-            let snippet = body_snippet(resp).await;
+            let snippet = body_snippet(resp, &[self.api_key.as_deref().unwrap_or_default()]).await;
             return Err(failed(format!(
                 "model endpoint answered JSON, not a stream (does it support stream: true?){snippet}"
             )));
         }
         let mut stream = resp.bytes_stream();
-        let mut sse = SseDecoder::default();
+        let mut sse = crate::sse::SseDecoder::default();
         let mut events = Vec::new();
         let mut reply = Reply::default();
         loop {
@@ -347,68 +345,6 @@ impl Tool for OpenAi {
 
     fn timeout(&self) -> Duration {
         self.timeout
-    }
-}
-
-/// Splits a server-sent-events body into each event's `data`, however the
-/// body is cut into chunks (mid-line, mid-character, CRLF or LF).
-#[derive(Default)]
-struct SseDecoder {
-    buf: Vec<u8>,
-    data: Option<String>,
-}
-
-impl SseDecoder {
-    fn feed(&mut self, bytes: &[u8], out: &mut Vec<String>) -> Result<(), String> {
-        self.buf.extend_from_slice(bytes);
-        let mut start = 0;
-        while let Some(n) = self.buf[start..].iter().position(|&b| b == b'\n') {
-            let line = &self.buf[start..start + n];
-            start += n + 1;
-            Self::line(&mut self.data, line, out)?;
-        }
-        self.buf.drain(..start);
-        if self.buf.len() > LINE_BYTES_MAX {
-            return Err(format!("model stream sent a line over {LINE_BYTES_MAX} bytes"));
-        }
-        Ok(())
-    }
-
-    /// The event still open when the body ends (its blank line never came).
-    fn finish(&mut self) -> Result<Option<String>, String> {
-        let mut out = Vec::new();
-        if !self.buf.is_empty() {
-            let rest = std::mem::take(&mut self.buf);
-            Self::line(&mut self.data, &rest, &mut out)?;
-        }
-        out.extend(self.data.take());
-        Ok(out.pop())
-    }
-
-    fn line(data: &mut Option<String>, line: &[u8], out: &mut Vec<String>) -> Result<(), String> {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let line = std::str::from_utf8(line).map_err(|_| "model stream is not UTF-8".to_string())?;
-        if line.is_empty() {
-            out.extend(data.take());
-            return Ok(());
-        }
-        if line.starts_with(':') {
-            return Ok(());
-        }
-        let (field, value) = match line.split_once(':') {
-            Some((f, v)) => (f, v.strip_prefix(' ').unwrap_or(v)),
-            None => (line, ""),
-        };
-        if field == "data" {
-            match data {
-                Some(d) => {
-                    d.push('\n');
-                    d.push_str(value);
-                }
-                None => *data = Some(value.to_string()),
-            }
-        }
-        Ok(())
     }
 }
 
@@ -722,7 +658,7 @@ mod tests {
     #[test]
     fn the_decoder_finds_the_same_events_however_the_body_is_cut() {
         let whole = {
-            let mut d = SseDecoder::default();
+            let mut d = crate::sse::SseDecoder::default();
             let mut out = Vec::new();
             d.feed(TOOL_CALL_REPLY.as_bytes(), &mut out).unwrap();
             assert_eq!(d.finish().unwrap(), None);
@@ -731,7 +667,7 @@ mod tests {
         assert_eq!(whole.len(), 6);
         assert_eq!(whole[5], "[DONE]");
         for size in 1..=9 {
-            let mut d = SseDecoder::default();
+            let mut d = crate::sse::SseDecoder::default();
             let mut out = Vec::new();
             for piece in TOOL_CALL_REPLY.as_bytes().chunks(size) {
                 d.feed(piece, &mut out).unwrap();
@@ -739,7 +675,7 @@ mod tests {
             assert_eq!(out, whole, "cut every {size} bytes");
         }
         // A last event with no blank line after it still counts.
-        let mut d = SseDecoder::default();
+        let mut d = crate::sse::SseDecoder::default();
         let mut out = Vec::new();
         d.feed(b"data: a\ndata: b\n\ndata: [DONE]", &mut out).unwrap();
         assert_eq!(out, ["a\nb"]);

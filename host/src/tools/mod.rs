@@ -66,6 +66,9 @@ pub struct ToolCall<'a> {
     pub call_index: u32,
     pub name: &'a str,
     pub args: Value,
+    /// The caller's cap on this call (a plugin's `tool_timeout_ms`), below
+    /// the tool's own timeout.
+    pub timeout_max: Option<Duration>,
 }
 
 #[async_trait]
@@ -135,7 +138,7 @@ impl ToolRegistry {
             .ok_or_else(|| HostError::Denied(format!("no tool named {:?} on this host", call.name)))?;
         sink.event("tool_call_started", json!({ "call_index": call.call_index, "name": call.name })).await?;
         let started = Instant::now();
-        let limit = tool.timeout();
+        let limit = call.timeout_max.map_or(tool.timeout(), |max| max.min(tool.timeout()));
         let ended: Result<Value, (&str, HostError)> = tokio::select! {
             biased;
             () = cancelled => Err(("cancelled", HostError::Cancelled)),
@@ -233,7 +236,9 @@ async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<Option<V
 }
 
 /// The start of an error answer's body, for a message a person can act on.
-async fn body_snippet(mut resp: reqwest::Response) -> String {
+/// Guests and the journal see it, so the caller's `secrets` (a key, header
+/// values) are cut out, in case the endpoint echoes the request.
+async fn body_snippet(mut resp: reqwest::Response, secrets: &[&str]) -> String {
     let mut body = Vec::new();
     let read = async {
         while body.len() < BODY_SNIPPET_BYTES {
@@ -245,7 +250,10 @@ async fn body_snippet(mut resp: reqwest::Response) -> String {
     };
     // An error body that trickles must not hold the error back.
     let _ = tokio::time::timeout(Duration::from_secs(2), read).await;
-    let text = String::from_utf8_lossy(&body);
+    let mut text = String::from_utf8_lossy(&body).into_owned();
+    for secret in secrets.iter().filter(|s| s.len() >= 4) {
+        text = text.replace(secret, "<redacted>");
+    }
     match text.trim() {
         "" => String::new(),
         t => format!(": {}", clip(t, BODY_SNIPPET_BYTES)),
@@ -314,7 +322,7 @@ pub(crate) mod test_support {
     }
 
     pub fn call(name: &str, args: Value) -> ToolCall<'_> {
-        ToolCall { run_id: RunId::new(), call_index: 7, name, args }
+        ToolCall { run_id: RunId::new(), call_index: 7, name, args, timeout_max: None }
     }
 }
 

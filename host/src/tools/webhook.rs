@@ -50,7 +50,13 @@ impl Tool for Webhook {
             .map_err(|e| HostError::ToolFailed(format!("webhook {name:?} could not be called: {}", describe(e))))?;
         let status = resp.status();
         if !status.is_success() {
-            let snippet = body_snippet(resp).await;
+            let secrets: Vec<&str> = self
+                .headers
+                .values()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|v| [v, v.split_once(' ').map_or(v, |(_, secret)| secret)])
+                .collect();
+            let snippet = body_snippet(resp, &secrets).await;
             return Err(HostError::ToolFailed(format!("webhook {name:?} answered {status}{snippet}")));
         }
         let max = self.max_response_bytes;

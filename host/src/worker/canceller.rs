@@ -6,11 +6,17 @@
 //! run, one beat later.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::db::{self, stop::RUN_CANCEL_CHANNEL, RunId};
 use crate::hub::{Hub, Wake};
 
 use super::Shared;
+
+/// How long a cancel for a run this process does not hold is kept, in case
+/// its claim is registering (microseconds, in practice), and how many.
+const EARLY_KEEP: Duration = Duration::from_secs(5);
+const EARLY_MAX: usize = 10_000;
 
 pub(super) async fn run(shared: Arc<Shared>, hub: Hub) {
     let mut wakes = hub.subscribe(RUN_CANCEL_CHANNEL).await;
@@ -37,6 +43,14 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Hub) {
             if everything {
                 map.iter().map(|(id, h)| (*id, h.token)).collect()
             } else {
+                let mut early = shared.early_cancels.lock().unwrap();
+                let now = Instant::now();
+                early.retain(|_, at| now.duration_since(*at) < EARLY_KEEP);
+                for id in named.iter().filter(|id| !map.contains_key(id)) {
+                    if early.len() < EARLY_MAX {
+                        early.insert(*id, now);
+                    }
+                }
                 named.iter().filter_map(|id| map.get(id).map(|h| (*id, h.token))).collect()
             }
         };

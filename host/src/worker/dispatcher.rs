@@ -49,6 +49,7 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             lease: shared.config.lease,
             worker_id: &shared.config.worker_id,
             prefilter: true,
+            tenant_max_running: shared.config.tenant_max_running.map(i64::from),
         };
         let result = db::runs::claim(&shared.pool, &claim).await;
         shared.stats.claim_rounds.fetch_add(1, Ordering::Relaxed);

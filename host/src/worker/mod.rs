@@ -64,6 +64,9 @@ pub struct WorkerConfig {
     /// How long a run may keep going after a stop is requested before the
     /// host interrupts it (the run still ends `cancelled`).
     pub cancel_grace: Duration,
+    /// Running runs one tenant may have at most, across all processes
+    /// (`None`: no cap; fairness alone orders the tenants).
+    pub tenant_max_running: Option<u32>,
     /// Run the claim loop (false: this process only reaps and serves).
     pub dispatch: bool,
 }
@@ -83,6 +86,7 @@ impl Default for WorkerConfig {
             retention: RETENTION_DEFAULT,
             retention_interval: RETENTION_INTERVAL_DEFAULT,
             cancel_grace: CANCEL_GRACE_DEFAULT,
+            tenant_max_running: None,
             dispatch: true,
         }
     }
@@ -126,6 +130,9 @@ impl WorkerConfig {
         }
         if !(1..=10_000).contains(&self.max_runs) {
             return Err(ConfigError::MaxRuns(self.max_runs));
+        }
+        if self.tenant_max_running == Some(0) {
+            return Err(ConfigError::Zero("tenant max running"));
         }
         if self.worker_id.is_empty() || self.worker_id.len() > 200 {
             return Err(ConfigError::WorkerId);
@@ -201,6 +208,9 @@ pub(crate) struct Shared {
     agents: AgentRegistry,
     config: WorkerConfig,
     held: Mutex<HashMap<RunId, Held>>,
+    /// Cancel NOTIFYs for runs not (yet) held here, by arrival: a claim's
+    /// run task may register just after the stop's NOTIFY. Locked after `held`.
+    early_cancels: Mutex<HashMap<RunId, std::time::Instant>>,
     slots: Arc<Semaphore>,
     tasks: TaskTracker,
     /// Phase 1 of the drain: stop claiming.
@@ -262,6 +272,7 @@ impl Worker {
             slots: Arc::new(Semaphore::new(config.max_runs)),
             config,
             held: Mutex::new(HashMap::new()),
+            early_cancels: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
             stop_claiming: CancellationToken::new(),
             abort_runs: CancellationToken::new(),

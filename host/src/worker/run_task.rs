@@ -31,11 +31,15 @@ enum Outcome {
 pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphorePermit) {
     let lost = CancellationToken::new();
     let cancel = CancellationToken::new();
-    shared
-        .held
-        .lock()
-        .unwrap()
-        .insert(row.id, Held { token: row.claim_token, lost: lost.clone(), cancel: cancel.clone() });
+    {
+        let mut held = shared.held.lock().unwrap();
+        // A stop that committed right after our claim may have NOTIFYed
+        // before this insert; the canceller kept it for us (same lock order).
+        if shared.early_cancels.lock().unwrap().remove(&row.id).is_some() {
+            cancel.cancel();
+        }
+        held.insert(row.id, Held { token: row.claim_token, lost: lost.clone(), cancel: cancel.clone() });
+    }
     let span = tracing::info_span!("run", run_id = %row.id, plugin = %row.plugin);
     let shared2 = shared.clone();
     shared.tasks.spawn(
@@ -144,9 +148,15 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
             }
         } => r,
     };
-    // Once a stop was requested, a turn that did not finish ended because of
-    // it, whatever it says (a guest's own error string, a trap at interrupt).
+    // Once a stop was requested, the run ends cancelled whatever the agent
+    // says (a guest's own error string, a trap at interrupt, or an answer it
+    // returned anyway, which is kept as the partial text if nothing streamed).
+    let mut answered = None;
     let result = match result {
+        Ok(text) if cancel.is_cancelled() => {
+            answered = Some(text);
+            Err(AgentError::Host(HostError::Cancelled))
+        }
         Err(e @ (AgentError::Failed(_) | AgentError::Host(_)))
             if cancel.is_cancelled() && e != AgentError::Host(HostError::Fenced) =>
         {
@@ -156,9 +166,12 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         r => r,
     };
     // Everything journaled lands before the ending.
-    let (streamed, flushed) = host.close().await;
+    let (mut streamed, flushed) = host.close().await;
     if flushed == Err(HostError::Fenced) {
         return Outcome::Lost;
+    }
+    if streamed.is_empty() {
+        streamed = answered.unwrap_or_default();
     }
     finalize(&shared, &row, result, &streamed, host.usage()).await
 }

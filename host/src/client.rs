@@ -1,0 +1,182 @@
+//! The CLI's side of the HTTP API, for a person at a terminal: start a run and
+//! watch its text arrive, rejoin a stream from a cursor, cancel, stop.
+//!
+//! Text (`content_delta`) goes to stdout as it arrives; everything else is
+//! narrated on stderr. A dropped stream is rejoined from the last seq seen,
+//! so nothing is lost or printed twice. Exit status: 0 when the run
+//! completed, 1 when it failed or was cancelled.
+
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+use crate::config::{ApiArgs, ConversationsCommand, RunsCommand};
+use crate::sse::SseDecoder;
+
+/// Reconnects after a dropped stream before giving up.
+const REJOINS_MAX: u32 = 20;
+
+struct Api {
+    http: reqwest::Client,
+    url: String,
+    token: String,
+}
+
+impl Api {
+    fn new(args: &ApiArgs) -> Api {
+        Api { http: reqwest::Client::new(), url: args.url.trim_end_matches('/').to_string(), token: args.token.clone() }
+    }
+
+    /// A JSON request; an API error becomes its message.
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+        let mut req = self.http.request(method, format!("{}{path}", self.url)).bearer_auth(&self.token);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let res = req.send().await.with_context(|| format!("cannot reach {}", self.url))?;
+        let status = res.status();
+        let body: Value = res.json().await.unwrap_or(Value::Null);
+        if !status.is_success() {
+            let message = body["error"]["message"].as_str().unwrap_or("no message");
+            bail!("{status}: {message}");
+        }
+        Ok(body)
+    }
+}
+
+pub async fn runs(args: &ApiArgs, command: RunsCommand) -> anyhow::Result<()> {
+    let api = Api::new(args);
+    match command {
+        RunsCommand::Create { content, plugin, conversation, config, no_follow } => {
+            let mut body = json!({ "content": content, "plugin": plugin });
+            if let Some(c) = conversation {
+                body["conversation_id"] = json!(c);
+            }
+            if let Some(c) = config {
+                body["config"] = serde_json::from_str(&c).context("--config is not JSON")?;
+            }
+            let run = api.call(reqwest::Method::POST, "/v1/runs", Some(body)).await?;
+            let id = run["run_id"].as_str().context("the answer has no run_id")?.to_string();
+            eprintln!("run {id} queued (conversation {})", run["conversation_id"].as_str().unwrap_or("?"));
+            if no_follow {
+                println!("{id}");
+                return Ok(());
+            }
+            follow(&api, &id, 0).await
+        }
+        RunsCommand::Tail { id, from } => follow(&api, &id, from).await,
+        RunsCommand::Cancel { id } => {
+            let answer = api.call(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"), None).await?;
+            println!("{answer}");
+            Ok(())
+        }
+    }
+}
+
+pub async fn conversations(args: &ApiArgs, command: ConversationsCommand) -> anyhow::Result<()> {
+    let api = Api::new(args);
+    match command {
+        ConversationsCommand::Stop { id } => {
+            let answer = api.call(reqwest::Method::POST, &format!("/v1/conversations/{id}/stop"), None).await?;
+            println!("{answer}");
+            Ok(())
+        }
+    }
+}
+
+/// Prints the run's stream after `from` until its `complete` event,
+/// rejoining from the last seq when the connection drops.
+async fn follow(api: &Api, id: &str, from: i64) -> anyhow::Result<()> {
+    let mut last = from;
+    let mut rejoins = 0;
+    loop {
+        match stream_once(api, id, &mut last).await {
+            Ok(Some(status)) => {
+                if status == "completed" {
+                    return Ok(());
+                }
+                std::process::exit(1);
+            }
+            Ok(None) => {}
+            // Refusals (unknown run, bad token) are final; a dropped connection is not.
+            Err(e) if e.downcast_ref::<Refused>().is_some() => return Err(e),
+            Err(e) => eprintln!("\n[stream dropped: {e:#}; rejoining after seq {last}]"),
+        }
+        rejoins += 1;
+        if rejoins > REJOINS_MAX {
+            bail!("the stream dropped {REJOINS_MAX} times; rejoin with `agent-host runs tail {id} --from {last}`");
+        }
+        tokio::time::sleep(Duration::from_millis(200 * u64::from(rejoins.min(10)))).await;
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Refused(String);
+
+/// One connection: prints events and advances `last`; the run's final status
+/// once `complete` arrives, `None` if the stream ended before it.
+async fn stream_once(api: &Api, id: &str, last: &mut i64) -> anyhow::Result<Option<String>> {
+    let res = api
+        .http
+        .get(format!("{}/v1/runs/{id}/events", api.url))
+        .bearer_auth(&api.token)
+        .header("Accept", "text/event-stream")
+        .header("Last-Event-ID", last.to_string())
+        .send()
+        .await?;
+    if !res.status().is_success() {
+        let status = res.status();
+        let body: Value = res.json().await.unwrap_or(Value::Null);
+        let message = body["error"]["message"].as_str().unwrap_or("no message").to_string();
+        return Err(Refused(format!("{status}: {message}")).into());
+    }
+    let mut body = res.bytes_stream();
+    let mut decoder = SseDecoder::default();
+    let mut out = Vec::new();
+    let mut stdout = std::io::stdout();
+    while let Some(chunk) = body.next().await {
+        decoder.feed(&chunk?, &mut out).map_err(anyhow::Error::msg)?;
+        for data in out.drain(..) {
+            let event: Value = serde_json::from_str(&data).context("an event that is not JSON")?;
+            if let Some(seq) = event["seq"].as_i64() {
+                *last = seq;
+            }
+            match event["type"].as_str().unwrap_or("") {
+                "content_delta" => {
+                    print!("{}", event["delta"].as_str().unwrap_or(""));
+                    stdout.flush()?;
+                }
+                "complete" => {
+                    let status = event["status"].as_str().unwrap_or("?").to_string();
+                    match event["error"].as_str() {
+                        Some(error) => eprintln!("\n[{status}: {error}]"),
+                        None => eprintln!("\n[{status}]"),
+                    }
+                    return Ok(Some(status));
+                }
+                "tool_call_started" => eprintln!("\n[tool {} #{}]", event["name"], event["call_index"]),
+                "tool_call_finished" => {
+                    eprintln!("[tool {} #{}: {}]", event["name"], event["call_index"], event["outcome"])
+                }
+                "user_message_created" | "run_queued" => {}
+                "run_started" => eprintln!("[started on {}]", event["worker_id"].as_str().unwrap_or("?")),
+                other => eprintln!("\n[{other}] {}", event_body(&event)),
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// An event's own fields, without the envelope.
+fn event_body(event: &Value) -> Value {
+    let mut e = event.clone();
+    if let Some(map) = e.as_object_mut() {
+        map.remove("seq");
+        map.remove("type");
+    }
+    e
+}
