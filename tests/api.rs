@@ -308,3 +308,47 @@ async fn metrics_move_as_runs_move() {
     assert!(after["agent_host_journal_rows_total"] >= 1.0);
     host.stop().await;
 }
+
+/// `/openapi.json` is generated from the route table the router is built
+/// from; every documented operation is served, asks for a token when it says
+/// so, and answers 404 for another user's run or conversation.
+#[tokio::test]
+async fn every_documented_route_is_served_guarded_and_owner_scoped() {
+    let api = Api::new().await;
+    let (status, doc) = api.call("GET", "/openapi.json", None, None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(doc["openapi"], "3.1.0");
+    // Bob's run and conversation: alice must see none of them.
+    let (_, bobs) = api.post_run(&api.bob, json!({ "content": "mine", "plugin": "echo" })).await;
+    let (run, conv) = (bobs["run_id"].as_str().unwrap(), bobs["conversation_id"].as_str().unwrap());
+    let mut operations = 0;
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            operations += 1;
+            let id = if path.starts_with("/v1/runs/") { run } else { conv };
+            let uri = path.replace("{id}", id);
+            let method = method.to_uppercase();
+            let secured = op.get("security").is_some();
+            assert_eq!(secured, path.starts_with("/v1/"), "{method} {path}: every /v1 route needs a token");
+            let (status, v) = api.call(&method, &uri, None, None).await;
+            if secured {
+                assert_eq!((status, error_code(&v)), (StatusCode::UNAUTHORIZED, "unauthenticated"), "{method} {path}");
+                assert!(op["responses"]["401"].is_object(), "{method} {path} documents its 401");
+            } else {
+                assert_ne!(status, StatusCode::NOT_FOUND, "{method} {path} is documented but not served");
+            }
+            if path.contains("{id}") {
+                let body = (method == "POST" && path.ends_with("/runs"))
+                    .then(|| ("application/json", r#"{"content":"hi","plugin":"echo"}"#));
+                let (status, v) = api.call(&method, &uri, Some(&api.alice), body).await;
+                assert_eq!(status, StatusCode::NOT_FOUND, "{method} {path} with another user's id: {v}");
+                assert!(!v["error"]["message"].as_str().unwrap().starts_with("route"), "{method} {path} is not routed");
+                assert!(op["responses"]["404"].is_object(), "{method} {path} documents its 404");
+            }
+        }
+    }
+    assert_eq!(operations, agent_host::api::ROUTES.len());
+    // Bob still sees his own.
+    let (status, _) = api.call("GET", &format!("/v1/runs/{run}"), Some(&api.bob), None).await;
+    assert_eq!(status, StatusCode::OK);
+}

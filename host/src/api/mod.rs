@@ -4,18 +4,19 @@ mod error;
 mod events;
 mod metrics;
 mod plugins;
+mod routes;
 mod runs;
 
 use axum::extract::{FromRef, FromRequest, FromRequestParts, Request, State};
 use axum::http::request::Parts;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
-use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 use sqlx::PgPool;
 
 pub use error::ApiError;
+pub use routes::{openapi, Route, ROUTES};
 
 use std::time::Duration;
 
@@ -54,26 +55,9 @@ impl AppState {
 }
 
 pub fn router(state: AppState) -> Router {
-    Router::new()
-        .route("/v1/runs", post(runs::create_run))
-        .route("/v1/runs/{id}", get(runs::get_run))
-        .route("/v1/runs/{id}/events", get(events::events))
-        .route("/v1/runs/{id}/cancel", post(runs::cancel_run))
-        .route("/v1/runs/{id}/retry", post(runs::retry_run))
-        .route(
-            "/v1/plugins",
-            get(plugins::list)
-                .post(plugins::upload)
-                .layer(axum::extract::DefaultBodyLimit::max(plugins::COMPONENT_BYTES_MAX + 64 * 1024)),
-        )
-        .route("/v1/conversations", post(runs::create_conversation))
-        .route("/v1/conversations/{id}", get(runs::get_conversation))
-        .route("/v1/conversations/{id}/messages", get(runs::conversation_messages))
-        .route("/v1/conversations/{id}/runs", post(runs::create_run_in_conversation))
-        .route("/v1/conversations/{id}/stop", post(runs::stop_conversation))
-        .route("/healthz", get(|| async { Json(json!({ "status": "ok" })) }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics::metrics))
+    routes::ROUTES
+        .iter()
+        .fold(Router::new(), |router, r| router.route(r.path, (r.handler)()))
         .fallback(|| async { ApiError::not_found("route") })
         .layer(axum::extract::DefaultBodyLimit::max(BODY_BYTES_MAX))
         .with_state(state)

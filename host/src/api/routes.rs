@@ -1,0 +1,275 @@
+//! Every route, once: the router is built from this table and `/openapi.json`
+//! is generated from it, so the document cannot drift from what is served.
+
+use axum::routing::{get, post, MethodRouter};
+use serde_json::{json, Map, Value};
+
+use super::{events, metrics, plugins, runs, AppState};
+
+/// One operation of the API.
+pub struct Route {
+    pub method: &'static str,
+    /// axum's syntax (`{id}`), which is also OpenAPI's.
+    pub path: &'static str,
+    pub summary: &'static str,
+    /// Needs `Authorization: Bearer`.
+    pub auth: bool,
+    /// (status, what the body holds) of the success answer.
+    pub ok: (u16, &'static str),
+    /// Error statuses this operation answers besides 401 (with auth) and 5xx.
+    pub errors: &'static [u16],
+    /// Request body: (content type, JSON schema).
+    pub body: Option<(&'static str, fn() -> Value)>,
+    pub handler: fn() -> MethodRouter<AppState>,
+}
+
+fn run_body() -> Value {
+    json!({ "type": "object", "required": ["content", "plugin"], "additionalProperties": false, "properties": {
+        "content": { "type": "string", "minLength": 1, "maxLength": 65536 },
+        "plugin": { "type": "string" },
+        "conversation_id": { "type": "string", "format": "uuid" },
+        "config": { "type": "object", "description": "at most 16 KiB of JSON" } } })
+}
+
+fn turn_body() -> Value {
+    let mut b = run_body();
+    b["properties"].as_object_mut().unwrap().remove("conversation_id");
+    b
+}
+
+fn plugin_form() -> Value {
+    json!({ "type": "object", "required": ["name", "component"], "properties": {
+        "name": { "type": "string" },
+        "component": { "type": "string", "format": "binary" },
+        "manifest": { "type": "string", "description": "JSON: {tools, limits}" } } })
+}
+
+pub const ROUTES: &[Route] = &[
+    Route {
+        method: "post",
+        path: "/v1/runs",
+        summary: "Enqueue a run (creates the conversation when absent); optional Idempotency-Key",
+        auth: true,
+        ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
+        errors: &[400, 404, 409, 413, 415, 422],
+        body: Some(("application/json", run_body)),
+        handler: || post(runs::create_run),
+    },
+    Route {
+        method: "get",
+        path: "/v1/runs/{id}",
+        summary: "A run",
+        auth: true,
+        ok: (
+            200,
+            "{id, conversation_id, status, plugin, plugin_digest, cancel_requested, error, created_at, started_at, \
+             finished_at, last_seq, usage}",
+        ),
+        errors: &[400, 404],
+        body: None,
+        handler: || get(runs::get_run),
+    },
+    Route {
+        method: "get",
+        path: "/v1/runs/{id}/events",
+        summary: "The run's events after ?from=N or Last-Event-ID: SSE (text/event-stream) or one JSON page",
+        auth: true,
+        ok: (200, "SSE frames, or {events, next_from, terminal}"),
+        errors: &[400, 404],
+        body: None,
+        handler: || get(events::events),
+    },
+    Route {
+        method: "post",
+        path: "/v1/runs/{id}/cancel",
+        summary: "Ask a run to stop (idempotent); 200 with the status when it had already ended",
+        auth: true,
+        ok: (202, "{id, status, cancel_requested}"),
+        errors: &[400, 404],
+        body: None,
+        handler: || post(runs::cancel_run),
+    },
+    Route {
+        method: "post",
+        path: "/v1/runs/{id}/retry",
+        summary: "A new run for the same message: only for a failed or cancelled latest turn",
+        auth: true,
+        ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
+        errors: &[400, 404, 409],
+        body: None,
+        handler: || post(runs::retry_run),
+    },
+    Route {
+        method: "post",
+        path: "/v1/conversations",
+        summary: "Create a conversation",
+        auth: true,
+        ok: (201, "{id, created_at}"),
+        errors: &[],
+        body: None,
+        handler: || post(runs::create_conversation),
+    },
+    Route {
+        method: "get",
+        path: "/v1/conversations/{id}",
+        summary: "A conversation with its active and queued runs",
+        auth: true,
+        ok: (200, "{id, created_at, active_run_id, queued_run_ids}"),
+        errors: &[400, 404],
+        body: None,
+        handler: || get(runs::get_conversation),
+    },
+    Route {
+        method: "get",
+        path: "/v1/conversations/{id}/messages",
+        summary: "The transcript in turn order",
+        auth: true,
+        ok: (200, "{messages: [{id, role, content, status, run_id, created_at}]}"),
+        errors: &[400, 404],
+        body: None,
+        handler: || get(runs::conversation_messages),
+    },
+    Route {
+        method: "post",
+        path: "/v1/conversations/{id}/runs",
+        summary: "Enqueue the conversation's next turn; optional Idempotency-Key",
+        auth: true,
+        ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
+        errors: &[400, 404, 409, 413, 415, 422],
+        body: Some(("application/json", turn_body)),
+        handler: || post(runs::create_run_in_conversation),
+    },
+    Route {
+        method: "post",
+        path: "/v1/conversations/{id}/stop",
+        summary: "Stop every queued and running turn in one transaction",
+        auth: true,
+        ok: (200, "{cancelled: [run ids], cancelling: [run ids], drafts: [{message_id, content}]}"),
+        errors: &[400, 404],
+        body: None,
+        handler: || post(runs::stop_conversation),
+    },
+    Route {
+        method: "get",
+        path: "/v1/plugins",
+        summary: "Registered plugins and built-in agents",
+        auth: true,
+        ok: (200, "{plugins: [{name, digest, manifest, size_bytes, updated_at, builtin}]}"),
+        errors: &[],
+        body: None,
+        handler: || get(plugins::list),
+    },
+    Route {
+        method: "post",
+        path: "/v1/plugins",
+        summary: "Register a WebAssembly component under a name (admin tokens only)",
+        auth: true,
+        ok: (201, "{name, digest, manifest}"),
+        errors: &[400, 403, 413, 415, 422],
+        body: Some(("multipart/form-data", plugin_form)),
+        handler: || {
+            post(plugins::upload).layer(axum::extract::DefaultBodyLimit::max(plugins::COMPONENT_BYTES_MAX + 64 * 1024))
+        },
+    },
+    Route {
+        method: "get",
+        path: "/healthz",
+        summary: "Liveness",
+        auth: false,
+        ok: (200, "{status: ok}"),
+        errors: &[],
+        body: None,
+        handler: || get(|| async { axum::Json(json!({ "status": "ok" })) }),
+    },
+    Route {
+        method: "get",
+        path: "/readyz",
+        summary: "Readiness: the database answers and migrations are applied",
+        auth: false,
+        ok: (200, "{status: ready}"),
+        errors: &[503],
+        body: None,
+        handler: || get(super::readyz),
+    },
+    Route {
+        method: "get",
+        path: "/metrics",
+        summary: "Prometheus text",
+        auth: false,
+        ok: (200, "text/plain; version=0.0.4"),
+        errors: &[],
+        body: None,
+        handler: || get(metrics::metrics),
+    },
+    Route {
+        method: "get",
+        path: "/openapi.json",
+        summary: "This document",
+        auth: false,
+        ok: (200, "OpenAPI 3.1"),
+        errors: &[],
+        body: None,
+        handler: || get(|| async { axum::Json(openapi()) }),
+    },
+];
+
+fn reason(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        201 => "Created",
+        202 => "Accepted",
+        400 => "malformed body or id",
+        401 => "no or unknown token",
+        403 => "not allowed",
+        404 => "unknown, or someone else's",
+        409 => "conflict",
+        413 => "too large",
+        415 => "wrong content type",
+        422 => "invalid",
+        503 => "not ready",
+        _ => "see the error's message",
+    }
+}
+
+/// The OpenAPI 3.1 document of [`ROUTES`].
+pub fn openapi() -> Value {
+    let error = json!({ "description": "", "content": { "application/json": { "schema": { "$ref": "#/components/schemas/Error" } } } });
+    let mut paths = Map::new();
+    for r in ROUTES {
+        let mut responses = Map::new();
+        responses.insert(r.ok.0.to_string(), json!({ "description": r.ok.1 }));
+        let auth_errors: &[u16] = if r.auth { &[401] } else { &[] };
+        for status in r.errors.iter().chain(auth_errors) {
+            let mut e = error.clone();
+            e["description"] = json!(reason(*status));
+            responses.insert(status.to_string(), e);
+        }
+        let mut op = json!({
+            "summary": r.summary,
+            "operationId": format!("{}{}", r.method, r.path.replace(['/', '{', '}', '.'], "_")),
+            "responses": responses,
+        });
+        if r.auth {
+            op["security"] = json!([{ "bearer": [] }]);
+        }
+        if r.path.contains("{id}") {
+            op["parameters"] = json!([{ "name": "id", "in": "path", "required": true, "schema": { "type": "string", "format": "uuid" } }]);
+        }
+        if let Some((content_type, schema)) = r.body {
+            op["requestBody"] = json!({ "required": true, "content": { content_type: { "schema": schema() } } });
+        }
+        let item = paths.entry(r.path).or_insert_with(|| json!({}));
+        item[r.method] = op;
+    }
+    json!({
+        "openapi": "3.1.0",
+        "info": { "title": "agent-host", "version": env!("CARGO_PKG_VERSION") },
+        "paths": paths,
+        "components": {
+            "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } },
+            "schemas": { "Error": { "type": "object", "required": ["error"], "properties": { "error": {
+                "type": "object", "required": ["code", "message"],
+                "properties": { "code": { "type": "string" }, "message": { "type": "string" } } } } } }
+        }
+    })
+}
