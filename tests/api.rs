@@ -339,7 +339,7 @@ async fn every_documented_route_is_served_guarded_and_owner_scoped() {
             }
             if path.contains("{id}") {
                 let body = (method == "POST" && path.ends_with("/runs"))
-                    .then(|| ("application/json", r#"{"content":"hi","plugin":"echo"}"#));
+                    .then_some(("application/json", r#"{"content":"hi","plugin":"echo"}"#));
                 let (status, v) = api.call(&method, &uri, Some(&api.alice), body).await;
                 assert_eq!(status, StatusCode::NOT_FOUND, "{method} {path} with another user's id: {v}");
                 assert!(!v["error"]["message"].as_str().unwrap().starts_with("route"), "{method} {path} is not routed");

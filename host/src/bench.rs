@@ -47,8 +47,11 @@ pub async fn run(db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
     println!("agent-host bench: {} cores, database {}", num_cpus(), redact(&url));
 
     enqueue_latency(&pool, args).await?;
-    pickup_latency(&pool, &url, args).await?;
+    pickup_latency(&pool, &url, args, true).await?;
+    pickup_latency(&pool, &url, args, false).await?;
     throughput(&pool, &url, args).await?;
+    stream_latency(&pool, &url).await?;
+    sigkill_to_failed(&pool, &url, db_args).await?;
     sandbox(&pool, &url, db_args, args).await?;
 
     pool.close().await;
@@ -93,24 +96,32 @@ async fn enqueue_latency(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<()> 
     Ok(())
 }
 
-async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<()> {
+/// With the hub down the dispatcher finds work on its poll tick, shortened
+/// here to 100 ms (the default is 10 s), over fewer samples.
+const HUB_DOWN_POLL: Duration = Duration::from_millis(100);
+
+async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: bool) -> anyhow::Result<()> {
     db::bench::reset(pool).await?;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut agents = AgentRegistry::default();
     agents.insert("pickup", Arc::new(Pickup(tx)));
-    let config = WorkerConfig { max_runs: args.in_flight, worker_id: "bench".into(), ..WorkerConfig::default() };
+    let mut config = WorkerConfig { max_runs: args.in_flight, worker_id: "bench".into(), ..WorkerConfig::default() };
+    let samples = if hub_up { args.samples } else { args.samples.min(50) };
+    if !hub_up {
+        config.poll_tick = HUB_DOWN_POLL;
+    }
     let hub = Hub::start(url.to_string());
-    let worker = Worker::start(pool.clone(), Some(hub.clone()), agents, config).await?;
+    let worker = Worker::start(pool.clone(), hub_up.then(|| hub.clone()), agents, config).await?;
     let owner = Owner { user_id: "bench".into(), tenant_id: "bench".into() };
     let config = json!({});
-    let mut samples = Vec::with_capacity(args.samples);
+    let mut latencies = Vec::with_capacity(samples);
     // Measure the hub's wake, not its first connect.
     let connecting = Instant::now();
     while !hub.stats().connected.load(Ordering::Relaxed) {
         anyhow::ensure!(connecting.elapsed() < Duration::from_secs(30), "the hub did not connect");
         tokio::task::yield_now().await;
     }
-    for i in 0..args.samples + 20 {
+    for i in 0..samples + 20 {
         let new = NewRun {
             owner: &owner,
             conversation_id: None,
@@ -129,14 +140,14 @@ async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::R
             .context("a run was not picked up within 30 s")?
             .context("worker stopped")?;
         if i >= 20 {
-            samples.push(started.saturating_duration_since(committed));
+            latencies.push(started.saturating_duration_since(committed));
         }
     }
     worker.drain().await;
+    let how = if hub_up { "hub up".to_string() } else { format!("hub down, poll tick {HUB_DOWN_POLL:?}") };
     println!(
-        "pickup, enqueue commit to agent start, idle worker, hub up, {} runs: {}",
-        args.samples,
-        percentiles(&mut samples)
+        "pickup, enqueue commit to agent start, idle worker, {how}, {samples} runs: {}",
+        percentiles(&mut latencies)
     );
     Ok(())
 }
@@ -469,6 +480,168 @@ async fn cancel_latency(
         println!("cancel to terminal, {what}, {n} runs: {}", percentiles(&mut samples));
     }
     worker.drain().await;
+    Ok(())
+}
+
+/// Emits `ticks` structural events 5 ms apart, reporting the instant before
+/// each, then `deltas` content deltas as fast as it can.
+struct Ticker {
+    sent: mpsc::UnboundedSender<Instant>,
+    ticks: usize,
+    deltas: usize,
+}
+
+#[async_trait]
+impl Agent for Ticker {
+    async fn run(&self, host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
+        for i in 0..self.ticks {
+            let _ = self.sent.send(Instant::now());
+            host.emit_event("tick", json!({ "i": i })).await?;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        for _ in 0..self.deltas {
+            host.emit_delta("x").await?;
+        }
+        Ok(String::new())
+    }
+}
+
+/// Emit to client: a run's events through the journal, the NOTIFY and the
+/// HTTP API to an SSE client in this process; and the journal rows that
+/// 1,000 content deltas become.
+async fn stream_latency(pool: &PgPool, url: &str) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    db::bench::reset(pool).await?;
+    let (tx, mut sent) = mpsc::unbounded_channel();
+    let (ticks, deltas) = (200, 1000);
+    let mut agents = AgentRegistry::default();
+    agents.insert("ticker", Arc::new(Ticker { sent: tx, ticks, deltas }));
+    let hub = Hub::start(url.to_string());
+    let config = WorkerConfig { worker_id: "bench".into(), ..WorkerConfig::default() };
+    let worker = Worker::start(pool.clone(), Some(hub.clone()), agents.clone(), config).await?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let app = api::router(AppState::new(pool.clone(), agents, Some(hub)));
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let token = db::tokens::create(pool, "bench", "bench", false).await?;
+    let owner = Owner { user_id: "bench".into(), tenant_id: "bench".into() };
+    let config = json!({});
+    let new = NewRun {
+        owner: &owner,
+        conversation_id: None,
+        content: "bench",
+        plugin: "ticker",
+        plugin_digest: None,
+        plugin_manifest: None,
+        config: &config,
+        request: &config,
+        idempotency_key: None,
+    };
+    let run = runs::enqueue(pool, &new).await?;
+    let res = reqwest::Client::new()
+        .get(format!("http://{addr}/v1/runs/{}/events", run.run_id))
+        .bearer_auth(&token)
+        .header("Accept", "text/event-stream")
+        .send()
+        .await?
+        .error_for_status()?;
+    let (mut body, mut decoder, mut out) = (res.bytes_stream(), crate::sse::SseDecoder::default(), Vec::new());
+    let mut samples = Vec::with_capacity(ticks);
+    'read: while let Some(chunk) = tokio::time::timeout(Duration::from_secs(30), body.next()).await? {
+        decoder.feed(&chunk?, &mut out).map_err(anyhow::Error::msg)?;
+        let arrived = Instant::now();
+        for data in out.drain(..) {
+            let event: serde_json::Value = serde_json::from_str(&data)?;
+            match event["type"].as_str() {
+                Some("tick") => samples.push(arrived - sent.recv().await.context("ticker gone")?),
+                Some("complete") => break 'read,
+                _ => {}
+            }
+        }
+    }
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM run_event WHERE run_id = $1 AND type = 'content_delta'")
+        .bind(run.run_id)
+        .fetch_one(pool)
+        .await?;
+    server.abort();
+    worker.drain().await;
+    println!(
+        "emit to SSE client (a structural event, through journal, NOTIFY and HTTP), {ticks} events: {}",
+        percentiles(&mut samples)
+    );
+    println!(
+        "journal rows for {deltas} content deltas emitted back to back: {rows} (flush every {:?})",
+        crate::journal::FLUSH_DEFAULT
+    );
+    Ok(())
+}
+
+/// SIGKILL to failed: a real `agent-host serve` child (short lease: 1 s,
+/// grace 0.3 s) holding a run is killed; this process's reaper (every
+/// 100 ms) ends the run. Median over five kills.
+async fn sigkill_to_failed(pool: &PgPool, url: &str, db_args: &DbArgs) -> anyhow::Result<()> {
+    use std::io::BufRead;
+    db::bench::reset(pool).await?;
+    let reaper_config = WorkerConfig {
+        lease: Duration::from_secs(1),
+        heartbeat: Duration::from_millis(200),
+        reap_grace: Duration::from_millis(300),
+        reap_interval: Duration::from_millis(100),
+        dispatch: false,
+        worker_id: "bench-reaper".into(),
+        ..WorkerConfig::default()
+    };
+    let reaper = Worker::start(pool.clone(), None, AgentRegistry::default(), reaper_config).await?;
+    let owner = Owner { user_id: "bench".into(), tenant_id: "bench".into() };
+    let config = json!({ "steps": 100_000, "step_ms": 50 });
+    let mut samples = Vec::new();
+    for _ in 0..5 {
+        let mut child = std::process::Command::new(std::env::current_exe()?)
+            .args(["--database-url", url, "--cache-dir"])
+            .arg(&db_args.cache_dir)
+            .args(["serve", "--listen", "127.0.0.1:0", "--worker-id", "bench-victim", "--lease-ms", "1000"])
+            .args(["--heartbeat-ms", "200", "--reap-grace-ms", "300"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        let stdout = child.stdout.take().context("child stdout")?;
+        for line in std::io::BufReader::new(stdout).lines() {
+            if line?.starts_with("agent-host listening on") {
+                break;
+            }
+        }
+        let new = NewRun {
+            owner: &owner,
+            conversation_id: None,
+            content: "bench",
+            plugin: "sleep",
+            plugin_digest: None,
+            plugin_manifest: None,
+            config: &config,
+            request: &config,
+            idempotency_key: None,
+        };
+        let run = runs::enqueue(pool, &new).await?;
+        let status = || sqlx::query_scalar::<_, String>("SELECT status FROM agent_run WHERE id = $1").bind(run.run_id);
+        let t0 = Instant::now();
+        while status().fetch_one(pool).await? != "running" {
+            anyhow::ensure!(t0.elapsed() < Duration::from_secs(30), "the child never claimed the run");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        child.kill()?;
+        let killed = Instant::now();
+        let _ = child.wait();
+        while status().fetch_one(pool).await? != "failed" {
+            anyhow::ensure!(killed.elapsed() < Duration::from_secs(30), "the run was never reaped");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        samples.push(killed.elapsed());
+    }
+    reaper.drain().await;
+    println!(
+        "SIGKILL to failed (lease 1 s, reap grace 0.3 s, reaper every 100 ms), 5 kills: {}",
+        percentiles(&mut samples)
+    );
     Ok(())
 }
 

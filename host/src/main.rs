@@ -8,12 +8,14 @@ use agent_host::{bench, db, server};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // The benchmark's own runs would drown its figures in per-run lines.
+    let default_level = if matches!(cli.command, Command::Bench(_)) { "warn" } else { "info" };
     tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_env("AGENT_HOST_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_env_filter(EnvFilter::try_from_env("AGENT_HOST_LOG").unwrap_or_else(|_| EnvFilter::new(default_level)))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => server::serve(&cli.db, &args).await,
         Command::Migrate => {

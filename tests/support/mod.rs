@@ -60,6 +60,18 @@ fn server() -> &'static Server {
     })
 }
 
+/// Restarts the private cluster under whatever is connected to it; `false`
+/// when the tests run against DATABASE_URL's server, which is not ours to restart.
+pub fn restart_postgres() -> bool {
+    match &server()._cluster {
+        Some(cluster) => {
+            cluster.restart().expect("restarting PostgreSQL");
+            true
+        }
+        None => false,
+    }
+}
+
 /// A fresh, migrated database of its own.
 pub struct TestDb {
     pub url: String,

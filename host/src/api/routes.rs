@@ -6,6 +6,9 @@ use serde_json::{json, Map, Value};
 
 use super::{events, metrics, plugins, runs, AppState};
 
+/// Builds a JSON schema.
+pub type Schema = fn() -> Value;
+
 /// One operation of the API.
 pub struct Route {
     pub method: &'static str,
@@ -18,8 +21,8 @@ pub struct Route {
     pub ok: (u16, &'static str),
     /// Error statuses this operation answers besides 401 (with auth) and 5xx.
     pub errors: &'static [u16],
-    /// Request body: (content type, JSON schema).
-    pub body: Option<(&'static str, fn() -> Value)>,
+    /// Request body: (content type, its JSON schema).
+    pub body: Option<(&'static str, Schema)>,
     pub handler: fn() -> MethodRouter<AppState>,
 }
 

@@ -197,6 +197,21 @@ impl Cluster {
         self.pgdata.join("server.log")
     }
 
+    /// Restarts the server on the same port (fast shutdown: every connection
+    /// is cut). For the fault tests, which restart PostgreSQL under live hosts.
+    pub fn restart(&self) -> Result<(), ClusterError> {
+        let mut restart = self.command("pg_ctl");
+        restart
+            .arg("-D")
+            .arg(&self.pgdata)
+            .arg("-l")
+            .arg(self.log_path())
+            .args(["-w", "-t", "60", "-m", "fast", "-o"])
+            .arg(format!("-p {}", self.port))
+            .arg("restart");
+        self.run(restart, "pg_ctl restart")
+    }
+
     /// Stops the cluster now (fast shutdown) and waits for it.
     pub fn stop(&mut self) {
         if let Some(mut guard) = self.guard.take() {

@@ -145,9 +145,18 @@ impl FromStr for RunStatus {
     }
 }
 
+/// How long a session may sit idle inside a transaction before the server ends it.
+const IDLE_IN_TRANSACTION_MAX: &str = "10s";
+
 /// Opens a pool. `max_connections` is a bound like every other.
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Error> {
-    let options = PgConnectOptions::from_str(url)?.application_name("agent-host");
+    // A process that stalls mid-transaction (SIGSTOP, a long GC-like pause)
+    // must not hold row locks that other processes' reapers and fences wait
+    // on: the server ends such a session after a while. Every transaction
+    // here is a few statements long.
+    let options = PgConnectOptions::from_str(url)?
+        .application_name("agent-host")
+        .options([("idle_in_transaction_session_timeout", IDLE_IN_TRANSACTION_MAX)]);
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(10))

@@ -258,14 +258,17 @@ load AS (
            (SELECT count(*) FROM agent_run b WHERE b.tenant_id = t.tenant_id AND b.status = 'running') AS running
     FROM tenants t WHERE t.tenant_id IS NOT NULL
 ),
--- Each tenant's oldest claimable turns, ranked by the load the tenant would
--- carry if each were claimed (running + its place in the tenant's line): the
--- least-loaded tenant goes first, and one claim's rows interleave tenants.
+-- Each tenant's oldest claimable turns, locked as they are found (SKIP
+-- LOCKED inside the per-tenant scan, so concurrent claimers move past each
+-- other's rows exactly as a plain FIFO claim would), then ranked by the load
+-- the tenant would carry if each were claimed (running + place in its line):
+-- the least-loaded tenant goes first, and one claim's rows interleave
+-- tenants. Rows locked but not chosen are released at commit, moments later.
 -- The optional cap ($5) keeps a tenant from ever passing that many running.
-candidates AS (
-    SELECT c.id, c.queue_pos, l.running + c.place AS load_after
+heads AS (
+    SELECT l.tenant_id, l.running, c.id, c.queue_pos
     FROM load l CROSS JOIN LATERAL (
-        SELECT q.id, q.queue_pos, row_number() OVER (ORDER BY q.queue_pos) AS place
+        SELECT q.id, q.queue_pos
         FROM agent_run q
         WHERE q.tenant_id = l.tenant_id AND q.status = 'queued'
           -- FIFO within a conversation: only its oldest queued turn is a
@@ -279,8 +282,13 @@ candidates AS (
               WHERE b.conversation_id = q.conversation_id AND b.status = 'running'))
         ORDER BY q.queue_pos
         LIMIT $1
+        FOR UPDATE SKIP LOCKED                 -- contended rows turn invisible
     ) c
-    WHERE $5::bigint IS NULL OR l.running + c.place <= $5
+),
+candidates AS (
+    SELECT id, queue_pos,
+           running + row_number() OVER (PARTITION BY tenant_id ORDER BY queue_pos) AS load_after
+    FROM heads
 ),
 claimed AS (
     UPDATE agent_run r SET
@@ -291,11 +299,10 @@ claimed AS (
         started_at        = coalesce(r.started_at, now()),
         last_heartbeat_at = now()
     WHERE r.id IN (
-        SELECT q.id FROM agent_run q JOIN candidates c ON c.id = q.id
-        WHERE q.status = 'queued'
-        ORDER BY c.load_after, c.queue_pos
+        SELECT id FROM candidates
+        WHERE $5::bigint IS NULL OR load_after <= $5
+        ORDER BY load_after, queue_pos
         LIMIT $1
-        FOR UPDATE OF q SKIP LOCKED            -- contended rows turn invisible
     )
     RETURNING r.id, r.conversation_id, r.claim_token, r.user_message_id, r.owner_id,
               r.tenant_id, r.plugin, r.plugin_digest, r.plugin_manifest, r.config,
