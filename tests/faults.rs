@@ -90,6 +90,8 @@ async fn follow(live: Live, token: String, run: RunId, salt: usize) -> (Vec<(i32
             .send()
             .await;
         let Ok(res) = res.and_then(|r| r.error_for_status()) else {
+            // A backoff, not synchronisation: that host is down (or the
+            // database is restarting); the next attempt picks another.
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };

@@ -158,7 +158,8 @@ async fn stop_racing_the_running_turns_end_never_lets_a_new_turn_start() {
             post_turn(&host, conv, "sleep", "second", json!({ "steps": 1, "step_ms": 30 })).await,
             post_turn(&host, conv, "sleep", "third", json!({ "steps": 1, "step_ms": 30 })).await,
         ];
-        wait_status(pool, first, "running", LONG).await;
+        // Started (it may already have ended: a short first turn is the point).
+        wait_for("the first turn to start", LONG, || async move { started(pool, first).await }).await;
         // Jitter, not synchronisation: it varies which side of the finish the stop lands on.
         tokio::time::sleep(Duration::from_millis((i * 11) % 40)).await;
         let (code, v) = host.call("POST", &format!("/v1/conversations/{conv}/stop"), None).await;

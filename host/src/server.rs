@@ -122,7 +122,8 @@ async fn demo(pool: &PgPool, addr: std::net::SocketAddr) -> anyhow::Result<()> {
     )
     .await?;
     println!(
-        "\ndemo token: {token}\n\
+        "\nconsole:    http://{addr}/ (sign in with the demo token)\n\
+         demo token: {token}\n\
          demo run:   {run_id} (plugin sleep, 20 steps of 200 ms)\n\n\
          watch it:   curl -s -H 'Authorization: Bearer {token}' http://{addr}/v1/runs/{run_id}\n\
          stream it:  curl -sN -H 'Authorization: Bearer {token}' -H 'Accept: text/event-stream' http://{addr}/v1/runs/{run_id}/events\n\

@@ -83,15 +83,14 @@ where
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         let state = AppState::from_ref(state);
-        let header = parts
-            .headers
-            .get(axum::http::header::AUTHORIZATION)
-            .ok_or_else(|| ApiError::unauthenticated("missing Authorization: Bearer <token>"))?;
-        let token = header
-            .to_str()
-            .ok()
-            .and_then(|h| h.strip_prefix("Bearer "))
-            .map(str::trim)
+        let token = match parts.headers.get(axum::http::header::AUTHORIZATION) {
+            Some(header) => header.to_str().ok().and_then(|h| h.strip_prefix("Bearer ")).map(str::trim),
+            // A browser's EventSource cannot set headers: a run's stream
+            // (only that route) also takes the token as `access_token`.
+            None if parts.uri.path().ends_with("/events") => stream_token(parts.uri.query()),
+            None => return Err(ApiError::unauthenticated("missing Authorization: Bearer <token>")),
+        };
+        let token = token
             .filter(|t| !t.is_empty() && t.len() <= 200)
             .ok_or_else(|| ApiError::unauthenticated("Authorization must be `Bearer <token>`"))?;
         match tokens::authenticate(&state.pool, token).await? {
@@ -99,6 +98,11 @@ where
             None => Err(ApiError::unauthenticated("unknown token")),
         }
     }
+}
+
+/// The `access_token` query parameter (tokens are URL-safe: `ah_` and hex).
+fn stream_token(query: Option<&str>) -> Option<&str> {
+    query?.split('&').find_map(|pair| pair.strip_prefix("access_token="))
 }
 
 /// `Json` whose rejections use the API's error shape and statuses.

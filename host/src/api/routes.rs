@@ -47,6 +47,9 @@ fn plugin_form() -> Value {
         "manifest": { "type": "string", "description": "JSON: {tools, limits}" } } })
 }
 
+/// The console: one page, no build step, shipped inside the binary.
+const CONSOLE_HTML: &str = include_str!("console.html");
+
 pub const ROUTES: &[Route] = &[
     Route {
         method: "post",
@@ -111,6 +114,16 @@ pub const ROUTES: &[Route] = &[
         errors: &[],
         body: None,
         handler: || post(runs::create_conversation),
+    },
+    Route {
+        method: "get",
+        path: "/v1/conversations",
+        summary: "The caller's conversations, newest first (at most 100)",
+        auth: true,
+        ok: (200, "{conversations: [{id, created_at, title, latest_run_id, latest_status}]}"),
+        errors: &[],
+        body: None,
+        handler: || get(runs::list_conversations),
     },
     Route {
         method: "get",
@@ -203,6 +216,16 @@ pub const ROUTES: &[Route] = &[
         errors: &[],
         body: None,
         handler: || get(metrics::metrics),
+    },
+    Route {
+        method: "get",
+        path: "/",
+        summary: "The web console",
+        auth: false,
+        ok: (200, "text/html"),
+        errors: &[],
+        body: None,
+        handler: || get(|| async { axum::response::Html(CONSOLE_HTML) }),
     },
     Route {
         method: "get",

@@ -218,6 +218,10 @@ pub async fn retry_run(
     }
 }
 
+pub async fn list_conversations(State(state): State<AppState>, Auth(p): Auth) -> Result<impl IntoResponse, ApiError> {
+    Ok(Json(json!({ "conversations": conversations::list(&state.pool, &p.user_id).await? })))
+}
+
 pub async fn get_conversation(
     State(state): State<AppState>,
     Auth(p): Auth,

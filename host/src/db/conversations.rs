@@ -54,6 +54,37 @@ pub async fn get(
     }))
 }
 
+/// A conversation in a list: its latest turn's opening words and state.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct ConversationSummary {
+    pub id: ConversationId,
+    pub created_at: DateTime<Utc>,
+    /// The first 80 characters of the latest user message.
+    pub title: Option<String>,
+    pub latest_run_id: Option<RunId>,
+    pub latest_status: Option<String>,
+}
+
+/// Conversations one list answers at most.
+pub const CONVERSATIONS_PAGE_MAX: i64 = 100;
+
+/// The owner's conversations, newest first (at most [`CONVERSATIONS_PAGE_MAX`]).
+pub async fn list(db: impl PgExecutor<'_>, owner_id: &str) -> Result<Vec<ConversationSummary>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT c.id, c.created_at, left(m.content, 80) AS title, r.id AS latest_run_id, r.status AS latest_status
+         FROM conversation c
+         LEFT JOIN LATERAL (SELECT id, status, user_message_id FROM agent_run
+                            WHERE conversation_id = c.id ORDER BY queue_pos DESC LIMIT 1) r ON true
+         LEFT JOIN message m ON m.id = r.user_message_id
+         WHERE c.owner_id = $1
+         ORDER BY c.created_at DESC LIMIT $2",
+    )
+    .bind(owner_id)
+    .bind(CONVERSATIONS_PAGE_MAX)
+    .fetch_all(db)
+    .await
+}
+
 /// The transcript, oldest first (at most [`MESSAGES_PAGE_MAX`], the latest);
 /// `None` when the conversation is missing or someone else's.
 pub async fn messages(

@@ -1,0 +1,217 @@
+//! The web console in a real headless Chromium, driven over WebDriver
+//! (chromedriver): sign in, start a run, refresh mid-stream, restart the
+//! serving host mid-stream, stop a run; the text shown equals the transcript.
+
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use agent_host::db::{tokens, RunId};
+use serde_json::{json, Value};
+use sqlx::PgPool;
+use support::process::{HostProcess, FAST};
+use support::*;
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A chromedriver process and one headless Chromium session on it.
+struct Browser {
+    driver: Child,
+    http: reqwest::Client,
+    session: String,
+}
+
+impl Browser {
+    async fn start() -> Browser {
+        let bin = ["/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .expect("chromedriver is missing: install Debian's chromium and chromium-driver (./scripts/test does)");
+        let port = free_port();
+        let driver = Command::new(bin)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting chromedriver");
+        let http = reqwest::Client::new();
+        let base = format!("http://127.0.0.1:{port}");
+        let caps = json!({ "capabilities": { "alwaysMatch": { "browserName": "chrome", "goog:chromeOptions": {
+            "binary": "/usr/bin/chromium",
+            "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"] } } } });
+        let deadline = Instant::now() + LONG;
+        let session = loop {
+            if let Ok(res) = http.post(format!("{base}/session")).json(&caps).send().await {
+                let v: Value = res.json().await.unwrap();
+                let id = v["value"]["sessionId"].as_str().unwrap_or_else(|| panic!("no session: {v}"));
+                break format!("{base}/session/{id}");
+            }
+            assert!(Instant::now() < deadline, "chromedriver did not answer");
+            // chromedriver is still binding its port.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        Browser { driver, http, session }
+    }
+
+    async fn command(&self, path: &str, body: Value) -> Value {
+        let res = self.http.post(format!("{}{path}", self.session)).json(&body).send().await.unwrap();
+        let v: Value = res.json().await.unwrap();
+        assert!(v["value"].get("error").is_none(), "webdriver {path}: {v}");
+        v["value"].clone()
+    }
+
+    async fn goto(&self, url: &str) {
+        self.command("/url", json!({ "url": url })).await;
+    }
+
+    async fn refresh(&self) {
+        self.command("/refresh", json!({})).await;
+    }
+
+    async fn run(&self, script: &str, args: Value) -> Value {
+        self.command("/execute/sync", json!({ "script": script, "args": args })).await
+    }
+
+    /// Polls `script` until it returns true.
+    async fn until(&self, what: &str, script: &str) {
+        let deadline = Instant::now() + LONG;
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            tick.tick().await;
+            if self.run(script, json!([])).await == json!(true) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the page never showed {what}");
+        }
+    }
+
+    async fn text(&self, id: &str) -> String {
+        self.run("return document.getElementById(arguments[0]).textContent", json!([id])).await.as_str().unwrap().into()
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}
+
+async fn deltas_of(pool: &PgPool, run: RunId) -> String {
+    deltas_text(&journal_payloads(pool, run).await)
+}
+
+async fn answer_of(pool: &PgPool, run: RunId) -> (String, String) {
+    sqlx::query_as("SELECT content, status FROM message WHERE run_id = $1 AND role = 'assistant'")
+        .bind(run)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_streams_survives_refresh_and_restart_and_stops() {
+    let db = TestDb::new().await;
+    let pool = &db.pool;
+    let token = tokens::create(pool, "alice", "acme", false).await.unwrap();
+    // The browser talks to `web` (serves only); `work` executes the runs, so
+    // restarting `web` cuts the stream while the run goes on.
+    let port = free_port().to_string();
+    let listen = format!("127.0.0.1:{port}");
+    let mut web_args = FAST.to_vec();
+    web_args.extend(["--no-dispatch", "--listen", &listen, "--sse-keepalive-ms", "1000"]);
+    let mut web = HostProcess::spawn(&db.url, "web", &web_args);
+    let _work = HostProcess::spawn(&db.url, "work", FAST);
+    let url = format!("http://127.0.0.1:{port}/");
+    let browser = Browser::start().await;
+
+    browser.goto(&url).await;
+    browser
+        .run(
+            "document.getElementById('token').value = arguments[0]; document.getElementById('signin-button').click()",
+            json!([token]),
+        )
+        .await;
+    browser.until("the signed-in app", "return !document.getElementById('app').hidden").await;
+    browser.until("the plugin list", "return document.getElementById('plugin').options.length > 0").await;
+
+    let start = |content: &str, config: Value| {
+        browser.run(
+            "const [content, config] = arguments;
+             document.getElementById('plugin').value = 'sleep';
+             document.getElementById('message').value = content;
+             document.getElementById('config').value = JSON.stringify(config);
+             document.getElementById('send').click();",
+            json!([content, config]),
+        )
+    };
+    // A long run: refresh mid-stream, then restart the host mid-stream.
+    start("count slowly", json!({ "steps": 40, "step_ms": 150 })).await;
+    browser.until("streamed text", "return document.getElementById('output').textContent.length > 0").await;
+    let run: RunId = browser.text("run-id").await.parse().unwrap();
+    browser.refresh().await;
+    browser
+        .until("the run again after a refresh", "return document.getElementById('run-id').textContent.length > 0")
+        .await;
+    assert_eq!(browser.text("run-id").await, run.to_string(), "the refresh came back to the same run");
+    browser
+        .until("streaming resumed", "return document.getElementById('output').textContent.includes('step 3.')")
+        .await;
+
+    web.signal(nix::sys::signal::Signal::SIGKILL);
+    let _ = web.wait_exit(LONG).await;
+    let before = browser.text("output").await;
+    web = HostProcess::spawn(&db.url, "web", &web_args);
+    browser
+        .until(
+            "the stream to resume after the restart",
+            "return document.getElementById('run-status').textContent === 'completed'",
+        )
+        .await;
+    let shown = browser.text("output").await;
+    assert!(shown.starts_with(&before), "text shown before the restart was kept");
+    assert_eq!(shown, deltas_of(pool, run).await, "no character lost or repeated");
+    assert_eq!(answer_of(pool, run).await, (shown.clone(), "complete".to_string()), "the text shown is the transcript");
+    browser
+        .until(
+            "the answer in the transcript pane",
+            "return document.querySelectorAll('#transcript .msg.assistant').length === 1",
+        )
+        .await;
+    let transcript = browser
+        .run(
+            "return [...document.querySelectorAll('#transcript .msg.assistant .content')].map(e => e.textContent)",
+            json!([]),
+        )
+        .await;
+    assert_eq!(transcript, json!([shown]), "the transcript pane shows the answer");
+
+    // A second turn, stopped from the page.
+    start("count forever", json!({ "steps": 10000, "step_ms": 50 })).await;
+    browser
+        .until(
+            "the second run streaming",
+            &format!(
+                "return document.getElementById('run-id').textContent !== '{run}'
+                    && document.getElementById('output').textContent.includes('step 2.')"
+            ),
+        )
+        .await;
+    let second: RunId = browser.text("run-id").await.parse().unwrap();
+    assert_ne!(second, run);
+    browser.run("document.getElementById('stop').click()", json!([])).await;
+    browser.until("the stop", "return document.getElementById('run-status').textContent === 'cancelled'").await;
+    let shown = browser.text("output").await;
+    assert_eq!(answer_of(pool, second).await, (shown.clone(), "partial".to_string()), "the partial text is kept");
+    assert_eq!(shown, deltas_of(pool, second).await);
+    let progress = browser.text("progress").await;
+    assert!(progress.contains("characters") && progress.contains("events"), "progress is visible: {progress}");
+    let timeline = browser.text("timeline").await;
+    assert!(timeline.contains("run_started") && timeline.contains("complete cancelled"), "{timeline}");
+    drop(web);
+}
