@@ -213,5 +213,19 @@ async fn the_console_streams_survives_refresh_and_restart_and_stops() {
     assert!(progress.contains("characters") && progress.contains("events"), "progress is visible: {progress}");
     let timeline = browser.text("timeline").await;
     assert!(timeline.contains("run_started") && timeline.contains("complete cancelled"), "{timeline}");
+
+    // A run's detail from the transcript: the first turn replays in full.
+    let first_text = deltas_of(pool, run).await;
+    browser.run("document.querySelector('#transcript .msg.assistant').click()", json!([])).await;
+    browser
+        .until(
+            "the first run's detail",
+            &format!(
+                "return document.getElementById('run-id').textContent === '{run}'
+                    && document.getElementById('run-status').textContent === 'completed'"
+            ),
+        )
+        .await;
+    assert_eq!(browser.text("output").await, first_text);
     drop(web);
 }
