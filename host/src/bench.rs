@@ -122,17 +122,7 @@ async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: bool
         tokio::task::yield_now().await;
     }
     for i in 0..samples + 20 {
-        let new = NewRun {
-            owner: &owner,
-            conversation_id: None,
-            content: "bench",
-            plugin: "pickup",
-            plugin_digest: None,
-            plugin_manifest: None,
-            config: &config,
-            request: &config,
-            idempotency_key: None,
-        };
+        let new = bench_run(&owner, "bench", "pickup", None, &config);
         runs::enqueue(pool, &new).await?;
         let committed = Instant::now();
         let started = tokio::time::timeout(Duration::from_secs(30), rx.recv())
@@ -322,17 +312,7 @@ async fn sandbox(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs) -
     // A real claimed run behind the host, so emits go through the journal.
     let owner = Owner { user_id: "bench".into(), tenant_id: "bench".into() };
     let config = json!({});
-    let new = NewRun {
-        owner: &owner,
-        conversation_id: None,
-        content: "bench",
-        plugin: "echo",
-        plugin_digest: Some(&digests[0]),
-        plugin_manifest: None,
-        config: &config,
-        request: &config,
-        idempotency_key: None,
-    };
+    let new = bench_run(&owner, "bench", "echo", Some(digests[0].as_str()), &config);
     let run = runs::enqueue(pool, &new).await?;
     let claim = Claim {
         limit: 1,
@@ -447,17 +427,7 @@ async fn cancel_latency(
     for (plugin, digest, content, config, n) in cases {
         let mut samples = Vec::with_capacity(n);
         for _ in 0..n {
-            let new = NewRun {
-                owner: &owner,
-                conversation_id: None,
-                content,
-                plugin,
-                plugin_digest: Some(digest),
-                plugin_manifest: None,
-                config: &config,
-                request: &config,
-                idempotency_key: None,
-            };
+            let new = bench_run(&owner, content, plugin, Some(digest), &config);
             let run = runs::enqueue(pool, &new).await?;
             let mut ended = hub.subscribe(&runs::events_channel(run.run_id)).await;
             let t0 = Instant::now();
@@ -526,17 +496,7 @@ async fn stream_latency(pool: &PgPool, url: &str) -> anyhow::Result<()> {
     let token = db::tokens::create(pool, "bench", "bench", false).await?;
     let owner = Owner { user_id: "bench".into(), tenant_id: "bench".into() };
     let config = json!({});
-    let new = NewRun {
-        owner: &owner,
-        conversation_id: None,
-        content: "bench",
-        plugin: "ticker",
-        plugin_digest: None,
-        plugin_manifest: None,
-        config: &config,
-        request: &config,
-        idempotency_key: None,
-    };
+    let new = bench_run(&owner, "bench", "ticker", None, &config);
     let run = runs::enqueue(pool, &new).await?;
     let res = reqwest::Client::new()
         .get(format!("http://{addr}/v1/runs/{}/events", run.run_id))
@@ -610,17 +570,7 @@ async fn sigkill_to_failed(pool: &PgPool, url: &str, db_args: &DbArgs) -> anyhow
                 break;
             }
         }
-        let new = NewRun {
-            owner: &owner,
-            conversation_id: None,
-            content: "bench",
-            plugin: "sleep",
-            plugin_digest: None,
-            plugin_manifest: None,
-            config: &config,
-            request: &config,
-            idempotency_key: None,
-        };
+        let new = bench_run(&owner, "bench", "sleep", None, &config);
         let run = runs::enqueue(pool, &new).await?;
         let status = || sqlx::query_scalar::<_, String>("SELECT status FROM agent_run WHERE id = $1").bind(run.run_id);
         let t0 = Instant::now();
@@ -643,6 +593,27 @@ async fn sigkill_to_failed(pool: &PgPool, url: &str, db_args: &DbArgs) -> anyhow
         percentiles(&mut samples)
     );
     Ok(())
+}
+
+/// A run of the benchmark's owner, in a conversation of its own.
+fn bench_run<'a>(
+    owner: &'a Owner,
+    content: &'a str,
+    plugin: &'a str,
+    plugin_digest: Option<&'a str>,
+    config: &'a serde_json::Value,
+) -> NewRun<'a> {
+    NewRun {
+        owner,
+        conversation_id: None,
+        content,
+        plugin,
+        plugin_digest,
+        plugin_manifest: None,
+        config,
+        request: config,
+        idempotency_key: None,
+    }
 }
 
 /// Resident set size of this process.
