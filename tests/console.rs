@@ -4,6 +4,7 @@
 
 mod support;
 
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -33,10 +34,12 @@ impl Browser {
             .find(|p| std::path::Path::new(p).exists())
             .expect("chromedriver is missing: install Debian's chromium and chromium-driver (./scripts/test does)");
         let port = free_port();
+        // A process group of its own: Chromium's processes go with it.
         let driver = Command::new(bin)
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
+            .process_group(0)
             .spawn()
             .expect("starting chromedriver");
         let http = reqwest::Client::new();
@@ -56,6 +59,11 @@ impl Browser {
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
         Browser { driver, http, session }
+    }
+
+    /// Ends the session: chromedriver quits its Chromium.
+    async fn quit(&self) {
+        let _ = self.http.delete(&self.session).send().await;
     }
 
     async fn command(&self, path: &str, body: Value) -> Value {
@@ -96,8 +104,10 @@ impl Browser {
 }
 
 impl Drop for Browser {
+    /// However the test ended, nothing of the browser outlives it.
     fn drop(&mut self) {
-        let _ = self.driver.kill();
+        let group = nix::unistd::Pid::from_raw(self.driver.id() as i32);
+        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
         let _ = self.driver.wait();
     }
 }
@@ -227,5 +237,6 @@ async fn the_console_streams_survives_refresh_and_restart_and_stops() {
         )
         .await;
     assert_eq!(browser.text("output").await, first_text);
+    browser.quit().await;
     drop(web);
 }
