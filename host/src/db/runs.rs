@@ -253,9 +253,15 @@ tenants AS (
             ORDER BY a.tenant_id LIMIT 1)
     FROM tenants t WHERE t.tenant_id IS NOT NULL
 ),
+-- Running runs per tenant. Only needed to weigh tenants against each other
+-- or against a cap: a lone tenant without a cap skips the count (CASE runs
+-- its subquery only when taken), which would otherwise step over every dead
+-- index entry its finished runs left behind.
 load AS (
     SELECT t.tenant_id,
-           (SELECT count(*) FROM agent_run b WHERE b.tenant_id = t.tenant_id AND b.status = 'running') AS running
+           CASE WHEN $5::bigint IS NOT NULL OR (SELECT count(*) FROM tenants WHERE tenant_id IS NOT NULL) > 1
+                THEN (SELECT count(*) FROM agent_run b WHERE b.tenant_id = t.tenant_id AND b.status = 'running')
+                ELSE 0 END AS running
     FROM tenants t WHERE t.tenant_id IS NOT NULL
 ),
 -- Each tenant's oldest claimable turns, locked as they are found (SKIP
