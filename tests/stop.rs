@@ -404,6 +404,8 @@ async fn retry_reruns_the_latest_stopped_turn_and_conversation_reads_show_it() {
     assert_eq!(code, StatusCode::CONFLICT, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("failed or cancelled"), "{v}");
 
+    // Stopped once it has streamed: its partial answer is part of the transcript.
+    wait_delta(pool, long).await;
     let (code, _) = host.call("POST", &format!("/v1/conversations/{conv}/stop"), None).await;
     assert_eq!(code, StatusCode::OK);
     assert_eq!(wait_terminal(pool, long, LONG).await, "cancelled");
