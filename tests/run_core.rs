@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
 use agent_host::db::runs::{self, Claim, Finish};
-use agent_host::db::{RunId, RunStatus, RUN_ENQUEUED_CHANNEL};
+use agent_host::db::notify::RUN_ENQUEUED;
+use agent_host::db::{RunId, RunStatus};
 use agent_host::hub::Hub;
 use agent_host::worker::{self, Worker, WorkerConfig, WorkerStats};
 use async_trait::async_trait;
@@ -28,7 +29,7 @@ fn claim_args(worker_id: &str, limit: i64, prefilter: bool) -> Claim<'_> {
 async fn enqueue_commits_message_run_journal_and_wake_together() {
     let db = TestDb::new().await;
     let mut listener = PgListener::connect(&db.url).await.unwrap();
-    listener.listen(RUN_ENQUEUED_CHANNEL).await.unwrap();
+    listener.listen(RUN_ENQUEUED).await.unwrap();
 
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
     assert_eq!(e.status, RunStatus::Queued);
@@ -65,7 +66,7 @@ async fn failed_enqueue_leaves_nothing_and_wakes_nobody() {
     .await
     .unwrap();
     let mut listener = PgListener::connect(&db.url).await.unwrap();
-    listener.listen(RUN_ENQUEUED_CHANNEL).await.unwrap();
+    listener.listen(RUN_ENQUEUED).await.unwrap();
 
     let owner = owner();
     let config = json!({});
@@ -422,7 +423,7 @@ struct Fails;
 impl Agent for Fails {
     async fn run(&self, host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
         host.emit_delta("partial ").await?;
-        Err(AgentError::Failed("model unavailable".into()))
+        Err(AgentError::failed(agent_host::run::error::FailReason::Agent, "model unavailable"))
     }
 }
 

@@ -14,18 +14,11 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::db::{ConversationId, RunId};
-use crate::journal::{Journal, DELTA_KIND};
+pub use crate::run::error::{AgentError, FailReason, HostError};
+use crate::db::events::CONTENT_DELTA as DELTA_KIND;
+use crate::journal::Journal;
 
-/// Event kinds only the host writes; guests cannot emit them.
-pub const RESERVED_KINDS: &[&str] = &[
-    "user_message_created",
-    "run_queued",
-    "run_started",
-    "complete",
-    "tool_call_started",
-    "tool_call_finished",
-    "keepalive",
-];
+use crate::db::events::RESERVED as RESERVED_KINDS;
 /// Bytes of one event payload (the per-call payload limit's default).
 pub const EVENT_PAYLOAD_BYTES_MAX: usize = 1 << 20;
 /// Length of an event kind.
@@ -38,37 +31,6 @@ pub struct RunInput {
     pub conversation_id: ConversationId,
     pub content: String,
     pub config: Value,
-}
-
-/// Refusals of the host's imports (the WIT error variants).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum HostError {
-    #[error("cancelled: a stop was requested")]
-    Cancelled,
-    #[error("fenced: this worker no longer holds the run")]
-    Fenced,
-    #[error("denied: {0}")]
-    Denied(String),
-    #[error("invalid: {0}")]
-    Invalid(String),
-    #[error("limit: {0}")]
-    Limit(String),
-    #[error("tool failed: {0}")]
-    ToolFailed(String),
-    #[error("host unavailable: {0}")]
-    Unavailable(String),
-}
-
-/// How a turn ends when it does not return text.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AgentError {
-    #[error("agent failed: {0}")]
-    Failed(String),
-    #[error(transparent)]
-    Host(#[from] HostError),
-    /// A stop was requested and the agent had not returned within the grace.
-    #[error("cancelled: the run had not stopped {0} ms after the stop and was interrupted")]
-    Interrupted(u64),
 }
 
 #[async_trait]

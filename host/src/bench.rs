@@ -429,7 +429,7 @@ async fn cancel_latency(
         for _ in 0..n {
             let new = bench_run(&owner, content, plugin, Some(digest), &config);
             let run = runs::enqueue(pool, &new).await?;
-            let mut ended = hub.subscribe(&runs::events_channel(run.run_id)).await;
+            let mut ended = hub.subscribe(&crate::db::notify::events_channel(run.run_id)).await;
             let t0 = Instant::now();
             let status =
                 || sqlx::query_scalar::<_, String>("SELECT status FROM agent_run WHERE id = $1").bind(run.run_id);

@@ -17,7 +17,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::HostError;
+use crate::run::error::HostError;
+use crate::db::events::CONTENT_DELTA as DELTA_KIND;
 use crate::db::{self, ClaimToken, RunId};
 
 pub const FLUSH_DEFAULT: Duration = Duration::from_millis(250);
@@ -27,8 +28,6 @@ const QUEUE_MAX: usize = 256;
 const PENDING_BYTES_MAX: usize = 64 * 1024;
 /// Events kept for a retry after a failed flush before the run gives up.
 const UNSENT_MAX: usize = 1024;
-/// The event kind whose consecutive occurrences merge.
-pub const DELTA_KIND: &str = "content_delta";
 
 /// Journal counters for the process.
 #[derive(Debug, Default)]
@@ -69,7 +68,7 @@ impl Journal {
             run,
             token,
             next_seq: first_seq,
-            channel: db::runs::events_channel(run),
+            channel: db::notify::events_channel(run),
             flush_every,
             pending: None,
             unsent: Vec::new(),

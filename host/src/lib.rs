@@ -13,6 +13,7 @@ pub mod db;
 pub mod hub;
 pub mod journal;
 pub mod metrics;
+pub mod run;
 pub mod sandbox;
 pub mod server;
 pub mod sse;

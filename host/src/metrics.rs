@@ -78,20 +78,6 @@ pub fn label_value(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
-/// The class of a run's error for the `reason` label: its text before the
-/// first colon (`limit`, `trap`, `plugin`, `worker lost`...), bounded so the
-/// label's cardinality stays small.
-pub fn reason_class(error: Option<&str>) -> String {
-    match error {
-        None => "none".into(),
-        Some(e) => match e.split_once(':') {
-            Some((head, _)) if head.len() <= 32 && head.chars().all(|c| c.is_ascii_alphanumeric() || c == ' ') => {
-                head.to_string()
-            }
-            _ => "other".into(),
-        },
-    }
-}
 
 #[cfg(test)]
 mod tests {
@@ -113,11 +99,7 @@ mod tests {
     }
 
     #[test]
-    fn reasons_are_bounded_classes() {
-        assert_eq!(reason_class(None), "none");
-        assert_eq!(reason_class(Some("limit: cpu time budget of 5 ms exceeded")), "limit");
-        assert_eq!(reason_class(Some("worker lost: lease expired")), "worker lost");
-        assert_eq!(reason_class(Some("plugin \"x\": no")), "other");
+    fn label_values_are_escaped() {
         assert_eq!(label_value("a\"b"), "a\\\"b");
     }
 }

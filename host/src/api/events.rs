@@ -133,7 +133,7 @@ fn sse_frame(v: &Value) -> SseEvent {
 /// waits on the hub with the keepalive as the fallback poll.
 async fn tail(state: &AppState, id: RunId, from: i32, tx: &mpsc::Sender<SseEvent>) -> Result<(), sqlx::Error> {
     let mut wakes = match &state.hub {
-        Some(hub) => Some(hub.subscribe(&runs::events_channel(id)).await),
+        Some(hub) => Some(hub.subscribe(&crate::db::notify::events_channel(id)).await),
         None => None,
     };
     let mut cursor = from;

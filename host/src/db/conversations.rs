@@ -5,8 +5,9 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgExecutor, PgPool};
 
-use super::runs::{notify, Enqueued, TRANSCRIPT_CTE};
-use super::{ConversationId, MessageId, RunId, RunStatus, RUN_ENQUEUED_CHANNEL};
+use super::runs::{Enqueued, TRANSCRIPT_CTE};
+use super::notify::{notify, RUN_ENQUEUED};
+use super::{ConversationId, MessageId, RunId, RunStatus};
 
 /// Messages one transcript read returns at most.
 pub const MESSAGES_PAGE_MAX: i64 = 1000;
@@ -184,7 +185,7 @@ pub async fn retry(pool: &PgPool, run: RunId, owner_id: &str) -> Result<Enqueued
     .bind(run)
     .execute(&mut *tx)
     .await?;
-    notify(&mut *tx, RUN_ENQUEUED_CHANNEL, &conversation.to_string()).await?;
+    notify(&mut *tx, RUN_ENQUEUED, &conversation.to_string()).await?;
     tx.commit().await?;
     Ok(Enqueued { run_id: new, status: RunStatus::Queued, conversation_id: conversation, user_message_id: message })
 }

@@ -4,8 +4,11 @@
 pub mod bench;
 pub mod cluster;
 pub mod conversations;
+pub mod events;
+pub mod notify;
 pub mod plugins;
 pub mod runs;
+pub mod status;
 pub mod stop;
 pub mod tokens;
 
@@ -19,8 +22,7 @@ use uuid::Uuid;
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
-/// Channel every enqueue and every terminal write NOTIFYs (the wake chain).
-pub const RUN_ENQUEUED_CHANNEL: &str = "run_enqueued";
+pub use status::{MessageStatus, RunStatus};
 
 macro_rules! typed_id {
     ($(#[$doc:meta])* $name:ident) => {
@@ -91,57 +93,6 @@ impl Default for ConversationId {
 impl Default for MessageId {
     fn default() -> Self {
         Self::new()
-    }
-}
-
-/// The status of a run, and who owns each transition. The schema's trigger
-/// enforces the same table: terminal states are sticky.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RunStatus {
-    /// Written by enqueue. Left by the dispatcher's claim (-> running) or by a
-    /// stop sweep (-> cancelled).
-    Queued,
-    /// Written by the claim. Left only by the claim holder's fenced finalize,
-    /// by the dispatcher's backstop (fenced), or by the reaper once the lease
-    /// has lapsed past the grace (re-checked in the write).
-    Running,
-    /// Terminal, written by the worker's fenced finalize.
-    Completed,
-    /// Terminal, written by the worker (agent error, drain timeout), the
-    /// backstop, or the reaper (worker lost).
-    Failed,
-    /// Terminal, written by a stop sweep (queued) or the worker (running).
-    Cancelled,
-}
-
-impl RunStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RunStatus::Queued => "queued",
-            RunStatus::Running => "running",
-            RunStatus::Completed => "completed",
-            RunStatus::Failed => "failed",
-            RunStatus::Cancelled => "cancelled",
-        }
-    }
-
-    pub fn is_terminal(self) -> bool {
-        matches!(self, RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled)
-    }
-}
-
-impl FromStr for RunStatus {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(match s {
-            "queued" => RunStatus::Queued,
-            "running" => RunStatus::Running,
-            "completed" => RunStatus::Completed,
-            "failed" => RunStatus::Failed,
-            "cancelled" => RunStatus::Cancelled,
-            other => return Err(format!("unknown run status {other:?}")),
-        })
     }
 }
 

@@ -11,7 +11,8 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use sqlx::{PgExecutor, PgPool, Postgres, Transaction};
 
-use super::{ClaimToken, ConversationId, MessageId, RunId, RunStatus, RUN_ENQUEUED_CHANNEL};
+use super::notify::{events_channel, notify, RUN_ENQUEUED};
+use super::{ClaimToken, ConversationId, MessageId, RunId, RunStatus};
 
 /// Who a run or conversation belongs to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -190,7 +191,7 @@ pub async fn enqueue_in(tx: &mut Transaction<'_, Postgres>, new: &NewRun<'_>) ->
     .bind(message_id)
     .execute(&mut **tx)
     .await?;
-    notify(&mut **tx, RUN_ENQUEUED_CHANNEL, &conversation_id.to_string()).await?;
+    notify(&mut **tx, RUN_ENQUEUED, &conversation_id.to_string()).await?;
     Ok(Enqueued { run_id, status: RunStatus::Queued, conversation_id, user_message_id: message_id })
 }
 
@@ -220,11 +221,6 @@ pub async fn find_by_idempotency_key(
     }))
 }
 
-/// `pg_notify` inside the caller's transaction: fires on commit or never.
-pub async fn notify(db: impl PgExecutor<'_>, channel: &str, payload: &str) -> Result<(), sqlx::Error> {
-    sqlx::query("SELECT pg_notify($1, $2)").bind(channel).bind(payload).execute(db).await?;
-    Ok(())
-}
 
 /// Parameters of one claim.
 #[derive(Debug, Clone)]
@@ -376,10 +372,6 @@ pub async fn heartbeat(
     .await
 }
 
-/// The channel a run's tails listen on: one NOTIFY per journal flush.
-pub fn events_channel(run: RunId) -> String {
-    format!("run_events_{}", run.0.simple())
-}
 
 /// Appends events `first_seq..` to a run's journal, fenced: written only while
 /// the run still names this claim token and is running. The run row is taken
@@ -485,7 +477,7 @@ pub async fn finish(
     .bind(MessageId::new())
     .bind(text)
     .bind(message_status)
-    .bind(RUN_ENQUEUED_CHANNEL)
+    .bind(RUN_ENQUEUED)
     .bind(&finish.usage)
     .fetch_optional(db)
     .await?;
@@ -513,7 +505,7 @@ pub async fn announce_ended(db: impl PgExecutor<'_>, ended: &[(RunId, Conversati
          SELECT pg_notify($1, c::text) FROM (SELECT DISTINCT c FROM unnest($2::uuid[]) AS c) AS d
          WHERE EXISTS (SELECT 1 FROM agent_run WHERE conversation_id = d.c AND status = 'queued')",
     )
-    .bind(RUN_ENQUEUED_CHANNEL)
+    .bind(RUN_ENQUEUED)
     .bind(conversations)
     .bind(channels)
     .execute(db)
@@ -566,7 +558,7 @@ pub async fn reap(pool: &PgPool, expired: Expired, grace: Duration) -> Result<bo
         return Ok(false);
     };
     write_complete(&mut tx, expired.id, RunStatus::Failed, error.as_deref()).await?;
-    notify(&mut *tx, RUN_ENQUEUED_CHANNEL, &conversation_id.to_string()).await?;
+    notify(&mut *tx, RUN_ENQUEUED, &conversation_id.to_string()).await?;
     notify(&mut *tx, &events_channel(expired.id), "complete").await?;
     tx.commit().await?;
     Ok(true)

@@ -1,5 +1,5 @@
 //! Stop means stop (the article's rung 8). The truth is `cancel_requested` on
-//! the run row; a NOTIFY on [`RUN_CANCEL_CHANNEL`] is the fast path that wakes
+//! the run row; a NOTIFY on [`RUN_CANCEL`] is the fast path that wakes
 //! the holder at once, and its heartbeat re-reads the flag in case the hint is
 //! lost. A queued run never started: it is cancelled outright and its user
 //! message handed back as a draft.
@@ -7,12 +7,9 @@
 use serde::Serialize;
 use sqlx::{PgExecutor, PgPool, Postgres, Transaction};
 
-use super::runs::{events_channel, notify};
-use super::{ClaimToken, ConversationId, MessageId, RunId, RunStatus, RUN_ENQUEUED_CHANNEL};
+use super::notify::{events_channel, notify, RUN_CANCEL, RUN_ENQUEUED};
+use super::{ClaimToken, ConversationId, MessageId, RunId, RunStatus};
 
-/// One channel for every cancel, the run id as payload: each process LISTENs
-/// once, instead of a LISTEN/UNLISTEN round trip per run it claims.
-pub const RUN_CANCEL_CHANNEL: &str = "run_cancel";
 
 /// What `cancel` found and did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,7 +59,7 @@ pub async fn cancel(pool: &PgPool, run: RunId, owner_id: &str) -> Result<Option<
         RunStatus::Queued => {
             cancel_queued(&mut tx, &[run]).await?;
             // It may have been its conversation's head: the next turn is free now.
-            notify(&mut *tx, RUN_ENQUEUED_CHANNEL, &conversation.to_string()).await?;
+            notify(&mut *tx, RUN_ENQUEUED, &conversation.to_string()).await?;
             Cancelled::Queued
         }
         RunStatus::Running => {
@@ -162,7 +159,7 @@ async fn flag(tx: &mut Transaction<'_, Postgres>, runs: &[RunId]) -> Result<(), 
          SELECT pg_notify($2, id::text) FROM f",
     )
     .bind(&ids)
-    .bind(RUN_CANCEL_CHANNEL)
+    .bind(RUN_CANCEL)
     .execute(&mut **tx)
     .await?;
     Ok(())

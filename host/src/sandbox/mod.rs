@@ -24,7 +24,7 @@ use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, UpdateDeadline};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
-use crate::agent::{AgentError, HostError, RunHost, RunInput};
+use crate::agent::{AgentError, FailReason, HostError, RunHost, RunInput};
 use crate::db;
 use crate::tools::{LlmConfig, ToolCall, ToolRegistry};
 pub use manifest::{Limits, Manifest};
@@ -222,7 +222,7 @@ impl Sandbox {
         input: RunInput,
         history: Vec<(String, String)>,
     ) -> Result<String, AgentError> {
-        let pre = self.pre(digest).await.map_err(|e| AgentError::Failed(e.to_string()))?;
+        let pre = self.pre(digest).await.map_err(|e| AgentError::failed(FailReason::Unavailable, e.to_string()))?;
         let limits = manifest.limits.clone();
         let stdout = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
         let stderr = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
@@ -249,7 +249,7 @@ impl Sandbox {
             let g = ctx.data_mut();
             g.cpu_ticks += 1;
             if g.cpu_ticks > cpu_ticks_max {
-                g.failure = Some(format!("limit: cpu time budget of {cpu_ms} ms exceeded"));
+                g.failure = Some(format!("cpu time budget of {cpu_ms} ms exceeded"));
                 return Ok(UpdateDeadline::Interrupt);
             }
             // Yield to the host every tick: the run's future can then be
@@ -277,16 +277,18 @@ impl Sandbox {
         log_output(run_id, "stderr", &stderr);
         let data = store.data();
         let result = match outcome {
-            Err(_) => Err(AgentError::Failed(format!("limit: wall time of {} ms exceeded", limits.wall_ms))),
-            Ok(Err(trap)) => Err(AgentError::Failed(match (&data.failure, data.limiter.denied) {
-                (Some(f), _) => f.clone(),
-                (None, true) => format!("limit: memory of {} bytes exceeded", limits.memory_bytes),
-                (None, false) => format!("trap: {}", trap.root_cause()),
-            })),
+            Err(_) => Err(AgentError::failed(FailReason::Limit, format!("wall time of {} ms exceeded", limits.wall_ms))),
+            Ok(Err(trap)) => Err(match (&data.failure, data.limiter.denied) {
+                (Some(f), _) => AgentError::failed(FailReason::Limit, f.clone()),
+                (None, true) => {
+                    AgentError::failed(FailReason::Limit, format!("memory of {} bytes exceeded", limits.memory_bytes))
+                }
+                (None, false) => AgentError::failed(FailReason::Trap, trap.root_cause().to_string()),
+            }),
             Ok(Ok(answer)) => match (&data.failure, answer) {
-                (Some(f), _) => Err(AgentError::Failed(f.clone())),
+                (Some(f), _) => Err(AgentError::failed(FailReason::Limit, f.clone())),
                 (None, Ok(text)) => Ok(text),
-                (None, Err(message)) => Err(AgentError::Failed(format!("plugin: {message}"))),
+                (None, Err(message)) => Err(AgentError::failed(FailReason::Plugin, message)),
             },
         };
         drop(store);
@@ -332,7 +334,7 @@ pub struct Guest {
     events: u64,
     tool_calls: u64,
     cpu_ticks: u64,
-    /// A named reason the run must fail with, set when a limit is hit.
+    /// What limit was hit: the run must fail with it (reason `limit`).
     failure: Option<String>,
 }
 
@@ -358,7 +360,7 @@ impl Guest {
     /// failed with the reason whatever the guest does next.
     fn limit(&mut self, reason: String) -> wit_types::HostError {
         if self.failure.is_none() {
-            self.failure = Some(format!("limit: {reason}"));
+            self.failure = Some(reason.clone());
         }
         wit_types::HostError::Limit(reason)
     }

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 use super::llm::{parse_args, Answer, AnswerCall, LlmArgs, Role, Usage};
 use super::{EventSink, Tool, ToolCall};
-use crate::agent::HostError;
+use crate::run::error::HostError;
 
 /// The model name offline answers carry.
 const OFFLINE_MODEL: &str = "offline";

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::db::{self, stop::RUN_CANCEL_CHANNEL, RunId};
+use crate::db::{self, notify::RUN_CANCEL, RunId};
 use crate::hub::{Hub, Wake};
 
 use super::Shared;
@@ -19,7 +19,7 @@ const EARLY_KEEP: Duration = Duration::from_secs(5);
 const EARLY_MAX: usize = 10_000;
 
 pub(super) async fn run(shared: Arc<Shared>, hub: Hub) {
-    let mut wakes = hub.subscribe(RUN_CANCEL_CHANNEL).await;
+    let mut wakes = hub.subscribe(RUN_CANCEL).await;
     loop {
         let wake = tokio::select! {
             _ = shared.stop_services.cancelled() => return,

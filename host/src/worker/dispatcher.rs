@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::db::{self, runs::Claim, RUN_ENQUEUED_CHANNEL};
+use crate::db::{self, notify::RUN_ENQUEUED, runs::Claim};
 use crate::hub::{Hub, Subscription};
 
 use super::{run_task, Shared};
@@ -20,7 +20,7 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
     // Subscribe once, before the first claim: a wake that lands between a
     // claim that found nothing and the wait is then still queued for us.
     let mut wakes = match &hub {
-        Some(hub) => Some(hub.subscribe(RUN_ENQUEUED_CHANNEL).await),
+        Some(hub) => Some(hub.subscribe(RUN_ENQUEUED).await),
         None => None,
     };
     let mut conflicts = 0;

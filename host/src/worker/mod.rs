@@ -193,12 +193,14 @@ pub struct WorkerStats {
     /// Enqueue commit to claim, by the database's clock.
     pub pickup: crate::metrics::Histogram,
     /// Terminal writes this process made, by (status, reason class).
-    pub ended: Mutex<std::collections::BTreeMap<(&'static str, String), u64>>,
+    pub ended: Mutex<std::collections::BTreeMap<(&'static str, &'static str), u64>>,
 }
 
 impl WorkerStats {
-    pub(crate) fn record_end(&self, status: crate::db::RunStatus, error: Option<&str>) {
-        let key = (status.as_str(), crate::metrics::reason_class(error));
+    /// Counts one terminal write; `reason` is the failure's class (`None`:
+    /// the label `none`).
+    pub(crate) fn record_end(&self, status: crate::db::RunStatus, reason: Option<crate::run::error::FailReason>) {
+        let key = (status.as_str(), reason.map_or("none", |r| r.label()));
         *self.ended.lock().unwrap().entry(key).or_default() += 1;
     }
 }

@@ -9,7 +9,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::agent::{AgentError, HostError, RunHost, RunInput};
+use crate::agent::{AgentError, FailReason, HostError, RunHost, RunInput};
 use crate::db::{self, runs::ClaimedRun, runs::Finish, RunStatus};
 use crate::journal::Journal;
 
@@ -51,7 +51,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
             let outcome = tokio::spawn(execute(shared.clone(), row, lost, cancel))
                 .in_current_span()
                 .await
-                .unwrap_or_else(|e| Outcome::Unfinalized(format!("host error: run task {e}")));
+                .unwrap_or_else(|e| Outcome::Unfinalized(FailReason::Host.message(format!("run task {e}"))));
             match outcome {
                 Outcome::Finalized => {
                     shared.stats.finished.fetch_add(1, Ordering::Relaxed);
@@ -67,7 +67,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                     let finish =
                         Finish { status: RunStatus::Failed, error: Some(&reason), assistant: None, usage: None };
                     match db::runs::finish(&shared.pool, id, token, &finish).await {
-                        Ok(true) => shared.stats.record_end(RunStatus::Failed, Some(&reason)),
+                        Ok(true) => shared.stats.record_end(RunStatus::Failed, Some(FailReason::Host)),
                         Ok(false) => {}
                         Err(e) => tracing::error!(error = %e, "backstop write failed; the reaper will end the run"),
                     }
@@ -93,14 +93,14 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
                 row.plugin_manifest.as_ref().map(crate::sandbox::Manifest::parse).unwrap_or(Ok(Default::default()));
             match manifest {
                 Ok(m) => Runner::Wasm(sandbox.clone(), digest.clone(), m),
-                Err(e) => return finalize(&shared, &row, Err(AgentError::Failed(e)), "", None).await,
+                Err(e) => return finalize(&shared, &row, Err(AgentError::failed(FailReason::Unavailable, e)), "", None).await,
             }
         }
         (None, _) if shared.agents.get(&row.plugin).is_some() => {
             Runner::Builtin(shared.agents.get(&row.plugin).unwrap())
         }
         _ => {
-            let e = AgentError::Failed(format!("plugin {:?} is not available on this host", row.plugin));
+            let e = AgentError::failed(FailReason::Unavailable, format!("plugin {:?} is not available on this host", row.plugin));
             return finalize(&shared, &row, Err(e), "", None).await;
         }
     };
@@ -135,7 +135,7 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
             tracing::warn!(grace_ms = grace.as_millis() as u64, "run ignored its stop past the grace; interrupted");
             Err(AgentError::Interrupted(grace.as_millis() as u64))
         }
-        _ = shared.abort_runs.cancelled() => Err(AgentError::Failed("drain timeout: the host shut down before the run finished".into())),
+        _ = shared.abort_runs.cancelled() => Err(AgentError::failed(FailReason::DrainTimeout, "the host shut down before the run finished")),
         r = async {
             match &runner {
                 Runner::Builtin(agent) => agent.run(&host, input).await,
@@ -157,7 +157,7 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
             answered = Some(text);
             Err(AgentError::Host(HostError::Cancelled))
         }
-        Err(e @ (AgentError::Failed(_) | AgentError::Host(_)))
+        Err(e @ (AgentError::Failed { .. } | AgentError::Host(_)))
             if cancel.is_cancelled() && e != AgentError::Host(HostError::Fenced) =>
         {
             tracing::debug!(error = %e, "run ended after a stop");
@@ -201,11 +201,11 @@ async fn finalize(
     shared.held.lock().unwrap().remove(&row.id);
     match db::runs::finish(&shared.pool, row.id, row.claim_token, &finish).await {
         Ok(true) => {
-            shared.stats.record_end(status, error.as_deref());
+            shared.stats.record_end(status, result.as_ref().err().filter(|_| status == RunStatus::Failed).map(AgentError::reason));
             Outcome::Finalized
         }
         // Zero rows: someone else ended this run. Stand down.
         Ok(false) => Outcome::Lost,
-        Err(e) => Outcome::Unfinalized(format!("host error: terminal write failed: {e}")),
+        Err(e) => Outcome::Unfinalized(FailReason::Host.message(format!("terminal write failed: {e}"))),
     }
 }

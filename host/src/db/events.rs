@@ -1,0 +1,44 @@
+//! The journal's vocabulary, defined once: the event kinds the host writes
+//! and the payload of the one `complete` event every terminal run has.
+//! Everything that writes, reads, synthesizes or decodes events uses these.
+
+use serde_json::{json, Value};
+
+use super::RunStatus;
+
+/// seq 1, written by enqueue: `{message_id}`.
+pub const USER_MESSAGE_CREATED: &str = "user_message_created";
+/// seq 2, written by enqueue: `{run_id}`.
+pub const RUN_QUEUED: &str = "run_queued";
+/// seq 3, written by the claim: `{worker_id}`.
+pub const RUN_STARTED: &str = "run_started";
+/// A piece of the answer: `{delta}`; consecutive ones merge in the journal writer.
+pub const CONTENT_DELTA: &str = "content_delta";
+/// A host tool call began: `{call_index, name}`.
+pub const TOOL_CALL_STARTED: &str = "tool_call_started";
+/// A host tool call ended: `{call_index, name, outcome, duration_ms, result_bytes, error?, usage?}`.
+pub const TOOL_CALL_FINISHED: &str = "tool_call_finished";
+/// The run's one ending: [`complete_payload`].
+pub const COMPLETE: &str = "complete";
+/// Sent on a quiet stream, never stored.
+pub const KEEPALIVE: &str = "keepalive";
+
+/// The seqs enqueue writes (1-2) and the claim writes (3); a run's own
+/// events start at [`FIRST_RUN_SEQ`].
+pub const ENQUEUE_SEQS: std::ops::RangeInclusive<i32> = 1..=2;
+pub const RUN_STARTED_SEQ: i32 = 3;
+pub const FIRST_RUN_SEQ: i32 = 4;
+
+/// Event kinds only the host writes; guests cannot emit them.
+pub const RESERVED: &[&str] =
+    &[USER_MESSAGE_CREATED, RUN_QUEUED, RUN_STARTED, COMPLETE, TOOL_CALL_STARTED, TOOL_CALL_FINISHED, KEEPALIVE];
+
+/// The payload of `complete`: `{status, error?}`, the same whoever ends the
+/// run (worker, backstop, reaper, stop) and whether it is stored or
+/// synthesized by a tail (which adds `synthesized: true`).
+pub fn complete_payload(status: RunStatus, error: Option<&str>) -> Value {
+    match error {
+        Some(e) => json!({ "status": status.as_str(), "error": e }),
+        None => json!({ "status": status.as_str() }),
+    }
+}
