@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use agent_host::agent::AgentRegistry;
+use agent_host::agent::{AgentRegistry, Components};
 use agent_host::api::{self, AppState};
 use agent_host::db::{plugins, runs, tokens, RunId};
 use agent_host::hub::Hub;
@@ -41,7 +41,7 @@ impl Env {
         Env { db, agents, router, token }
     }
 
-    fn sandbox(&self) -> &Arc<Sandbox> {
+    fn sandbox(&self) -> &Arc<dyn Components> {
         self.agents.sandbox().unwrap()
     }
 

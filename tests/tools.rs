@@ -94,11 +94,11 @@ impl Env {
         let db = TestDb::new().await;
         let cache = std::env::temp_dir().join(format!("agent-host-cache-{}", std::process::id()));
         let tools = ToolRegistry::from_config(&llm, webhooks).unwrap();
-        let sandbox = Sandbox::with_tools(db.pool.clone(), Some(cache), tools).unwrap();
+        let sandbox = Sandbox::new(db.pool.clone(), Some(cache)).unwrap();
         for (name, granted) in chats {
             plugins::put(&db.pool, name, &plugin_wasm("chat"), &json!({ "tools": granted })).await.unwrap();
         }
-        let agents = AgentRegistry::with_builtins().with_sandbox(sandbox);
+        let agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(tools);
         let host = TestHost::start(&db, Some(Hub::start(db.url.clone())), agents, fast_config("w")).await;
         Env { db, host }
     }

@@ -14,7 +14,9 @@ use serde_json::json;
 use sqlx::{Connection, PgPool};
 use tokio::sync::mpsc;
 
-use crate::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
+use crate::agent::{Agent, AgentError, AgentRegistry, Components, RunHost, RunInput};
+use crate::run::host::RunHostParts;
+use crate::run::journal::{JournalConfig, FIRST_RUN_SEQ};
 use crate::api::{self, AppState};
 use crate::config::{BenchArgs, DbArgs};
 use crate::db::runs::{self, Claim, Finish, NewRun, Owner};
@@ -322,29 +324,36 @@ async fn sandbox(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs) -
         tenant_max_running: None,
     };
     let claimed = runs::claim(pool, &claim).await?.pop().context("bench run not claimed")?;
-    let journal = crate::journal::Journal::start(
+    let journal = crate::run::journal::Journal::start(
         pool.clone(),
         claimed.id,
         claimed.claim_token,
-        4,
-        crate::journal::FLUSH_DEFAULT,
+        FIRST_RUN_SEQ,
+        JournalConfig::default(),
         tokio_util::sync::CancellationToken::new(),
         Default::default(),
     );
-    let host = RunHost::new(claimed.id, journal, Default::default());
+    let host = RunHost::new(RunHostParts {
+        run_id: claimed.id,
+        journal,
+        cancel: Default::default(),
+        tools: Default::default(),
+        manifest: manifest.clone(),
+    });
     let input = |content: &str, config: serde_json::Value| RunInput {
         run_id: run.run_id,
         conversation_id: run.conversation_id,
         content: content.to_string(),
         config,
+        history: vec![],
     };
 
     // Instantiate from the cached pre and run a guest that makes no host call.
-    sandbox.run(&host, &digests[0], &manifest, input("", json!({})), vec![]).await?; // warm the caches
+    run_wasm(&sandbox, &host, &digests[0], &manifest, input("", json!({}))).await?; // warm the caches
     let mut samples = Vec::with_capacity(args.samples);
     for _ in 0..args.samples {
         let t0 = Instant::now();
-        sandbox.run(&host, &digests[0], &manifest, input("", json!({})), vec![]).await?;
+        run_wasm(&sandbox, &host, &digests[0], &manifest, input("", json!({}))).await?;
         samples.push(t0.elapsed());
     }
     println!("sandbox: store + instantiate + trivial run, {} runs: {}", args.samples, percentiles(&mut samples));
@@ -354,7 +363,7 @@ async fn sandbox(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs) -
     let mut per_call = Vec::new();
     for _ in 0..20 {
         let t0 = Instant::now();
-        sandbox.run(&host, &digests[0], &manifest, input(&words, json!({})), vec![]).await?;
+        run_wasm(&sandbox, &host, &digests[0], &manifest, input(&words, json!({}))).await?;
         per_call.push(t0.elapsed() / 1000);
     }
     println!("sandbox: one emit-event (content_delta) host call: {}", percentiles(&mut per_call));
@@ -366,24 +375,26 @@ async fn sandbox(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs) -
     // Memory: guests parked in a long host call.
     let parked = args.parked;
     let rss_before = rss_bytes();
-    let host = RunHost::new(
-        claimed.id,
-        crate::journal::Journal::start(
+    let host = RunHost::new(RunHostParts {
+        run_id: claimed.id,
+        journal: crate::run::journal::Journal::start(
             pool.clone(),
             claimed.id,
             claimed.claim_token,
             1_000_000,
-            crate::journal::FLUSH_DEFAULT,
+            JournalConfig::default(),
             tokio_util::sync::CancellationToken::new(),
             Default::default(),
         ),
-        Default::default(),
-    );
+        cancel: Default::default(),
+        tools: Default::default(),
+        manifest: manifest.clone(),
+    });
     let mut tasks = Vec::new();
     for _ in 0..parked {
         let (sandbox, host, digest, manifest) = (sandbox.clone(), host.clone(), digests[1].clone(), manifest.clone());
         let input = input("park", json!({ "mode": "block" }));
-        tasks.push(tokio::spawn(async move { sandbox.run(&host, &digest, &manifest, input, vec![]).await }));
+        tasks.push(tokio::spawn(async move { run_wasm(&sandbox, &host, &digest, &manifest, input).await }));
     }
     let t0 = Instant::now();
     while sandbox.live() < parked {
@@ -531,7 +542,7 @@ async fn stream_latency(pool: &PgPool, url: &str) -> anyhow::Result<()> {
     );
     println!(
         "journal rows for {deltas} content deltas emitted back to back: {rows} (flush every {:?})",
-        crate::journal::FLUSH_DEFAULT
+        crate::run::journal::FLUSH_DEFAULT
     );
     Ok(())
 }
@@ -664,4 +675,14 @@ fn redact(url: &str) -> String {
         (Some(s), Some(a)) if a > s => format!("{}://…@{}", &url[..s], &url[a + 1..]),
         _ => url.to_string(),
     }
+}
+
+async fn run_wasm(
+    sandbox: &Arc<crate::sandbox::Sandbox>,
+    host: &RunHost,
+    digest: &str,
+    manifest: &crate::sandbox::Manifest,
+    input: RunInput,
+) -> Result<String, AgentError> {
+    Components::agent(sandbox.as_ref(), digest, manifest).await?.run(host, input).await
 }

@@ -263,6 +263,7 @@ impl WorkerArgs {
             drain_timeout: ms(self.drain_timeout_ms),
             worker_id: self.worker_id.clone().unwrap_or_else(crate::worker::default_worker_id),
             journal_flush: ms(self.journal_flush_ms),
+            journal_give_up: crate::run::journal::GIVE_UP_DEFAULT,
             retention: Duration::from_secs(self.event_retention_s),
             retention_interval: ms(self.retention_interval_ms),
             cancel_grace: ms(self.cancel_grace_ms),

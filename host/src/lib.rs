@@ -11,7 +11,6 @@ pub mod client;
 pub mod config;
 pub mod db;
 pub mod hub;
-pub mod journal;
 pub mod metrics;
 pub mod run;
 pub mod sandbox;

@@ -61,8 +61,8 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let mut database = open_database(db_args).await?;
     let pool = connect_and_migrate(&database.url, db_args.db_pool_max).await?;
     let hub = (!args.worker.no_hub).then(|| Hub::start(database.listen_url.clone()));
-    let sandbox = crate::sandbox::Sandbox::with_tools(pool.clone(), Some(db_args.cache_dir.clone()), tools)?;
-    let agents = AgentRegistry::with_builtins().with_sandbox(sandbox);
+    let sandbox = crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
+    let agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(tools);
     let worker = Worker::start(pool.clone(), hub.clone(), agents.clone(), config).await?;
 
     let listener =

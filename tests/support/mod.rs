@@ -147,6 +147,7 @@ pub fn fast_config(worker_id: &str) -> WorkerConfig {
         cancel_grace: Duration::from_millis(500),
         tenant_max_running: None,
         dispatch: true,
+        ..WorkerConfig::default()
     }
 }
 

@@ -1,53 +1,56 @@
-//! The sandbox: one wasmtime `Engine` per process (pooling allocator, epoch
-//! interruption driven by a ticker), an `AgentPre` cached per plugin digest,
+//! The sandbox: WebAssembly components as agents. [`WasmAgent`] implements
+//! the same [`Agent`] trait as the built-ins and the agent registry finds it
+//! through [`Components`]; an `AgentPre` is cached per plugin digest,
 //! compiled code cached on disk keyed by digest and engine compatibility, and
 //! one `Store` per run, dropped after it.
 //!
-//! Enforcement the guest cannot bypass lives here: limits (memory, CPU, wall
-//! time, payload bytes, events, tool calls), WASI that grants nothing, and
-//! interruption: a guest yields to the host at every epoch tick, so dropping
-//! its future (claim lost, drain) stops it within a tick.
+//! - `engine`: the one place wasmtime is configured (pooling, epochs).
+//! - `imports`: the WIT host interface, translated to [`RunHost`] only.
+//! - `output`: guest stdout and stderr, capped.
+//!
+//! Enforcement the guest cannot bypass lives here and in `RunHost`: memory,
+//! CPU (epoch ticks) and wall time here; payload bytes, events, tool calls,
+//! grants in `RunHost`; WASI grants nothing; and interruption: a guest yields
+//! to the host at every epoch tick, so dropping its future (claim lost,
+//! drain, a stop past its grace) stops it within a tick.
 
-pub mod manifest;
+mod engine;
+mod imports;
 mod output;
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde_json::Value;
+use async_trait::async_trait;
 use sqlx::PgPool;
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
-use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, UpdateDeadline};
+use wasmtime::{Engine, Store, UpdateDeadline};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
-use crate::agent::{AgentError, FailReason, HostError, RunHost, RunInput};
+use crate::agent::registry::{Components, InvalidComponent};
+use crate::agent::{Agent, AgentError, FailReason, RunHost, RunInput};
 use crate::db;
-use crate::tools::{LlmConfig, ToolCall, ToolRegistry};
-pub use manifest::{Limits, Manifest};
+pub use crate::run::manifest::{self as manifest, Limits, Manifest};
+pub use engine::{EPOCH_TICK, INSTANCES_MAX};
 
 mod bindings {
     wasmtime::component::bindgen!({
-        path: "../wit",
+        path: "../wit/0.1.0",
         world: "agent",
         imports: { default: async | trappable },
         exports: { default: async },
     });
 }
 
-use bindings::agent_host::plugin::{host as wit_host, types as wit_types};
+use bindings::agent_host::plugin::types as wit_types;
 use bindings::{Agent as AgentWorld, AgentPre};
 
-/// How often the engine's epoch advances: the CPU budget's unit and the
-/// longest a running guest goes without yielding to the host.
-pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 /// Guest stdout and stderr kept for the host's log, per stream.
 pub const GUEST_OUTPUT_BYTES_MAX: usize = 64 * 1024;
-/// Concurrent guest instances the pooling allocator is sized for.
-pub const INSTANCES_MAX: u32 = 2_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
@@ -63,16 +66,13 @@ pub enum SandboxError {
 
 /// The process's sandbox.
 pub struct Sandbox {
-    engine: Engine,
+    engine: engine::SandboxEngine,
     linker: Linker<Guest>,
     pool: PgPool,
     cache_dir: Option<PathBuf>,
     /// One cell per digest: concurrent first runs of a plugin compile it once.
     pres: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<AgentPre<Guest>>>>>,
-    ticker_stop: Arc<AtomicBool>,
     live: Arc<AtomicUsize>,
-    /// What `call-tool` reaches, behind each plugin's grants.
-    tools: ToolRegistry,
 }
 
 /// Counts a live guest instance for as long as it is held.
@@ -84,53 +84,16 @@ impl Drop for LiveGuard {
     }
 }
 
-impl Drop for Sandbox {
-    fn drop(&mut self) {
-        self.ticker_stop.store(true, Ordering::Relaxed);
-    }
-}
-
 impl Sandbox {
-    /// A sandbox whose only tool is the offline model (see [`Sandbox::with_tools`]).
-    pub fn new(pool: PgPool, cache_dir: Option<PathBuf>) -> Result<Arc<Sandbox>, SandboxError> {
-        let tools = ToolRegistry::from_config(&LlmConfig::default(), &[]).map_err(SandboxError::Engine)?;
-        Sandbox::with_tools(pool, cache_dir, tools)
-    }
-
     /// Builds the engine and starts its epoch ticker. `cache_dir` keeps
-    /// compiled components across restarts; `tools` serve `call-tool`.
-    pub fn with_tools(
-        pool: PgPool,
-        cache_dir: Option<PathBuf>,
-        tools: ToolRegistry,
-    ) -> Result<Arc<Sandbox>, SandboxError> {
-        let mut pooling = PoolingAllocationConfig::default();
-        pooling.total_component_instances(INSTANCES_MAX);
-        pooling.total_core_instances(INSTANCES_MAX * 4);
-        pooling.total_memories(INSTANCES_MAX * 2);
-        pooling.total_tables(INSTANCES_MAX * 4);
-        pooling.max_memory_size(manifest::MEMORY_BYTES_CEILING as usize);
-        let mut config = Config::new();
-        config.wasm_component_model(true);
-        config.epoch_interruption(true);
-        config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling));
-        let engine = Engine::new(&config).map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
-        let mut linker = Linker::<Guest>::new(&engine);
+    /// compiled components across restarts.
+    pub fn new(pool: PgPool, cache_dir: Option<PathBuf>) -> Result<Arc<Sandbox>, SandboxError> {
+        let engine = engine::SandboxEngine::new().map_err(SandboxError::Engine)?;
+        let mut linker = Linker::<Guest>::new(&engine.engine);
         // WASI is linked so standard guests instantiate, and grants nothing.
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
         AgentWorld::add_to_linker::<_, HasSelf<_>>(&mut linker, |g| g)
             .map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
-        let ticker_stop = Arc::new(AtomicBool::new(false));
-        let (e, stop) = (engine.clone(), ticker_stop.clone());
-        std::thread::Builder::new()
-            .name("epoch-ticker".into())
-            .spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(EPOCH_TICK);
-                    e.increment_epoch();
-                }
-            })
-            .map_err(|e| SandboxError::Engine(e.to_string()))?;
         if let Some(dir) = &cache_dir {
             std::fs::create_dir_all(dir)
                 .map_err(|e| SandboxError::Engine(format!("cache dir {}: {e}", dir.display())))?;
@@ -141,10 +104,12 @@ impl Sandbox {
             pool,
             cache_dir,
             pres: Mutex::new(HashMap::new()),
-            ticker_stop,
             live: Arc::new(AtomicUsize::new(0)),
-            tools,
         }))
+    }
+
+    fn wasm(&self) -> &Engine {
+        &self.engine.engine
     }
 
     /// Guest instances alive right now.
@@ -155,7 +120,7 @@ impl Sandbox {
     /// Checks that `bytes` are a component of this world that imports only
     /// what the host provides. The error says what does not fit.
     pub fn validate(&self, bytes: &[u8]) -> Result<(), SandboxError> {
-        let component = Component::new(&self.engine, bytes).map_err(|e| SandboxError::Invalid(format!("{e:#}")))?;
+        let component = Component::new(self.wasm(), bytes).map_err(|e| SandboxError::Invalid(format!("{e:#}")))?;
         self.prepare(&component)?;
         Ok(())
     }
@@ -167,7 +132,7 @@ impl Sandbox {
 
     fn cache_path(&self, digest: &str) -> Option<PathBuf> {
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        self.engine.precompile_compatibility_hash().hash(&mut h);
+        self.wasm().precompile_compatibility_hash().hash(&mut h);
         let hex = digest.trim_start_matches("sha256:");
         self.cache_dir.as_ref().map(|d| d.join(format!("{hex}-{:016x}.cwasm", h.finish())))
     }
@@ -185,14 +150,14 @@ impl Sandbox {
             // SAFETY: files in the cache directory are written only by
             // `Component::serialize` of this engine configuration (the name
             // carries the engine's compatibility hash).
-            unsafe { Component::deserialize_file(&self.engine, p) }.ok()
+            unsafe { Component::deserialize_file(self.wasm(), p) }.ok()
         }) {
             Some(c) => c,
             None => {
                 let bytes = db::plugins::component(&self.pool, digest)
                     .await?
                     .ok_or_else(|| SandboxError::Missing(digest.into()))?;
-                let engine = self.engine.clone();
+                let engine = self.wasm().clone();
                 let component = tokio::task::spawn_blocking(move || Component::new(&engine, &bytes))
                     .await
                     .map_err(|e| SandboxError::Engine(e.to_string()))?
@@ -213,17 +178,20 @@ impl Sandbox {
         self.prepare(&component)
     }
 
-    /// Runs one turn of the component `digest` under `manifest`.
-    pub async fn run(
-        &self,
-        host: &RunHost,
-        digest: &str,
-        manifest: &Manifest,
-        input: RunInput,
-        history: Vec<(String, String)>,
-    ) -> Result<String, AgentError> {
-        let pre = self.pre(digest).await.map_err(|e| AgentError::failed(FailReason::Unavailable, e.to_string()))?;
-        let limits = manifest.limits.clone();
+}
+
+/// A stored component as an [`Agent`]: one turn is one fresh instance.
+pub struct WasmAgent {
+    engine: Engine,
+    live: Arc<AtomicUsize>,
+    pre: AgentPre<Guest>,
+    limits: Limits,
+}
+
+impl WasmAgent {
+    /// Runs one turn of the prepared component under `limits`.
+    async fn execute(&self, host: &RunHost, input: RunInput) -> Result<String, AgentError> {
+        let (pre, limits) = (&self.pre, &self.limits);
         let stdout = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
         let stderr = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
         // Nothing is granted: no preopens, no environment, no network.
@@ -233,12 +201,8 @@ impl Sandbox {
             table: ResourceTable::new(),
             limiter: MemoryLimiter { memory_max: limits.memory_bytes as usize, denied: false },
             host: host.clone(),
-            tools: self.tools.clone(),
-            manifest: manifest.clone(),
-            events: 0,
-            tool_calls: 0,
             cpu_ticks: 0,
-            failure: None,
+            cpu_exceeded: false,
         };
         let mut store = Store::new(&self.engine, guest);
         store.limiter(|g| &mut g.limiter);
@@ -249,7 +213,7 @@ impl Sandbox {
             let g = ctx.data_mut();
             g.cpu_ticks += 1;
             if g.cpu_ticks > cpu_ticks_max {
-                g.failure = Some(format!("cpu time budget of {cpu_ms} ms exceeded"));
+                g.cpu_exceeded = true;
                 return Ok(UpdateDeadline::Interrupt);
             }
             // Yield to the host every tick: the run's future can then be
@@ -260,7 +224,11 @@ impl Sandbox {
             run_id: input.run_id.to_string(),
             conversation_id: input.conversation_id.to_string(),
             content: input.content,
-            history: history.into_iter().map(|(role, content)| wit_types::Message { role, content }).collect(),
+            history: input
+                .history
+                .into_iter()
+                .map(|m| wit_types::Message { role: m.role, content: m.content })
+                .collect(),
             config: input.config.to_string(),
         };
         let wall = Duration::from_millis(limits.wall_ms);
@@ -276,23 +244,53 @@ impl Sandbox {
         log_output(run_id, "stdout", &stdout);
         log_output(run_id, "stderr", &stderr);
         let data = store.data();
+        let limit = |what: String| AgentError::failed(FailReason::Limit, what);
+        // A limit the guest hit wins over whatever it did next.
+        let hit = if data.cpu_exceeded {
+            Some(format!("cpu time budget of {cpu_ms} ms exceeded"))
+        } else {
+            host.limit_failure()
+        };
         let result = match outcome {
-            Err(_) => Err(AgentError::failed(FailReason::Limit, format!("wall time of {} ms exceeded", limits.wall_ms))),
-            Ok(Err(trap)) => Err(match (&data.failure, data.limiter.denied) {
-                (Some(f), _) => AgentError::failed(FailReason::Limit, f.clone()),
-                (None, true) => {
-                    AgentError::failed(FailReason::Limit, format!("memory of {} bytes exceeded", limits.memory_bytes))
-                }
+            Err(_) => Err(limit(format!("wall time of {} ms exceeded", limits.wall_ms))),
+            Ok(Err(trap)) => Err(match (hit, data.limiter.denied) {
+                (Some(f), _) => limit(f),
+                (None, true) => limit(format!("memory of {} bytes exceeded", limits.memory_bytes)),
                 (None, false) => AgentError::failed(FailReason::Trap, trap.root_cause().to_string()),
             }),
-            Ok(Ok(answer)) => match (&data.failure, answer) {
-                (Some(f), _) => Err(AgentError::failed(FailReason::Limit, f.clone())),
+            Ok(Ok(answer)) => match (hit, answer) {
+                (Some(f), _) => Err(limit(f)),
                 (None, Ok(text)) => Ok(text),
                 (None, Err(message)) => Err(AgentError::failed(FailReason::Plugin, message)),
             },
         };
         drop(store);
         result
+    }
+}
+
+#[async_trait]
+impl Agent for WasmAgent {
+    async fn run(&self, host: &RunHost, input: RunInput) -> Result<String, AgentError> {
+        self.execute(host, input).await
+    }
+}
+
+/// The sandbox is where the agent registry finds components.
+#[async_trait]
+impl Components for Sandbox {
+    async fn agent(&self, digest: &str, manifest: &Manifest) -> Result<Arc<dyn Agent>, AgentError> {
+        let pre = self.pre(digest).await.map_err(|e| AgentError::failed(FailReason::Unavailable, e.to_string()))?;
+        let (engine, live) = (self.wasm().clone(), self.live.clone());
+        Ok(Arc::new(WasmAgent { engine, live, pre, limits: manifest.limits.clone() }))
+    }
+
+    fn validate(&self, bytes: &[u8]) -> Result<(), InvalidComponent> {
+        Sandbox::validate(self, bytes).map_err(|e| InvalidComponent(e.to_string()))
+    }
+
+    fn live(&self) -> usize {
+        Sandbox::live(self)
     }
 }
 
@@ -323,115 +321,19 @@ impl wasmtime::ResourceLimiter for MemoryLimiter {
     }
 }
 
-/// A run's store data: WASI (granting nothing), limits, and the run's host.
+/// A run's store data: WASI (granting nothing), the memory limiter, the CPU
+/// budget's count, and the run's host (which owns every other limit).
 pub struct Guest {
     wasi: WasiCtx,
     table: ResourceTable,
     limiter: MemoryLimiter,
     host: RunHost,
-    tools: ToolRegistry,
-    manifest: Manifest,
-    events: u64,
-    tool_calls: u64,
     cpu_ticks: u64,
-    /// What limit was hit: the run must fail with it (reason `limit`).
-    failure: Option<String>,
+    cpu_exceeded: bool,
 }
 
 impl WasiView for Guest {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
-    }
-}
-
-fn to_wit(e: HostError) -> wit_types::HostError {
-    match e {
-        HostError::Cancelled => wit_types::HostError::Cancelled,
-        HostError::Fenced => wit_types::HostError::Fenced,
-        HostError::Denied(m) => wit_types::HostError::Denied(m),
-        HostError::Invalid(m) => wit_types::HostError::Invalid(m),
-        HostError::Limit(m) => wit_types::HostError::Limit(m),
-        HostError::ToolFailed(m) | HostError::Unavailable(m) => wit_types::HostError::ToolFailed(m),
-    }
-}
-
-impl Guest {
-    /// A limit refusal: the guest gets the typed error, and the run will end
-    /// failed with the reason whatever the guest does next.
-    fn limit(&mut self, reason: String) -> wit_types::HostError {
-        if self.failure.is_none() {
-            self.failure = Some(reason.clone());
-        }
-        wit_types::HostError::Limit(reason)
-    }
-}
-
-impl wit_types::Host for Guest {}
-
-impl wit_host::Host for Guest {
-    async fn emit_event(
-        &mut self,
-        kind: String,
-        payload: String,
-    ) -> wasmtime::Result<Result<(), wit_types::HostError>> {
-        let max = self.manifest.limits.payload_bytes;
-        if payload.len() as u64 > max {
-            return Ok(Err(self.limit(format!("event payload of {} bytes exceeds {max}", payload.len()))));
-        }
-        self.events += 1;
-        if self.events > self.manifest.limits.events_max {
-            return Ok(Err(self.limit(format!("more than {} events", self.manifest.limits.events_max))));
-        }
-        let value: Value = match serde_json::from_str(&payload) {
-            Ok(v @ Value::Object(_)) => v,
-            _ => return Ok(Err(wit_types::HostError::Invalid("payload must be a JSON object".into()))),
-        };
-        Ok(self.host.emit_event(&kind, value).await.map_err(to_wit))
-    }
-
-    async fn call_tool(
-        &mut self,
-        name: String,
-        args: String,
-    ) -> wasmtime::Result<Result<String, wit_types::HostError>> {
-        if self.host.check_cancel() {
-            return Ok(Err(wit_types::HostError::Cancelled));
-        }
-        let max = self.manifest.limits.payload_bytes;
-        if args.len() as u64 > max {
-            return Ok(Err(self.limit(format!("tool arguments of {} bytes exceed {max}", args.len()))));
-        }
-        if !self.manifest.tools.iter().any(|t| t == &name) {
-            return Ok(Err(wit_types::HostError::Denied(format!("tool {name:?} is not granted to this plugin"))));
-        }
-        self.tool_calls += 1;
-        if self.tool_calls > self.manifest.limits.tool_calls_max {
-            return Ok(Err(self.limit(format!("more than {} tool calls", self.manifest.limits.tool_calls_max))));
-        }
-        let args: Value = match serde_json::from_str(&args) {
-            Ok(v) => v,
-            Err(e) => return Ok(Err(wit_types::HostError::Invalid(format!("tool arguments are not JSON: {e}")))),
-        };
-        // With the run id, the call's index is the webhook's Idempotency-Key:
-        // 1-based, never repeated within a run.
-        let call = ToolCall {
-            run_id: self.host.run_id(),
-            call_index: self.tool_calls as u32,
-            name: &name,
-            args,
-            timeout_max: Some(Duration::from_millis(self.manifest.limits.tool_timeout_ms)),
-        };
-        let answer = self.tools.invoke(call, &self.host, self.host.cancelled()).await;
-        match answer {
-            Ok(text) if text.len() as u64 > max => {
-                Ok(Err(self.limit(format!("tool answer of {} bytes exceeds {max}", text.len()))))
-            }
-            Ok(text) => Ok(Ok(text)),
-            Err(e) => Ok(Err(to_wit(e))),
-        }
-    }
-
-    async fn check_cancel(&mut self) -> wasmtime::Result<bool> {
-        Ok(self.host.check_cancel())
     }
 }

@@ -1,8 +1,9 @@
 //! Host tools behind the WIT import `call-tool`: the model (`llm`) and the
 //! operator's webhook tools. The host runs them, not the guest, so that
 //! credentials stay in the host and timeouts, cancellation and journaling hold
-//! whatever the guest does. Grants and per-run limits are the sandbox's
-//! business; the registry runs one call it is handed.
+//! whatever the guest does. Grants, per-run limits and the call's ordinal
+//! are the run host's business (`run::host`); the registry runs one call it
+//! is handed, streaming into an [`EventSink`] (the run host, or a test's).
 
 mod config;
 mod llm;
@@ -17,7 +18,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use serde_json::{json, Value};
 
-use crate::agent::{HostError, RunHost};
+use crate::db::events::{TOOL_CALL_FINISHED, TOOL_CALL_STARTED};
+use crate::run::error::HostError;
 use crate::db::RunId;
 
 pub use config::{load_tools_file, LlmConfig, WebhookConfig};
@@ -39,23 +41,6 @@ pub trait EventSink: Send + Sync {
     async fn event(&self, kind: &str, payload: Value) -> Result<(), HostError>;
     /// Tokens a model call used, added to the run's total.
     fn usage(&self, _prompt_tokens: u64, _completion_tokens: u64) {}
-}
-
-#[async_trait]
-impl EventSink for RunHost {
-    /// Refused after a stop, so a model stream ends as soon as the run is cancelled.
-    async fn delta(&self, text: &str) -> Result<(), HostError> {
-        self.emit_delta(text).await
-    }
-
-    /// Not refused after a stop, so a call cut off by one is still journaled.
-    async fn event(&self, kind: &str, payload: Value) -> Result<(), HostError> {
-        self.emit_host_event(kind, payload).await
-    }
-
-    fn usage(&self, prompt_tokens: u64, completion_tokens: u64) {
-        self.add_usage(prompt_tokens, completion_tokens)
-    }
 }
 
 /// One call of a tool by a run.
@@ -136,7 +121,7 @@ impl ToolRegistry {
         let tool = self
             .get(call.name)
             .ok_or_else(|| HostError::Denied(format!("no tool named {:?} on this host", call.name)))?;
-        sink.event("tool_call_started", json!({ "call_index": call.call_index, "name": call.name })).await?;
+        sink.event(TOOL_CALL_STARTED, json!({ "call_index": call.call_index, "name": call.name })).await?;
         let started = Instant::now();
         let limit = call.timeout_max.map_or(tool.timeout(), |max| max.min(tool.timeout()));
         let ended: Result<Value, (&str, HostError)> = tokio::select! {
@@ -178,7 +163,7 @@ impl ToolRegistry {
                 Err(e)
             }
         };
-        sink.event("tool_call_finished", finished).await?;
+        sink.event(TOOL_CALL_FINISHED, finished).await?;
         answer
     }
 }

@@ -57,6 +57,9 @@ pub struct WorkerConfig {
     pub worker_id: String,
     /// How long content deltas merge before a journal flush.
     pub journal_flush: Duration,
+    /// How long a run's journal flushes may keep failing (the database
+    /// unreachable) before the run is given up and ends failed.
+    pub journal_give_up: Duration,
     /// How long a terminal run's events are kept.
     pub retention: Duration,
     /// How often retention runs.
@@ -82,7 +85,8 @@ impl Default for WorkerConfig {
             poll_tick: POLL_TICK_DEFAULT,
             drain_timeout: DRAIN_TIMEOUT_DEFAULT,
             worker_id: default_worker_id(),
-            journal_flush: crate::journal::FLUSH_DEFAULT,
+            journal_flush: crate::run::journal::FLUSH_DEFAULT,
+            journal_give_up: crate::run::journal::GIVE_UP_DEFAULT,
             retention: RETENTION_DEFAULT,
             retention_interval: RETENTION_INTERVAL_DEFAULT,
             cancel_grace: CANCEL_GRACE_DEFAULT,
@@ -119,6 +123,7 @@ impl WorkerConfig {
             ("reap interval", self.reap_interval),
             ("poll tick", self.poll_tick),
             ("journal flush", self.journal_flush),
+            ("journal give-up", self.journal_give_up),
             ("retention interval", self.retention_interval),
         ] {
             if d.is_zero() {
@@ -222,7 +227,7 @@ pub(crate) struct Shared {
     /// Background services (heartbeat, reaper) stop last.
     stop_services: CancellationToken,
     stats: Arc<WorkerStats>,
-    journal_stats: Arc<crate::journal::JournalStats>,
+    journal_stats: Arc<crate::run::journal::JournalStats>,
     /// Conversations whose run this process just ended, for the waker.
     ended: mpsc::Sender<(RunId, ConversationId)>,
 }
@@ -231,7 +236,7 @@ pub(crate) struct Shared {
 #[derive(Clone)]
 pub struct WorkerObserver {
     pub worker: Arc<WorkerStats>,
-    pub journal: Arc<crate::journal::JournalStats>,
+    pub journal: Arc<crate::run::journal::JournalStats>,
     shared: Arc<Shared>,
 }
 
@@ -280,7 +285,7 @@ impl Worker {
             abort_runs: CancellationToken::new(),
             stop_services: CancellationToken::new(),
             stats: Arc::new(WorkerStats::default()),
-            journal_stats: Arc::new(crate::journal::JournalStats::default()),
+            journal_stats: Arc::new(crate::run::journal::JournalStats::default()),
             ended,
         });
         // The boot reconciler: a full-cluster restart leaves orphans no
@@ -305,7 +310,7 @@ impl Worker {
         self.shared.stats.clone()
     }
 
-    pub fn journal_stats(&self) -> Arc<crate::journal::JournalStats> {
+    pub fn journal_stats(&self) -> Arc<crate::run::journal::JournalStats> {
         self.shared.journal_stats.clone()
     }
 

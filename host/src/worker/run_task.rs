@@ -9,14 +9,14 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::agent::{AgentError, FailReason, HostError, RunHost, RunInput};
-use crate::db::{self, runs::ClaimedRun, runs::Finish, RunStatus};
-use crate::journal::Journal;
+use crate::agent::registry::HISTORY_MESSAGES_MAX;
+use crate::agent::{AgentError, FailReason, HostError, Message, Resolved, RunHost, RunInput, Usage};
+use crate::db::{self, runs::ClaimedRun, runs::Finish, MessageStatus, RunStatus};
+use crate::run::host::RunHostParts;
+use crate::run::journal::{Journal, JournalConfig, FIRST_RUN_SEQ};
+use crate::run::text;
 
 use super::{Held, Shared};
-
-/// Messages of history a plugin receives at most.
-const HISTORY_MESSAGES_MAX: i64 = 200;
 
 /// How a run task ended.
 enum Outcome {
@@ -51,7 +51,11 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
             let outcome = tokio::spawn(execute(shared.clone(), row, lost, cancel))
                 .in_current_span()
                 .await
-                .unwrap_or_else(|e| Outcome::Unfinalized(FailReason::Host.message(format!("run task {e}"))));
+                .unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "run task died");
+                    let what = if e.is_panic() { "the run's task panicked" } else { "the run's task was cancelled" };
+                    Outcome::Unfinalized(FailReason::Host.message(what))
+                });
             match outcome {
                 Outcome::Finalized => {
                     shared.stats.finished.fetch_add(1, Ordering::Relaxed);
@@ -83,24 +87,21 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
 }
 
 async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, cancel: CancellationToken) -> Outcome {
-    enum Runner {
-        Builtin(std::sync::Arc<dyn crate::agent::Agent>),
-        Wasm(std::sync::Arc<crate::sandbox::Sandbox>, String, crate::sandbox::Manifest),
-    }
-    let runner = match (&row.plugin_digest, shared.agents.sandbox()) {
-        (Some(digest), Some(sandbox)) => {
-            let manifest =
-                row.plugin_manifest.as_ref().map(crate::sandbox::Manifest::parse).unwrap_or(Ok(Default::default()));
-            match manifest {
-                Ok(m) => Runner::Wasm(sandbox.clone(), digest.clone(), m),
-                Err(e) => return finalize(&shared, &row, Err(AgentError::failed(FailReason::Unavailable, e)), "", None).await,
-            }
-        }
-        (None, _) if shared.agents.get(&row.plugin).is_some() => {
-            Runner::Builtin(shared.agents.get(&row.plugin).unwrap())
-        }
-        _ => {
-            let e = AgentError::failed(FailReason::Unavailable, format!("plugin {:?} is not available on this host", row.plugin));
+    // One registry resolves built-ins and components alike.
+    let resolved =
+        shared.agents.resolve(&row.plugin, row.plugin_digest.as_deref(), row.plugin_manifest.as_ref()).await;
+    let Resolved { agent, manifest } = match resolved {
+        Ok(r) => r,
+        Err(e) => return finalize(&shared, &row, Err(e), "", None).await,
+    };
+    // Every agent sees the conversation before this turn.
+    let history = match db::runs::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX)
+        .await
+    {
+        Ok(h) => h.into_iter().map(|(role, content)| Message { role, content }).collect(),
+        Err(e) => {
+            tracing::error!(error = %e, "reading the conversation's history failed");
+            let e = AgentError::failed(FailReason::Host, "the conversation's history could not be read");
             return finalize(&shared, &row, Err(e), "", None).await;
         }
     };
@@ -108,17 +109,24 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         shared.pool.clone(),
         row.id,
         row.claim_token,
-        4, // seq 1-2 belong to enqueue, 3 to the claim's run_started
-        shared.config.journal_flush,
+        FIRST_RUN_SEQ,
+        JournalConfig { flush_every: shared.config.journal_flush, give_up_after: shared.config.journal_give_up },
         lost.clone(),
         shared.journal_stats.clone(),
     );
-    let host = RunHost::new(row.id, journal, cancel.clone());
+    let host = RunHost::new(RunHostParts {
+        run_id: row.id,
+        journal,
+        cancel: cancel.clone(),
+        tools: shared.agents.tools().clone(),
+        manifest,
+    });
     let input = RunInput {
         run_id: row.id,
         conversation_id: row.conversation_id,
         content: row.content.clone(),
         config: row.config.clone(),
+        history,
     };
     // A stop is cooperative first: the agent sees `check-cancel` and refusals.
     // One that has not returned within the grace is interrupted (its future,
@@ -135,18 +143,18 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
             tracing::warn!(grace_ms = grace.as_millis() as u64, "run ignored its stop past the grace; interrupted");
             Err(AgentError::Interrupted(grace.as_millis() as u64))
         }
-        _ = shared.abort_runs.cancelled() => Err(AgentError::failed(FailReason::DrainTimeout, "the host shut down before the run finished")),
-        r = async {
-            match &runner {
-                Runner::Builtin(agent) => agent.run(&host, input).await,
-                Runner::Wasm(sandbox, digest, manifest) => {
-                    let history = db::runs::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX)
-                        .await
-                        .map_err(|e| AgentError::Host(HostError::Unavailable(e.to_string())))?;
-                    sandbox.run(&host, digest, manifest, input, history).await
-                }
-            }
-        } => r,
+        _ = shared.abort_runs.cancelled() => {
+            Err(AgentError::failed(FailReason::DrainTimeout, "the host shut down before the run finished"))
+        }
+        _ = host.journal_gave_up() => {
+            Err(AgentError::failed(FailReason::Host, "the run's journal could not be written: the database was unreachable too long"))
+        }
+        r = agent.run(&host, input) => r,
+    };
+    // A limit the run hit ends it failed, whatever the agent made of the refusal.
+    let result = match (host.limit_failure(), result) {
+        (Some(limit), Ok(_) | Err(AgentError::Host(_))) => Err(AgentError::failed(FailReason::Limit, limit)),
+        (_, r) => r,
     };
     // Once a stop was requested, the run ends cancelled whatever the agent
     // says (a guest's own error string, a trap at interrupt, or an answer it
@@ -181,31 +189,52 @@ async fn finalize(
     row: &ClaimedRun,
     result: Result<String, AgentError>,
     streamed: &str,
-    usage: Option<crate::agent::Usage>,
+    usage: Option<Usage>,
 ) -> Outcome {
+    let partial = |text: &str| (!text.is_empty()).then(|| (text.to_string(), MessageStatus::Partial));
     let (status, error, assistant) = match &result {
-        Ok(text) => (RunStatus::Completed, None, Some((text.as_str(), "complete"))),
+        Ok(text) => (RunStatus::Completed, None, Some((text.clone(), MessageStatus::Complete))),
         Err(AgentError::Host(HostError::Fenced)) => return Outcome::Lost,
-        Err(AgentError::Host(HostError::Cancelled)) => {
-            (RunStatus::Cancelled, None, (!streamed.is_empty()).then_some((streamed, "partial")))
-        }
-        Err(e @ AgentError::Interrupted(_)) => {
-            (RunStatus::Cancelled, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, "partial")))
-        }
-        Err(e) => (RunStatus::Failed, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, "partial"))),
+        Err(AgentError::Host(HostError::Cancelled)) => (RunStatus::Cancelled, None, partial(streamed)),
+        Err(e @ AgentError::Interrupted(_)) => (RunStatus::Cancelled, Some(e.to_string()), partial(streamed)),
+        Err(e) => (RunStatus::Failed, Some(e.to_string()), partial(streamed)),
     };
+    let reason = match &result {
+        Err(e) if status == RunStatus::Failed => Some(e.reason()),
+        _ => None,
+    };
+    // What the agent said must be storable (U+0000 from a guest or a model).
+    let mut replaced = 0;
+    let mut storable = |s: String| {
+        replaced += text::nul_count(&s);
+        text::storable(&s).into_owned()
+    };
+    let error = error.map(&mut storable);
+    let assistant = assistant.map(|(t, s)| (storable(t), s));
+    if replaced > 0 {
+        shared.journal_stats.nul_replaced.fetch_add(replaced as u64, Ordering::Relaxed);
+    }
     let usage = usage.map(|u| serde_json::to_value(u).expect("usage serializes"));
-    let finish = Finish { status, error: error.as_deref(), assistant, usage };
+    let finish = Finish {
+        status,
+        error: error.as_deref(),
+        assistant: assistant.as_ref().map(|(t, s)| (t.as_str(), s.as_str())),
+        usage,
+    };
     // No more heartbeats for a run that is ending: one landing after our
     // terminal write would find the claim gone and cry wolf.
     shared.held.lock().unwrap().remove(&row.id);
     match db::runs::finish(&shared.pool, row.id, row.claim_token, &finish).await {
         Ok(true) => {
-            shared.stats.record_end(status, result.as_ref().err().filter(|_| status == RunStatus::Failed).map(AgentError::reason));
+            shared.stats.record_end(status, reason);
             Outcome::Finalized
         }
         // Zero rows: someone else ended this run. Stand down.
         Ok(false) => Outcome::Lost,
-        Err(e) => Outcome::Unfinalized(FailReason::Host.message(format!("terminal write failed: {e}"))),
+        Err(e) => {
+            // The driver's text goes to the log, not to the run's error: clients read that.
+            tracing::error!(error = %e, "terminal write failed");
+            Outcome::Unfinalized(FailReason::Host.message("the run's ending could not be written"))
+        }
     }
 }

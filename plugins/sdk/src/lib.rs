@@ -15,7 +15,7 @@
 #[doc(hidden)]
 pub mod bindings {
     wit_bindgen::generate!({
-        path: "../../wit",
+        path: "../../wit/0.1.0",
         world: "agent",
         pub_export_macro: true,
         export_macro_name: "__export_agent_world",

@@ -1,0 +1,132 @@
+//! The one registry that resolves a run's (plugin, digest, manifest) to the
+//! agent that executes it: a built-in by name, or a WebAssembly component by
+//! digest through [`Components`] (the sandbox implements it; this module does
+//! not import the sandbox). It also holds the host's tools, which every run's
+//! [`crate::run::host::RunHost`] reaches behind its plugin's grants.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use serde_json::Value;
+
+use super::{Agent, AgentError, Echo, FailReason, Noop, Sleep};
+use crate::run::manifest::Manifest;
+use crate::tools::ToolRegistry;
+
+/// Messages of history an agent receives at most.
+pub const HISTORY_MESSAGES_MAX: i64 = 200;
+
+/// A component that does not fit the host's world.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidComponent(pub String);
+
+/// Agents made from stored WebAssembly components.
+#[async_trait]
+pub trait Components: Send + Sync + 'static {
+    /// The agent for the component `digest`, run under `manifest`.
+    async fn agent(&self, digest: &str, manifest: &Manifest) -> Result<Arc<dyn Agent>, AgentError>;
+    /// Checks that `bytes` are a component this host can run; the error says
+    /// what does not fit.
+    fn validate(&self, bytes: &[u8]) -> Result<(), InvalidComponent>;
+    /// Guest instances alive right now.
+    fn live(&self) -> usize;
+}
+
+/// A run's agent with the manifest it runs under.
+pub struct Resolved {
+    pub agent: Arc<dyn Agent>,
+    pub manifest: Manifest,
+}
+
+/// Agents by plugin name, components by digest, and the host's tools.
+#[derive(Clone, Default)]
+pub struct AgentRegistry {
+    builtins: HashMap<String, (Arc<dyn Agent>, Manifest)>,
+    components: Option<Arc<dyn Components>>,
+    tools: ToolRegistry,
+}
+
+impl AgentRegistry {
+    /// The built-in agents: `noop`, `echo` and `sleep`.
+    pub fn with_builtins() -> Self {
+        let mut r = AgentRegistry::default();
+        r.insert("noop", Arc::new(Noop));
+        r.insert("echo", Arc::new(Echo));
+        r.insert("sleep", Arc::new(Sleep));
+        r
+    }
+
+    /// Runs registered WebAssembly plugins with `components` (the sandbox).
+    pub fn with_sandbox(mut self, components: Arc<dyn Components>) -> Self {
+        self.components = Some(components);
+        self
+    }
+
+    /// The tools `call-tool` reaches (behind each plugin's grants).
+    pub fn with_tools(mut self, tools: ToolRegistry) -> Self {
+        self.tools = tools;
+        self
+    }
+
+    pub fn sandbox(&self) -> Option<&Arc<dyn Components>> {
+        self.components.as_ref()
+    }
+
+    pub fn tools(&self) -> &ToolRegistry {
+        &self.tools
+    }
+
+    /// A built-in agent granted nothing (its manifest is the default).
+    pub fn insert(&mut self, name: &str, agent: Arc<dyn Agent>) {
+        self.insert_with_manifest(name, agent, Manifest::default());
+    }
+
+    /// A built-in agent with its grants and limits.
+    pub fn insert_with_manifest(&mut self, name: &str, agent: Arc<dyn Agent>, manifest: Manifest) {
+        self.builtins.insert(name.to_string(), (agent, manifest));
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<dyn Agent>> {
+        self.builtins.get(name).map(|(a, _)| a.clone())
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.builtins.contains_key(name)
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.builtins.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// The agent for a run: its pinned digest (with the manifest pinned
+    /// beside it) names a component; no digest names a built-in.
+    pub async fn resolve(
+        &self,
+        plugin: &str,
+        digest: Option<&str>,
+        manifest: Option<&Value>,
+    ) -> Result<Resolved, AgentError> {
+        let unavailable = || {
+            AgentError::failed(FailReason::Unavailable, format!("plugin {plugin:?} is not available on this host"))
+        };
+        match digest {
+            Some(digest) => {
+                let components = self.components.as_ref().ok_or_else(unavailable)?;
+                let manifest = match manifest {
+                    Some(m) => Manifest::parse(m).map_err(|e| AgentError::failed(FailReason::Unavailable, e))?,
+                    None => Manifest::default(),
+                };
+                let agent = components.agent(digest, &manifest).await?;
+                Ok(Resolved { agent, manifest })
+            }
+            None => {
+                let (agent, manifest) = self.builtins.get(plugin).ok_or_else(unavailable)?;
+                Ok(Resolved { agent: agent.clone(), manifest: manifest.clone() })
+            }
+        }
+    }
+}

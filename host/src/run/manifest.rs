@@ -1,0 +1,120 @@
+//! A plugin's manifest: the tools it is granted and its limits, pinned on
+//! the run at enqueue beside the digest. Every limit has a default and a
+//! ceiling; exceeding one at run time ends the run `failed` with reason
+//! `limit`. [`crate::run::host::RunHost`] enforces the per-call ones (payload,
+//! events, tool calls, tool timeout), the sandbox the rest (memory, CPU, wall).
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// Tools `call-tool` may reach; anything else is `denied`.
+    #[serde(default)]
+    pub tools: Vec<String>,
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Linear memory of the guest.
+    pub memory_bytes: u64,
+    /// CPU time spent executing guest code, counted in epoch ticks.
+    pub cpu_ms: u64,
+    /// Wall time of one run, host calls included.
+    pub wall_ms: u64,
+    /// Bytes of one host call's arguments (an event payload, tool arguments).
+    pub payload_bytes: u64,
+    /// Events one run may emit.
+    pub events_max: u64,
+    /// Tool calls one run may make.
+    pub tool_calls_max: u64,
+    /// One tool call, at most (a tool's own timeout may be shorter).
+    pub tool_timeout_ms: u64,
+}
+
+pub const MEMORY_BYTES_DEFAULT: u64 = 64 << 20;
+/// The ceiling an operator's manifest may ask for.
+pub const MEMORY_BYTES_CEILING: u64 = 1 << 30;
+/// Ceilings of the other limits: a manifest asking for more is refused.
+pub const CPU_MS_CEILING: u64 = 3_600_000;
+pub const WALL_MS_CEILING: u64 = 24 * 3_600_000;
+pub const PAYLOAD_BYTES_CEILING: u64 = 16 << 20;
+pub const EVENTS_CEILING: u64 = 10_000_000;
+pub const TOOL_CALLS_CEILING: u64 = 100_000;
+pub const TOOL_TIMEOUT_MS_CEILING: u64 = 3_600_000;
+/// Tools one manifest may name, and the length of a name.
+pub const TOOLS_MAX: usize = 256;
+pub const TOOL_NAME_BYTES_MAX: usize = 64;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            memory_bytes: MEMORY_BYTES_DEFAULT,
+            cpu_ms: 60_000,
+            wall_ms: 600_000,
+            payload_bytes: 1 << 20,
+            events_max: 100_000,
+            tool_calls_max: 1_000,
+            tool_timeout_ms: 300_000,
+        }
+    }
+}
+
+impl Manifest {
+    /// Parses and checks a manifest; the message says what is wrong.
+    pub fn parse(value: &serde_json::Value) -> Result<Manifest, String> {
+        let m: Manifest = serde_json::from_value(value.clone()).map_err(|e| format!("manifest: {e}"))?;
+        let l = &m.limits;
+        if l.memory_bytes < (1 << 20) || l.memory_bytes > MEMORY_BYTES_CEILING {
+            return Err(format!("manifest: limits.memory_bytes must be 1 MiB to 1 GiB, not {}", l.memory_bytes));
+        }
+        for (name, v, ceiling) in [
+            ("cpu_ms", l.cpu_ms, CPU_MS_CEILING),
+            ("wall_ms", l.wall_ms, WALL_MS_CEILING),
+            ("payload_bytes", l.payload_bytes, PAYLOAD_BYTES_CEILING),
+            ("events_max", l.events_max, EVENTS_CEILING),
+            ("tool_calls_max", l.tool_calls_max, TOOL_CALLS_CEILING),
+            ("tool_timeout_ms", l.tool_timeout_ms, TOOL_TIMEOUT_MS_CEILING),
+        ] {
+            if v == 0 || v > ceiling {
+                return Err(format!("manifest: limits.{name} must be 1 to {ceiling}, not {v}"));
+            }
+        }
+        if m.tools.len() > TOOLS_MAX {
+            return Err(format!("manifest: at most {TOOLS_MAX} tools, not {}", m.tools.len()));
+        }
+        if let Some(t) = m.tools.iter().find(|t| t.is_empty() || t.len() > TOOL_NAME_BYTES_MAX) {
+            return Err(format!("manifest: tool name {t:?} must be 1-{TOOL_NAME_BYTES_MAX} bytes"));
+        }
+        Ok(m)
+    }
+
+    /// Whether `call-tool` may reach `tool`.
+    pub fn grants(&self, tool: &str) -> bool {
+        self.tools.iter().any(|t| t == tool)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn limits_have_ceilings() {
+        assert!(Manifest::parse(&json!({})).is_ok());
+        let e = Manifest::parse(&json!({ "limits": { "cpu_ms": CPU_MS_CEILING + 1 } })).unwrap_err();
+        assert_eq!(e, format!("manifest: limits.cpu_ms must be 1 to {CPU_MS_CEILING}, not {}", CPU_MS_CEILING + 1));
+        let e = Manifest::parse(&json!({ "limits": { "events_max": 0 } })).unwrap_err();
+        assert!(e.contains("limits.events_max must be 1 to"), "{e}");
+        let e = Manifest::parse(&json!({ "limits": { "memory_bytes": 2u64 << 30 } })).unwrap_err();
+        assert!(e.contains("memory_bytes"), "{e}");
+        let many: Vec<String> = (0..=TOOLS_MAX).map(|i| format!("t{i}")).collect();
+        assert!(Manifest::parse(&json!({ "tools": many })).unwrap_err().contains("at most"));
+        assert!(Manifest::parse(&json!({ "tools": [""] })).unwrap_err().contains("tool name"));
+    }
+}

@@ -1,0 +1,84 @@
+//! One rule for text that comes from guests, tools and models on its way
+//! into the database: PostgreSQL stores neither U+0000 in `text` nor the
+//! `\u0000` escape in `jsonb`, so it is replaced with U+FFFD (and counted by
+//! the caller) instead of failing the write and with it the run. What comes
+//! from clients is refused at the API edge instead (422 naming the field).
+
+use std::borrow::Cow;
+
+use serde_json::Value;
+
+/// `s` with every U+0000 replaced by U+FFFD.
+pub fn storable(s: &str) -> Cow<'_, str> {
+    if s.contains('\0') {
+        Cow::Owned(s.replace('\0', "\u{FFFD}"))
+    } else {
+        Cow::Borrowed(s)
+    }
+}
+
+/// How many U+0000 `s` holds.
+pub fn nul_count(s: &str) -> usize {
+    s.bytes().filter(|b| *b == 0).count()
+}
+
+/// Makes every string and key of `v` storable; returns how many characters
+/// were replaced.
+pub fn storable_json(v: &mut Value) -> usize {
+    match v {
+        Value::String(s) => {
+            let n = nul_count(s);
+            if n > 0 {
+                *s = s.replace('\0', "\u{FFFD}");
+            }
+            n
+        }
+        Value::Array(items) => items.iter_mut().map(storable_json).sum(),
+        Value::Object(map) => {
+            let mut n: usize = map.values_mut().map(storable_json).sum();
+            if map.keys().any(|k| k.contains('\0')) {
+                let old = std::mem::take(map);
+                for (k, v) in old {
+                    n += nul_count(&k);
+                    map.insert(k.replace('\0', "\u{FFFD}"), v);
+                }
+            }
+            n
+        }
+        _ => 0,
+    }
+}
+
+/// The size of `v` as JSON text, without building the text.
+pub fn json_bytes(v: &Value) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut c = Count(0);
+    serde_json::to_writer(&mut c, v).expect("a Value serializes");
+    c.0
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn nul_becomes_the_replacement_character_everywhere() {
+        assert_eq!(storable("before\0after"), "before\u{FFFD}after");
+        assert!(matches!(storable("clean"), Cow::Borrowed(_)));
+        let mut v = json!({ "delta": "a\u{0}b", "nested": [{ "k\u{0}": "\u{0}\u{0}" }], "n": 1 });
+        assert_eq!(storable_json(&mut v), 4);
+        assert_eq!(v, json!({ "delta": "a\u{FFFD}b", "nested": [{ "k\u{FFFD}": "\u{FFFD}\u{FFFD}" }], "n": 1 }));
+        assert_eq!(json_bytes(&v), v.to_string().len());
+    }
+}

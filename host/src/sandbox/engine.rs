@@ -1,0 +1,59 @@
+//! The one place that narrows wasmtime to what the host uses: one `Engine`
+//! per process with the component model, the pooling allocator sized for
+//! [`INSTANCES_MAX`] concurrent guests, and epoch interruption driven by a
+//! ticker thread. Nothing else in the host builds a `Config`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+
+use crate::run::manifest::MEMORY_BYTES_CEILING;
+
+/// How often the engine's epoch advances: the CPU budget's unit and the
+/// longest a running guest goes without yielding to the host.
+pub const EPOCH_TICK: Duration = Duration::from_millis(10);
+/// Concurrent guest instances the pooling allocator is sized for: a host's
+/// `--max-runs` may not exceed it.
+pub const INSTANCES_MAX: u32 = 2_000;
+
+/// The engine and its epoch ticker; the ticker stops when this is dropped.
+pub struct SandboxEngine {
+    pub engine: Engine,
+    ticker_stop: Arc<AtomicBool>,
+}
+
+impl Drop for SandboxEngine {
+    fn drop(&mut self) {
+        self.ticker_stop.store(true, Ordering::Relaxed);
+    }
+}
+
+impl SandboxEngine {
+    pub fn new() -> Result<SandboxEngine, String> {
+        let mut pooling = PoolingAllocationConfig::default();
+        pooling.total_component_instances(INSTANCES_MAX);
+        pooling.total_core_instances(INSTANCES_MAX * 4);
+        pooling.total_memories(INSTANCES_MAX * 2);
+        pooling.total_tables(INSTANCES_MAX * 4);
+        pooling.max_memory_size(MEMORY_BYTES_CEILING as usize);
+        let mut config = Config::new();
+        config.wasm_component_model(true);
+        config.epoch_interruption(true);
+        config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling));
+        let engine = Engine::new(&config).map_err(|e| format!("{e:#}"))?;
+        let ticker_stop = Arc::new(AtomicBool::new(false));
+        let (e, stop) = (engine.clone(), ticker_stop.clone());
+        std::thread::Builder::new()
+            .name("epoch-ticker".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    e.increment_epoch();
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        Ok(SandboxEngine { engine, ticker_stop })
+    }
+}
