@@ -80,7 +80,12 @@ impl Outage {
 /// A pool whose sessions the outage can find, failing fast while it lasts.
 async fn journal_pool(db: &TestDb) -> PgPool {
     let options: PgConnectOptions = db.url.parse::<PgConnectOptions>().unwrap().application_name(APP);
-    PgPoolOptions::new().max_connections(2).acquire_timeout(Duration::from_millis(500)).connect_with(options).await.unwrap()
+    PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_with(options)
+        .await
+        .unwrap()
 }
 
 async fn claimed(db: &TestDb) -> runs::ClaimedRun {

@@ -110,9 +110,8 @@ impl AgentRegistry {
         digest: Option<&str>,
         manifest: Option<&Value>,
     ) -> Result<Resolved, AgentError> {
-        let unavailable = || {
-            AgentError::failed(FailReason::Unavailable, format!("plugin {plugin:?} is not available on this host"))
-        };
+        let unavailable =
+            || AgentError::failed(FailReason::Unavailable, format!("plugin {plugin:?} is not available on this host"));
         match digest {
             Some(digest) => {
                 let components = self.components.as_ref().ok_or_else(unavailable)?;

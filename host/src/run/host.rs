@@ -234,8 +234,8 @@ impl RunHost {
         if ordinal > limits.tool_calls_max {
             return Err(self.limit(format!("more than {} tool calls", limits.tool_calls_max)));
         }
-        let args: Value = serde_json::from_str(args)
-            .map_err(|e| HostError::Invalid(format!("tool arguments are not JSON: {e}")))?;
+        let args: Value =
+            serde_json::from_str(args).map_err(|e| HostError::Invalid(format!("tool arguments are not JSON: {e}")))?;
         // With the run id, the ordinal is the webhook's Idempotency-Key:
         // 1-based, never repeated within a run.
         let call = ToolCall {

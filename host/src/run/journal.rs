@@ -376,8 +376,9 @@ impl Writer {
             match self.write_batch(n).await {
                 Ok(true) => {
                     let written: Vec<_> = self.unsent.drain(..n).collect();
-                    self.unsent_bytes =
-                        self.unsent_bytes.saturating_sub(written.iter().map(|(k, v)| k.len() + text::json_bytes(v)).sum());
+                    self.unsent_bytes = self
+                        .unsent_bytes
+                        .saturating_sub(written.iter().map(|(k, v)| k.len() + text::json_bytes(v)).sum());
                     self.next_seq += n as i32;
                     self.failing_since = None;
                     self.failures = 0;

@@ -177,7 +177,6 @@ impl Sandbox {
         };
         self.prepare(&component)
     }
-
 }
 
 /// A stored component as an [`Agent`]: one turn is one fresh instance.

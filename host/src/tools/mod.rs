@@ -19,8 +19,8 @@ use async_trait::async_trait;
 use serde_json::{json, Value};
 
 use crate::db::events::{TOOL_CALL_FINISHED, TOOL_CALL_STARTED};
-use crate::run::error::HostError;
 use crate::db::RunId;
+use crate::run::error::HostError;
 
 pub use config::{load_tools_file, LlmConfig, WebhookConfig};
 

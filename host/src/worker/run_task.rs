@@ -48,10 +48,8 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
             let (id, token, conversation) = (row.id, row.claim_token, row.conversation_id);
             // The run itself runs in its own task, so a panic in it is a
             // JoinError here rather than a lost ending.
-            let outcome = tokio::spawn(execute(shared.clone(), row, lost, cancel))
-                .in_current_span()
-                .await
-                .unwrap_or_else(|e| {
+            let outcome =
+                tokio::spawn(execute(shared.clone(), row, lost, cancel)).in_current_span().await.unwrap_or_else(|e| {
                     tracing::error!(error = %e, "run task died");
                     let what = if e.is_panic() { "the run's task panicked" } else { "the run's task was cancelled" };
                     Outcome::Unfinalized(FailReason::Host.message(what))
@@ -88,23 +86,21 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
 
 async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, cancel: CancellationToken) -> Outcome {
     // One registry resolves built-ins and components alike.
-    let resolved =
-        shared.agents.resolve(&row.plugin, row.plugin_digest.as_deref(), row.plugin_manifest.as_ref()).await;
+    let resolved = shared.agents.resolve(&row.plugin, row.plugin_digest.as_deref(), row.plugin_manifest.as_ref()).await;
     let Resolved { agent, manifest } = match resolved {
         Ok(r) => r,
         Err(e) => return finalize(&shared, &row, Err(e), "", None).await,
     };
     // Every agent sees the conversation before this turn.
-    let history = match db::runs::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX)
-        .await
-    {
-        Ok(h) => h.into_iter().map(|(role, content)| Message { role, content }).collect(),
-        Err(e) => {
-            tracing::error!(error = %e, "reading the conversation's history failed");
-            let e = AgentError::failed(FailReason::Host, "the conversation's history could not be read");
-            return finalize(&shared, &row, Err(e), "", None).await;
-        }
-    };
+    let history =
+        match db::runs::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX).await {
+            Ok(h) => h.into_iter().map(|(role, content)| Message { role, content }).collect(),
+            Err(e) => {
+                tracing::error!(error = %e, "reading the conversation's history failed");
+                let e = AgentError::failed(FailReason::Host, "the conversation's history could not be read");
+                return finalize(&shared, &row, Err(e), "", None).await;
+            }
+        };
     let journal = Journal::start(
         shared.pool.clone(),
         row.id,
