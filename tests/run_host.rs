@@ -220,6 +220,12 @@ fn agents() -> AgentRegistry {
     agents
 }
 
+async fn with_worker() -> (TestDb, Worker) {
+    let db = TestDb::new().await;
+    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents(), fast_config("w")).await.unwrap();
+    (db, w)
+}
+
 async fn answer(pool: &PgPool, run: agent_host::db::RunId) -> (String, String) {
     sqlx::query_as("SELECT content, status FROM message WHERE run_id = $1 AND role = 'assistant'")
         .bind(run)
@@ -230,8 +236,7 @@ async fn answer(pool: &PgPool, run: agent_host::db::RunId) -> (String, String) {
 
 #[tokio::test]
 async fn text_the_database_cannot_store_is_made_storable_not_fatal() {
-    let db = TestDb::new().await;
-    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents(), fast_config("w")).await.unwrap();
+    let (db, w) = with_worker().await;
     let run = enqueue(&db.pool, None, "nul", json!({})).await;
     wait_status(&db.pool, run.run_id, "completed", LONG).await;
     assert_eq!(answer(&db.pool, run.run_id).await, ("before\u{FFFD}after".into(), "complete".into()));
@@ -245,8 +250,7 @@ async fn text_the_database_cannot_store_is_made_storable_not_fatal() {
 
 #[tokio::test]
 async fn a_built_in_agent_gets_history_and_tools_behind_its_grants() {
-    let db = TestDb::new().await;
-    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents(), fast_config("w")).await.unwrap();
+    let (db, w) = with_worker().await;
     let first = enqueue(&db.pool, None, "echo", json!({})).await;
     wait_status(&db.pool, first.run_id, "completed", LONG).await;
     let second = enqueue(&db.pool, Some(first.conversation_id), "probe", json!({})).await;
@@ -270,8 +274,7 @@ async fn a_built_in_agent_gets_history_and_tools_behind_its_grants() {
 
 #[tokio::test]
 async fn the_partial_answer_a_run_keeps_is_bounded() {
-    let db = TestDb::new().await;
-    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents(), fast_config("w")).await.unwrap();
+    let (db, w) = with_worker().await;
     let run = enqueue(&db.pool, None, "flood", json!({})).await;
     wait_for("the flood to be journaled", LONG, || {
         let pool = db.pool.clone();

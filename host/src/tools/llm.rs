@@ -889,9 +889,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_endpoint_that_refuses_connections_is_a_tool_failure() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        drop(listener);
+        let addr = super::super::tests::closed_address();
         let config = LlmConfig {
             base_url: Some(format!("http://{addr}/v1")),
             api_key: None,

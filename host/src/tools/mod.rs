@@ -312,7 +312,13 @@ pub(crate) mod test_support {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
+    /// An address nothing listens on (bound, then released).
+    pub(crate) fn closed_address() -> std::net::SocketAddr {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap()
+    }
+
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use tokio::sync::Notify;

@@ -123,6 +123,18 @@ mod tests {
         }
     }
 
+    /// The offline model and `hooks`.
+    fn registry(hooks: &[WebhookConfig]) -> ToolRegistry {
+        let llm = LlmConfig {
+            base_url: None,
+            api_key: None,
+            model: "m".into(),
+            timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(1),
+        };
+        ToolRegistry::from_config(&llm, hooks).unwrap()
+    }
+
     /// A registry with one webhook per receiver mode, all pointing at a fresh receiver.
     async fn start() -> (Arc<Receiver>, ToolRegistry) {
         let receiver = Arc::new(Receiver::default());
@@ -140,19 +152,19 @@ mod tests {
                 description: None,
             })
             .collect();
-        let llm = LlmConfig {
-            base_url: None,
-            api_key: None,
-            model: "m".into(),
-            timeout: Duration::from_secs(1),
-            idle_timeout: Duration::from_secs(1),
-        };
-        (receiver, ToolRegistry::from_config(&llm, &hooks).unwrap())
+        (receiver, registry(&hooks))
     }
 
     async fn invoke(r: &ToolRegistry, sink: &Collect, name: &str) -> Result<Value, HostError> {
         let answer = r.invoke(call(name, json!({ "city": "Lyon" })), sink, std::future::pending()).await?;
         Ok(serde_json::from_str(&answer).unwrap())
+    }
+
+    /// A call that fails: its error and its `tool_call_finished` payload.
+    async fn failing(r: &ToolRegistry, name: &str) -> (HostError, Value) {
+        let sink = Collect::default();
+        let e = invoke(r, &sink, name).await.unwrap_err();
+        (e, sink.finished())
     }
 
     #[tokio::test]
@@ -189,11 +201,10 @@ mod tests {
     #[tokio::test]
     async fn a_4xx_or_5xx_answer_names_the_status() {
         let (_, r) = start().await;
-        let sink = Collect::default();
-        let e = invoke(&r, &sink, "missing").await.unwrap_err();
+        let (e, finished) = failing(&r, "missing").await;
         assert_eq!(e, HostError::ToolFailed("webhook \"missing\" answered 404 Not Found: no such city".into()));
-        assert_eq!(sink.finished()["outcome"], "error");
-        assert_eq!(sink.finished()["error"], "tool failed: webhook \"missing\" answered 404 Not Found: no such city");
+        assert_eq!(finished["outcome"], "error");
+        assert_eq!(finished["error"], "tool failed: webhook \"missing\" answered 404 Not Found: no such city");
         let e = invoke(&r, &Collect::default(), "broken").await.unwrap_err();
         assert_eq!(e, HostError::ToolFailed("webhook \"broken\" answered 502 Bad Gateway".into()));
     }
@@ -209,10 +220,9 @@ mod tests {
     #[tokio::test]
     async fn a_receiver_slower_than_the_timeout_ends_the_call() {
         let (receiver, r) = start().await;
-        let sink = Collect::default();
-        let e = invoke(&r, &sink, "hang").await.unwrap_err();
+        let (e, finished) = failing(&r, "hang").await;
         assert_eq!(e, HostError::ToolFailed("tool \"hang\" did not answer within 300 ms".into()));
-        assert_eq!(sink.finished()["outcome"], "timeout");
+        assert_eq!(finished["outcome"], "timeout");
         assert_eq!(receiver.seen.lock().unwrap().len(), 1);
     }
 
@@ -240,9 +250,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_unreachable_receiver_is_a_tool_failure_without_its_url() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        drop(listener);
+        let addr = super::super::tests::closed_address();
         let hook = WebhookConfig {
             name: "gone".into(),
             url: format!("http://{addr}/secret-path?token=abc"),
@@ -251,14 +259,7 @@ mod tests {
             headers: Default::default(),
             description: None,
         };
-        let llm = LlmConfig {
-            base_url: None,
-            api_key: None,
-            model: "m".into(),
-            timeout: Duration::from_secs(1),
-            idle_timeout: Duration::from_secs(1),
-        };
-        let r = ToolRegistry::from_config(&llm, &[hook]).unwrap();
+        let r = registry(&[hook]);
         let e = invoke(&r, &Collect::default(), "gone").await.unwrap_err();
         let HostError::ToolFailed(m) = e else { panic!("{e:?}") };
         assert!(m.starts_with("webhook \"gone\" could not be called: "), "{m}");
