@@ -423,7 +423,7 @@ struct Fails;
 impl Agent for Fails {
     async fn run(&self, host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
         host.emit_delta("partial ").await?;
-        Err(AgentError::failed(agent_host::run::error::FailReason::Agent, "model unavailable"))
+        Err(AgentError::failed(agent_host::error::FailReason::Agent, "model unavailable"))
     }
 }
 

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod client;
 pub mod config;
 pub mod db;
+pub mod error;
 pub mod hub;
 pub mod metrics;
 pub mod run;

@@ -16,7 +16,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::db::{ConversationId, RunId};
-pub use crate::run::error::{AgentError, FailReason, HostError};
+pub use crate::error::{AgentError, FailReason, HostError};
 pub use crate::run::host::{RunHost, Usage};
 pub use builtins::{Echo, Noop, Sleep};
 pub use registry::{AgentRegistry, Components, Resolved};

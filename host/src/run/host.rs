@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::db::events::{CONTENT_DELTA, RESERVED};
 use crate::db::RunId;
-use crate::run::error::HostError;
+use crate::error::HostError;
 use crate::run::journal::Journal;
 use crate::run::manifest::Manifest;
 use crate::tools::{EventSink, ToolCall, ToolRegistry};

@@ -37,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use crate::db::events::CONTENT_DELTA;
 pub use crate::db::events::FIRST_RUN_SEQ;
 use crate::db::{self, ClaimToken, RunId};
-use crate::run::error::HostError;
+use crate::error::HostError;
 use crate::run::text;
 
 pub const FLUSH_DEFAULT: Duration = Duration::from_millis(250);

@@ -1,14 +1,14 @@
-//! A run's host side: what a claimed run may do, and how it can fail. The
-//! layers import only those before them:
-//! `error` -> `text` -> `manifest` -> `journal` -> (tools) -> `host`.
+//! A run's host side: what a claimed run may do. The layers import only
+//! those before them: (`crate::error`) -> `text` -> `manifest` -> `journal`
+//! -> (`crate::tools`) -> `host`.
 //!
-//! - [`error`]: refusals and failure reasons (a leaf: imports nothing of the crate).
 //! - [`text`]: the rule that makes guest, tool and model text storable.
 //! - [`manifest`]: a plugin's grants and limits, with defaults and ceilings.
 //! - [`journal`]: the run's journal writer (coalesced deltas, fenced flushes).
 //! - [`host`]: [`host::RunHost`], every import a run can make.
 
-pub mod error;
+/// Refusals and failure reasons: a leaf of the crate, re-exported here.
+pub use crate::error;
 pub mod host;
 pub mod journal;
 pub mod manifest;

@@ -4,7 +4,7 @@
 
 use super::bindings::agent_host::plugin::{host as wit_host, types as wit_types};
 use super::Guest;
-use crate::run::error::HostError;
+use crate::error::HostError;
 
 fn to_wit(e: HostError) -> wit_types::HostError {
     match e {

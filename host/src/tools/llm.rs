@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::{body_snippet, clip, describe, EventSink, LlmConfig, Tool, ToolCall};
-use crate::run::error::HostError;
+use crate::error::HostError;
 
 /// Text and tool-call arguments one reply may carry.
 const REPLY_BYTES_MAX: usize = 1 << 20;

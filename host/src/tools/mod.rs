@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 
 use crate::db::events::{TOOL_CALL_FINISHED, TOOL_CALL_STARTED};
 use crate::db::RunId;
-use crate::run::error::HostError;
+use crate::error::HostError;
 
 pub use config::{load_tools_file, LlmConfig, WebhookConfig};
 

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 use super::llm::{parse_args, Answer, AnswerCall, LlmArgs, Role, Usage};
 use super::{EventSink, Tool, ToolCall};
-use crate::run::error::HostError;
+use crate::error::HostError;
 
 /// The model name offline answers carry.
 const OFFLINE_MODEL: &str = "offline";

@@ -10,7 +10,7 @@ use reqwest::header::HeaderMap;
 use serde_json::{json, Value};
 
 use super::{body_snippet, describe, read_capped, EventSink, Tool, ToolCall, WebhookConfig};
-use crate::run::error::HostError;
+use crate::error::HostError;
 
 pub(crate) struct Webhook {
     client: reqwest::Client,

@@ -204,7 +204,7 @@ pub struct WorkerStats {
 impl WorkerStats {
     /// Counts one terminal write; `reason` is the failure's class (`None`:
     /// the label `none`).
-    pub(crate) fn record_end(&self, status: crate::db::RunStatus, reason: Option<crate::run::error::FailReason>) {
+    pub(crate) fn record_end(&self, status: crate::db::RunStatus, reason: Option<crate::error::FailReason>) {
         let key = (status.as_str(), reason.map_or("none", |r| r.label()));
         *self.ended.lock().unwrap().entry(key).or_default() += 1;
     }

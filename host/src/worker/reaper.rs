@@ -30,7 +30,7 @@ pub async fn sweep(pool: &PgPool, grace: Duration, stats: &WorkerStats) -> Resul
         if db::runs::reap(pool, expired, grace).await? {
             tracing::warn!(run_id = %expired.id, "reaped: worker lost, run ended failed");
             reaped += 1;
-            stats.record_end(crate::db::RunStatus::Failed, Some(crate::run::error::FailReason::WorkerLost));
+            stats.record_end(crate::db::RunStatus::Failed, Some(crate::error::FailReason::WorkerLost));
         }
     }
     stats.reaped.fetch_add(reaped as u64, Ordering::Relaxed);
