@@ -6,12 +6,10 @@ use agent_host::agent::AgentRegistry;
 use agent_host::api::{self, AppState};
 use agent_host::db::tokens;
 use axum::body::Body;
-use axum::http::{header, Request, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::Router;
-use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use support::*;
-use tower::ServiceExt;
 
 struct Api {
     router: Router,
@@ -37,10 +35,7 @@ impl Api {
         token: Option<&str>,
         body: Option<(&str, &str)>,
     ) -> (StatusCode, Value) {
-        let mut req = Request::builder().method(method).uri(uri);
-        if let Some(t) = token {
-            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
-        }
+        let req = request(method, uri, token);
         let req = match body {
             Some((content_type, body)) => {
                 req.header(header::CONTENT_TYPE, content_type).body(Body::from(body.to_string()))
@@ -48,10 +43,7 @@ impl Api {
             None => req.body(Body::empty()),
         }
         .unwrap();
-        let res = self.router.clone().oneshot(req).await.unwrap();
-        let status = res.status();
-        let bytes = res.into_body().collect().await.unwrap().to_bytes();
-        let value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        let (status, _, value) = oneshot(&self.router, req).await;
         (status, value)
     }
 
@@ -203,19 +195,15 @@ async fn idempotent_enqueue_replays_the_first_run_and_refuses_a_different_body()
         let router = api.router.clone();
         let token = api.alice.clone();
         async move {
-            let req = Request::builder()
-                .method("POST")
-                .uri("/v1/runs")
-                .header(header::AUTHORIZATION, format!("Bearer {token}"))
+            let req = request("POST", "/v1/runs", Some(&token))
                 .header(header::CONTENT_TYPE, "application/json")
                 .header("Idempotency-Key", key)
                 .body(Body::from(body.to_string()))
                 .unwrap();
-            let res = router.oneshot(req).await.unwrap();
-            let replayed = res.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap().to_string());
-            let status = res.status();
-            let bytes = res.into_body().collect().await.unwrap().to_bytes();
-            (status, replayed, serde_json::from_slice::<Value>(&bytes).unwrap())
+            let (status, headers, value) = oneshot(&router, req).await;
+            let replayed = headers.get("idempotent-replayed").map(|v| v.to_str().unwrap().to_string());
+            assert!(!value.is_null(), "a JSON answer");
+            (status, replayed, value)
         }
     };
     let body = json!({ "content": "once", "plugin": "echo" });
@@ -238,16 +226,12 @@ async fn idempotent_enqueue_replays_the_first_run_and_refuses_a_different_body()
     assert_eq!((status, error_code(&v)), (StatusCode::CONFLICT, "idempotency_key_reused"));
     // Keys are per owner: bob's k-1 is his own.
     let (status, _) = {
-        let req = Request::builder()
-            .method("POST")
-            .uri("/v1/runs")
-            .header(header::AUTHORIZATION, format!("Bearer {}", api.bob))
+        let req = request("POST", "/v1/runs", Some(&api.bob))
             .header(header::CONTENT_TYPE, "application/json")
             .header("Idempotency-Key", "k-1")
             .body(Body::from(body.to_string()))
             .unwrap();
-        let res = api.router.clone().oneshot(req).await.unwrap();
-        (res.status(), ())
+        (oneshot(&api.router, req).await.0, ())
     };
     assert_eq!(status, StatusCode::ACCEPTED);
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run").fetch_one(&api.db.pool).await.unwrap();

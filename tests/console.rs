@@ -14,8 +14,6 @@ use sqlx::PgPool;
 use support::process::{HostProcess, FAST};
 use support::*;
 
-const LONG: Duration = Duration::from_secs(60);
-
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }

@@ -26,7 +26,6 @@ use support::*;
 
 const CONVERSATIONS: usize = 30;
 const TURNS: usize = 8;
-const LONG: Duration = Duration::from_secs(120);
 
 /// A timestamp as the database wrote it.
 type Stamp = chrono::DateTime<chrono::Utc>;
@@ -73,7 +72,7 @@ type Live = Arc<Mutex<Vec<String>>>;
 async fn follow(live: Live, token: String, run: RunId, salt: usize) -> (Vec<(i32, String, Value)>, usize) {
     let http = reqwest::Client::new();
     let (mut got, mut last, mut drops, mut attempt) = (Vec::new(), 0, 0, salt);
-    let deadline = Instant::now() + LONG;
+    let deadline = Instant::now() + 2 * LONG;
     loop {
         assert!(Instant::now() < deadline, "client of {run} never saw the end (last seq {last})");
         attempt += 1;
@@ -130,8 +129,8 @@ async fn terminal_count(pool: &PgPool) -> i64 {
         .unwrap_or(0)
 }
 
-async fn wait_terminal(pool: &PgPool, n: i64) {
-    wait_for(&format!("{n} runs to end"), LONG, || async move { terminal_count(pool).await >= n }).await;
+async fn wait_all_terminal(pool: &PgPool, n: i64) {
+    wait_for(&format!("{n} runs to end"), 2 * LONG, || async move { terminal_count(pool).await >= n }).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -183,7 +182,7 @@ async fn the_system_keeps_its_promises_while_processes_die_pause_and_disconnect(
         .collect();
 
     // SIGKILL one host mid-run; a replacement joins.
-    wait_terminal(pool, 20).await;
+    wait_all_terminal(pool, 20).await;
     let killed = hosts.remove(0);
     live.lock().unwrap().retain(|a| a != &killed.addr);
     killed.signal(Signal::SIGKILL);
@@ -194,12 +193,12 @@ async fn the_system_keeps_its_promises_while_processes_die_pause_and_disconnect(
 
     // SIGSTOP another past its lease: its runs are reaped; then it resumes
     // and must change nothing (the fence).
-    wait_terminal(pool, 50).await;
+    wait_all_terminal(pool, 50).await;
     let paused = &hosts[0];
     assert_eq!(paused.worker_id, "B");
     live.lock().unwrap().retain(|a| a != &paused.addr);
     paused.signal(Signal::SIGSTOP);
-    wait_for("the paused host's runs to be reaped", LONG, || async move {
+    wait_for("the paused host's runs to be reaped", 2 * LONG, || async move {
         let held: i64 =
             sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE worker_id = 'B' AND status = 'running'")
                 .fetch_one(pool)
@@ -212,12 +211,12 @@ async fn the_system_keeps_its_promises_while_processes_die_pause_and_disconnect(
     live.lock().unwrap().push(paused.addr.clone());
 
     // Restart PostgreSQL under everyone.
-    wait_terminal(pool, 90).await;
+    wait_all_terminal(pool, 90).await;
     let restarted = restart_postgres();
     eprintln!("PostgreSQL restarted: {restarted}");
 
     // Cut every LISTEN connection: the hubs reconnect (and re-read).
-    wait_terminal(pool, 130).await;
+    wait_all_terminal(pool, 130).await;
     let cut: Vec<bool> = sqlx::query_scalar(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
          WHERE datname = current_database() AND query ~* '^\\s*(UN)?LISTEN' AND pid <> pg_backend_pid()",
@@ -228,7 +227,7 @@ async fn the_system_keeps_its_promises_while_processes_die_pause_and_disconnect(
     eprintln!("LISTEN connections terminated: {}", cut.len());
     assert!(!cut.is_empty(), "the hubs' LISTEN connections were found and cut");
 
-    wait_terminal(pool, total).await;
+    wait_all_terminal(pool, total).await;
     let mut streams = HashMap::new();
     let mut drops = 0;
     for (run, client) in clients {

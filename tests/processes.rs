@@ -10,7 +10,6 @@ use serde_json::json;
 use support::process::{HostProcess, FAST};
 use support::*;
 
-const LONG: Duration = Duration::from_secs(30);
 const FOREVER: &str = r#"{"steps": 100000, "step_ms": 50}"#;
 
 async fn worker_of(db: &TestDb, id: agent_host::db::RunId) -> Option<String> {

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
-use agent_host::db::runs::{self, Claim, Finish};
 use agent_host::db::notify::RUN_ENQUEUED;
+use agent_host::db::runs::{self, Claim, Finish};
 use agent_host::db::{RunId, RunStatus};
 use agent_host::hub::Hub;
 use agent_host::worker::{self, Worker, WorkerConfig, WorkerStats};
@@ -18,8 +18,6 @@ use async_trait::async_trait;
 use serde_json::json;
 use sqlx::postgres::PgListener;
 use support::*;
-
-const LONG: Duration = Duration::from_secs(30);
 
 fn claim_args(worker_id: &str, limit: i64, prefilter: bool) -> Claim<'_> {
     Claim { limit, lease: Duration::from_secs(30), worker_id, prefilter, tenant_max_running: None }
@@ -435,7 +433,7 @@ async fn backstop_ends_a_panicked_run_failed_and_errors_keep_partial_text() {
     agents.insert("fails", Arc::new(Fails));
     let p = enqueue(&db.pool, None, "panics", json!({})).await;
     let f = enqueue(&db.pool, None, "fails", json!({})).await;
-    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents, fast_config("w")).await.unwrap();
+    let w = start_worker_with(&db, agents, fast_config("w")).await;
     wait_status(&db.pool, p.run_id, "failed", LONG).await;
     wait_status(&db.pool, f.run_id, "failed", LONG).await;
     let panicked = run_error(&db.pool, p.run_id).await;
@@ -463,9 +461,7 @@ async fn wake_chain_starts_the_next_turn_without_waiting_for_the_tick() {
     let db = TestDb::new().await;
     let mut config = fast_config("w");
     config.poll_tick = Duration::from_secs(60);
-    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), config)
-        .await
-        .unwrap();
+    let w = start_worker(&db, config).await;
     let t1 = enqueue(&db.pool, None, "sleep", json!({ "steps": 2, "step_ms": 50 })).await;
     let t2 = enqueue(&db.pool, Some(t1.conversation_id), "echo", json!({})).await;
     let t3 = enqueue(&db.pool, Some(t1.conversation_id), "echo", json!({})).await;
@@ -482,9 +478,7 @@ async fn drain_lets_short_runs_finish_and_ends_long_ones_failed() {
     let db = TestDb::new().await;
     let mut config = fast_config("w");
     config.drain_timeout = Duration::from_millis(1_500);
-    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), config)
-        .await
-        .unwrap();
+    let w = start_worker(&db, config).await;
     let short = enqueue(&db.pool, None, "sleep", json!({ "steps": 5, "step_ms": 100 })).await;
     let long = enqueue(&db.pool, None, "sleep", json!({ "steps": 1000, "step_ms": 100 })).await;
     wait_status(&db.pool, short.run_id, "running", LONG).await;
@@ -550,26 +544,26 @@ async fn next_turn_enqueued_during_the_terminal_write_still_starts_at_once() {
     let mut config = fast_config("w");
     config.poll_tick = Duration::from_secs(60);
     config.heartbeat = Duration::from_millis(900); // keep the heartbeat out of the way
-    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), config)
-        .await
-        .unwrap();
+    let w = start_worker(&db, config).await;
     let t1 = enqueue(&db.pool, None, "sleep", json!({ "steps": 3, "step_ms": 100 })).await;
     wait_status(&db.pool, t1.run_id, "running", LONG).await;
 
     // Hold the run's row so its terminal write blocks after taking its snapshot.
     let mut holder = db.pool.begin().await.unwrap();
     sqlx::query("SELECT 1 FROM agent_run WHERE id = $1 FOR SHARE").bind(t1.run_id).execute(&mut *holder).await.unwrap();
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *holder).await.unwrap();
+    // The one session waiting on our lock is the terminal write (the run's
+    // own appends are done: the sleep agent has returned once it waits).
     let pool = db.pool.clone();
     wait_for("the terminal write to block", LONG, || {
         let pool = pool.clone();
         async move {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity
-                 WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%WITH fin AS%'",
-            )
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+            let n: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))")
+                    .bind(holder_pid)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
             n == 1
         }
     })
@@ -614,9 +608,7 @@ async fn a_flooding_tenant_cannot_starve_a_trickle() {
         flood.push(enqueue_as(pool, &tenant("flood"), None, "sleep", quick.clone()).await.run_id);
     }
     let config = WorkerConfig { max_runs: 2, ..fast_config("w") };
-    let w = Worker::start(pool.clone(), Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), config)
-        .await
-        .unwrap();
+    let w = start_worker(&db, config).await;
     wait_all(pool, &flood[..10], "completed").await;
     let mut trickle = Vec::new();
     for _ in 0..5 {
@@ -659,9 +651,7 @@ async fn a_tenant_cap_bounds_its_running_runs_and_others_use_the_slots() {
         other.push(enqueue_as(pool, &tenant("other"), None, "sleep", step.clone()).await.run_id);
     }
     let config = WorkerConfig { max_runs: 4, tenant_max_running: Some(1), ..fast_config("w") };
-    let w = Worker::start(pool.clone(), Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), config)
-        .await
-        .unwrap();
+    let w = start_worker(&db, config).await;
     wait_all(pool, &capped, "completed").await;
     wait_all(pool, &other, "completed").await;
     type Span = (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>);

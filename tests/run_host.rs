@@ -12,7 +12,6 @@ use std::time::Duration;
 use agent_host::agent::{Agent, AgentError, AgentRegistry, HostError, RunHost, RunInput};
 use agent_host::db::events::FIRST_RUN_SEQ;
 use agent_host::db::runs::{self, Claim};
-use agent_host::hub::Hub;
 use agent_host::run::host::STREAMED_BYTES_MAX;
 use agent_host::run::journal::{Journal, JournalConfig, JournalStats};
 use agent_host::run::manifest::Manifest;
@@ -26,7 +25,6 @@ use tokio_util::sync::CancellationToken;
 
 use support::*;
 
-const LONG: Duration = Duration::from_secs(30);
 const APP: &str = "journal-under-test";
 
 /// A database that can be taken away from one pool and given back.
@@ -222,7 +220,7 @@ fn agents() -> AgentRegistry {
 
 async fn with_worker() -> (TestDb, Worker) {
     let db = TestDb::new().await;
-    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents(), fast_config("w")).await.unwrap();
+    let w = start_worker_with(&db, agents(), fast_config("w")).await;
     (db, w)
 }
 

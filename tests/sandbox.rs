@@ -15,13 +15,9 @@ use agent_host::hub::Hub;
 use agent_host::sandbox::Sandbox;
 use agent_host::worker::{Worker, WorkerConfig};
 use axum::body::Body;
-use axum::http::{header, Request, StatusCode};
-use http_body_util::BodyExt;
+use axum::http::{header, StatusCode};
 use serde_json::{json, Value};
 use support::*;
-use tower::ServiceExt;
-
-const LONG: Duration = Duration::from_secs(60);
 
 struct Env {
     db: TestDb,
@@ -53,17 +49,13 @@ impl Env {
 
     async fn post_run(&self, plugin: &str, content: &str, config: Value) -> (StatusCode, Value) {
         let body = json!({ "content": content, "plugin": plugin, "config": config }).to_string();
-        let req = Request::builder()
-            .method("POST")
-            .uri("/v1/runs")
-            .header(header::AUTHORIZATION, format!("Bearer {}", self.token))
+        let req = request("POST", "/v1/runs", Some(&self.token))
             .header(header::CONTENT_TYPE, "application/json")
             .body(Body::from(body))
             .unwrap();
-        let res = self.router.clone().oneshot(req).await.unwrap();
-        let status = res.status();
-        let bytes = res.into_body().collect().await.unwrap().to_bytes();
-        (status, serde_json::from_slice(&bytes).unwrap())
+        let (status, _, value) = oneshot(&self.router, req).await;
+        assert!(!value.is_null(), "a JSON answer");
+        (status, value)
     }
 
     async fn run(&self, plugin: &str, content: &str, config: Value) -> RunId {
@@ -79,13 +71,8 @@ impl Env {
     }
 
     async fn wait_terminal(&self, id: RunId) -> (String, String) {
-        let pool = self.db.pool.clone();
-        wait_for(&format!("run {id} to end"), LONG, || {
-            let pool = pool.clone();
-            async move { ["completed", "failed", "cancelled"].contains(&status(&pool, id).await.as_str()) }
-        })
-        .await;
-        (status(&self.db.pool, id).await, run_error(&self.db.pool, id).await)
+        let status = wait_terminal(&self.db.pool, id, LONG).await;
+        (status, run_error(&self.db.pool, id).await)
     }
 }
 
@@ -278,17 +265,12 @@ async fn plugins_upload_over_http_for_admins_only() {
         async move {
             let borrowed: Vec<(&str, &[u8])> = fields.iter().map(|(n, v)| (*n, v.as_slice())).collect();
             let (ct, body) = multipart(&borrowed);
-            let req = Request::builder()
-                .method("POST")
-                .uri("/v1/plugins")
-                .header(header::AUTHORIZATION, format!("Bearer {token}"))
+            let req = request("POST", "/v1/plugins", Some(&token))
                 .header(header::CONTENT_TYPE, ct)
                 .body(Body::from(body))
                 .unwrap();
-            let res = router.oneshot(req).await.unwrap();
-            let status = res.status();
-            let bytes = res.into_body().collect().await.unwrap().to_bytes();
-            (status, serde_json::from_slice::<Value>(&bytes).unwrap_or(Value::Null))
+            let (status, _, value) = oneshot(&router, req).await;
+            (status, value)
         }
     };
     let echo = plugin_wasm("echo");
@@ -316,14 +298,9 @@ async fn plugins_upload_over_http_for_admins_only() {
     assert_eq!(v["digest"].as_str().unwrap(), plugins::digest_of(&echo));
     assert_eq!(v["manifest"]["tools"][0], "llm");
 
-    let req = Request::builder()
-        .uri("/v1/plugins")
-        .header(header::AUTHORIZATION, format!("Bearer {}", env.token))
-        .body(Body::empty())
-        .unwrap();
-    let res = env.router.clone().oneshot(req).await.unwrap();
-    assert_eq!(res.status(), StatusCode::OK);
-    let listed: Value = serde_json::from_slice(&res.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let req = request("GET", "/v1/plugins", Some(&env.token)).body(Body::empty()).unwrap();
+    let (status, _, listed) = oneshot(&env.router, req).await;
+    assert_eq!(status, StatusCode::OK);
     let names: Vec<&str> = listed["plugins"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
     assert!(names.contains(&"echo") && names.contains(&"noop") && !names.contains(&"junk"), "{listed}");
     // The uploaded plugin runs.

@@ -18,8 +18,6 @@ use support::http::TestHost;
 use support::sse::SseClient;
 use support::*;
 
-const LONG: Duration = Duration::from_secs(30);
-
 async fn conversation(host: &TestHost) -> ConversationId {
     let (code, v) = host.call("POST", "/v1/conversations", None).await;
     assert_eq!(code, StatusCode::CREATED, "{v}");
@@ -38,14 +36,6 @@ async fn wait_delta(pool: &PgPool, run: RunId) {
         journal(pool, run).await.iter().any(|(_, t)| t == "content_delta")
     })
     .await;
-}
-
-async fn wait_terminal(pool: &PgPool, run: RunId, within: Duration) -> String {
-    wait_for(&format!("run {run} to end"), within, || async {
-        ["completed", "failed", "cancelled"].contains(&status(pool, run).await.as_str())
-    })
-    .await;
-    status(pool, run).await
 }
 
 async fn started(pool: &PgPool, run: RunId) -> bool {

@@ -17,8 +17,6 @@ use serde_json::{json, Value};
 use support::sse::SseClient;
 use support::*;
 
-const LONG: Duration = Duration::from_secs(30);
-
 /// Emits `n` deltas as fast as it can, a structural event in the middle, and
 /// returns the whole text.
 struct Chatty(usize);
@@ -81,7 +79,7 @@ impl Host {
 async fn deltas_merge_structural_events_write_through_and_order_holds() {
     let db = TestDb::new().await;
     let e = enqueue(&db.pool, None, "chatty", json!({})).await;
-    let w = Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents(), fast_config("w")).await.unwrap();
+    let w = start_worker_with(&db, agents(), fast_config("w")).await;
     wait_status(&db.pool, e.run_id, "completed", LONG).await;
     let j = journal_payloads(&db.pool, e.run_id).await;
     let expected: String = (0..1000).map(|i| format!("{i} ")).collect();

@@ -23,8 +23,6 @@ use support::http::TestHost;
 use support::*;
 use tokio::sync::mpsc;
 
-const LONG: Duration = Duration::from_secs(30);
-
 /// What a local server received: headers of interest and the JSON body.
 #[derive(Debug, Clone)]
 struct Received {

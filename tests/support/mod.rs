@@ -10,10 +10,12 @@ use std::future::Future;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use agent_host::agent::AgentRegistry;
 use agent_host::db::cluster::{Cluster, ClusterOptions};
 use agent_host::db::runs::{self, Enqueued, NewRun, Owner};
 use agent_host::db::{self, ConversationId, RunId};
-use agent_host::worker::WorkerConfig;
+use agent_host::hub::Hub;
+use agent_host::worker::{Worker, WorkerConfig};
 use serde_json::{json, Value};
 use sqlx::{Connection, PgPool};
 
@@ -151,6 +153,20 @@ pub fn fast_config(worker_id: &str) -> WorkerConfig {
     }
 }
 
+/// The deadline of a wait that should end long before it: only a failing
+/// test waits this long.
+pub const LONG: Duration = Duration::from_secs(60);
+
+/// A worker running `agents` on the test database, with its own hub.
+pub async fn start_worker_with(db: &TestDb, agents: AgentRegistry, config: WorkerConfig) -> Worker {
+    Worker::start(db.pool.clone(), Some(Hub::start(db.url.clone())), agents, config).await.unwrap()
+}
+
+/// A worker running the built-in agents on the test database, with its own hub.
+pub async fn start_worker(db: &TestDb, config: WorkerConfig) -> Worker {
+    start_worker_with(db, AgentRegistry::with_builtins(), config).await
+}
+
 /// Polls `cond` until it holds or `within` passes (then panics with `what`).
 pub async fn wait_for<F, Fut>(what: &str, within: Duration, mut cond: F)
 where
@@ -179,6 +195,38 @@ pub async fn wait_status(pool: &PgPool, id: RunId, want: &str, within: Duration)
         async move { status(&p, id).await == want }
     })
     .await;
+}
+
+/// Waits for a run to be terminal; returns its status.
+pub async fn wait_terminal(pool: &PgPool, run: RunId, within: Duration) -> String {
+    wait_for(&format!("run {run} to end"), within, || async {
+        ["completed", "failed", "cancelled"].contains(&status(pool, run).await.as_str())
+    })
+    .await;
+    status(pool, run).await
+}
+
+/// A request to the in-process router, with `token` as its bearer.
+pub fn request(method: &str, uri: &str, token: Option<&str>) -> axum::http::request::Builder {
+    let req = axum::http::Request::builder().method(method).uri(uri);
+    match token {
+        Some(t) => req.header(axum::http::header::AUTHORIZATION, format!("Bearer {t}")),
+        None => req,
+    }
+}
+
+/// One request through the in-process router (tower's `oneshot`): the
+/// status, the headers, and the body as JSON (`Null` when it is not JSON).
+pub async fn oneshot(
+    router: &axum::Router,
+    req: axum::http::Request<axum::body::Body>,
+) -> (axum::http::StatusCode, axum::http::HeaderMap, Value) {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let res = router.clone().oneshot(req).await.unwrap();
+    let (status, headers) = (res.status(), res.headers().clone());
+    let bytes = res.into_body().collect().await.unwrap().to_bytes();
+    (status, headers, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
 }
 
 /// The journal of a run as (seq, type).
