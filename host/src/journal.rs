@@ -217,7 +217,7 @@ impl Writer {
             return Ok(());
         }
         let events: Vec<(&str, Value)> = batch.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-        match db::runs::append_events(&self.pool, self.run, self.token, self.next_seq, &events, Some(&self.channel))
+        match db::journal::append_events(&self.pool, self.run, self.token, self.next_seq, &events, Some(&self.channel))
             .await
         {
             Ok(true) => {

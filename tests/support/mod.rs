@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use agent_host::db::cluster::{Cluster, ClusterOptions};
-use agent_host::db::runs::{self, Enqueued, NewRun, Owner};
+use agent_host::db::enqueue::{self, Enqueued, NewRun, Owner};
 use agent_host::db::{self, ConversationId, RunId};
 use agent_host::worker::WorkerConfig;
 use serde_json::{json, Value};
@@ -112,7 +112,7 @@ pub async fn enqueue_as(
     config: Value,
 ) -> Enqueued {
     let request = json!({ "plugin": plugin });
-    runs::enqueue(
+    enqueue::enqueue(
         pool,
         &NewRun {
             owner,

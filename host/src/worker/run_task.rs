@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::agent::{AgentError, FailReason, HostError, RunHost, RunInput};
-use crate::db::{self, runs::ClaimedRun, runs::Finish, RunStatus};
+use crate::db::{self, lifecycle::ClaimedRun, lifecycle::Finish, MessageStatus, RunStatus};
 use crate::journal::Journal;
 
 use super::{Held, Shared};
@@ -64,9 +64,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                     // The backstop: a run never stays running because its task died.
                     shared.stats.backstopped.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(%reason, "run ended without a terminal write; backstop ends it failed");
-                    let finish =
-                        Finish { status: RunStatus::Failed, error: Some(&reason), assistant: None, usage: None };
-                    match db::runs::finish(&shared.pool, id, token, &finish).await {
+                    match db::lifecycle::backstop(&shared.pool, id, token, &reason).await {
                         Ok(true) => shared.stats.record_end(RunStatus::Failed, Some(FailReason::Host)),
                         Ok(false) => {}
                         Err(e) => tracing::error!(error = %e, "backstop write failed; the reaper will end the run"),
@@ -140,7 +138,7 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
             match &runner {
                 Runner::Builtin(agent) => agent.run(&host, input).await,
                 Runner::Wasm(sandbox, digest, manifest) => {
-                    let history = db::runs::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX)
+                    let history = db::conversations::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX)
                         .await
                         .map_err(|e| AgentError::Host(HostError::Unavailable(e.to_string())))?;
                     sandbox.run(&host, digest, manifest, input, history).await
@@ -184,22 +182,22 @@ async fn finalize(
     usage: Option<crate::agent::Usage>,
 ) -> Outcome {
     let (status, error, assistant) = match &result {
-        Ok(text) => (RunStatus::Completed, None, Some((text.as_str(), "complete"))),
+        Ok(text) => (RunStatus::Completed, None, Some((text.as_str(), MessageStatus::Complete))),
         Err(AgentError::Host(HostError::Fenced)) => return Outcome::Lost,
         Err(AgentError::Host(HostError::Cancelled)) => {
-            (RunStatus::Cancelled, None, (!streamed.is_empty()).then_some((streamed, "partial")))
+            (RunStatus::Cancelled, None, (!streamed.is_empty()).then_some((streamed, MessageStatus::Partial)))
         }
         Err(e @ AgentError::Interrupted(_)) => {
-            (RunStatus::Cancelled, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, "partial")))
+            (RunStatus::Cancelled, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, MessageStatus::Partial)))
         }
-        Err(e) => (RunStatus::Failed, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, "partial"))),
+        Err(e) => (RunStatus::Failed, Some(e.to_string()), (!streamed.is_empty()).then_some((streamed, MessageStatus::Partial))),
     };
     let usage = usage.map(|u| serde_json::to_value(u).expect("usage serializes"));
     let finish = Finish { status, error: error.as_deref(), assistant, usage };
     // No more heartbeats for a run that is ending: one landing after our
     // terminal write would find the claim gone and cry wolf.
     shared.held.lock().unwrap().remove(&row.id);
-    match db::runs::finish(&shared.pool, row.id, row.claim_token, &finish).await {
+    match db::lifecycle::finish(&shared.pool, row.id, row.claim_token, &finish).await {
         Ok(true) => {
             shared.stats.record_end(status, result.as_ref().err().filter(|_| status == RunStatus::Failed).map(AgentError::reason));
             Outcome::Finalized
