@@ -9,9 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
+use agent_host::db::enqueue;
+use agent_host::db::journal;
+use agent_host::db::lifecycle::{self, Claim, Finish};
 use agent_host::db::notify::RUN_ENQUEUED;
-use agent_host::db::runs::{self, Claim, Finish};
-use agent_host::db::{RunId, RunStatus};
+use agent_host::db::{MessageStatus, RunId, RunStatus};
 use agent_host::hub::Hub;
 use agent_host::worker::{self, Worker, WorkerConfig, WorkerStats};
 use async_trait::async_trait;
@@ -68,9 +70,9 @@ async fn failed_enqueue_leaves_nothing_and_wakes_nobody() {
 
     let owner = owner();
     let config = json!({});
-    let err = runs::enqueue(
+    let err = enqueue::enqueue(
         &db.pool,
-        &runs::NewRun {
+        &enqueue::NewRun {
             owner: &owner,
             conversation_id: None,
             content: "lost",
@@ -100,11 +102,11 @@ async fn failed_enqueue_leaves_nothing_and_wakes_nobody() {
 async fn terminal_states_are_sticky_in_the_schema() {
     let db = TestDb::new().await;
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
-    let claimed = runs::claim(&db.pool, &claim_args("w", 1, true)).await.unwrap();
+    let claimed = lifecycle::claim(&db.pool, &claim_args("w", 1, true)).await.unwrap();
     assert_eq!(claimed.len(), 1);
     let finish =
-        Finish { status: RunStatus::Completed, error: None, assistant: Some(("done", "complete")), usage: None };
-    assert!(runs::finish(&db.pool, e.run_id, claimed[0].claim_token, &finish).await.unwrap());
+        Finish { status: RunStatus::Completed, error: None, assistant: Some(("done", MessageStatus::Complete)), usage: None };
+    assert!(lifecycle::finish(&db.pool, e.run_id, claimed[0].claim_token, &finish).await.unwrap());
     for to in ["running", "queued", "failed", "cancelled"] {
         let r = sqlx::query("UPDATE agent_run SET status = $2 WHERE id = $1")
             .bind(e.run_id)
@@ -126,7 +128,7 @@ async fn terminal_states_are_sticky_in_the_schema() {
 async fn claim_stamps_the_lease_and_journals_run_started() {
     let db = TestDb::new().await;
     let e = enqueue(&db.pool, None, "noop", json!({"k": 1})).await;
-    let claimed = runs::claim(&db.pool, &claim_args("w1", 5, true)).await.unwrap();
+    let claimed = lifecycle::claim(&db.pool, &claim_args("w1", 5, true)).await.unwrap();
     assert_eq!(claimed.len(), 1);
     let c = &claimed[0];
     assert_eq!((c.id, c.content.as_str(), c.config["k"].as_i64()), (e.run_id, "hello agent", Some(1)));
@@ -143,7 +145,7 @@ async fn claim_stamps_the_lease_and_journals_run_started() {
     assert_eq!(msg_status, "complete");
     assert_eq!(journal(&db.pool, e.run_id).await.last().unwrap(), &(3, "run_started".to_string()));
     // Nothing left to claim.
-    assert!(runs::claim(&db.pool, &claim_args("w2", 5, true)).await.unwrap().is_empty());
+    assert!(lifecycle::claim(&db.pool, &claim_args("w2", 5, true)).await.unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -153,21 +155,21 @@ async fn two_turns_of_one_conversation_never_run_together() {
     let t2 = enqueue(&db.pool, Some(t1.conversation_id), "noop", json!({})).await;
 
     // Turn 1 is claimed; turn 2 waits behind it whatever the claimer does.
-    let first = runs::claim(&db.pool, &claim_args("a", 10, true)).await.unwrap();
+    let first = lifecycle::claim(&db.pool, &claim_args("a", 10, true)).await.unwrap();
     assert_eq!(first.iter().map(|c| c.id).collect::<Vec<_>>(), vec![t1.run_id]);
-    assert!(runs::claim(&db.pool, &claim_args("b", 10, true)).await.unwrap().is_empty());
+    assert!(lifecycle::claim(&db.pool, &claim_args("b", 10, true)).await.unwrap().is_empty());
 
     // Without the pre-filter, the claimer reaches for turn 2 and the partial
     // unique index turns it away: "claimed nothing this round", not a second
     // running turn.
-    let err = runs::claim(&db.pool, &claim_args("c", 10, false)).await.unwrap_err();
-    assert!(runs::is_running_conflict(&err), "{err}");
+    let err = lifecycle::claim(&db.pool, &claim_args("c", 10, false)).await.unwrap_err();
+    assert!(lifecycle::is_running_conflict(&err), "{err}");
     assert_eq!(status(&db.pool, t2.run_id).await, "queued");
 
     // Once turn 1 ends, turn 2 is claimable.
     let finish = Finish { status: RunStatus::Completed, error: None, assistant: None, usage: None };
-    assert!(runs::finish(&db.pool, t1.run_id, first[0].claim_token, &finish).await.unwrap());
-    let next = runs::claim(&db.pool, &claim_args("b", 10, false)).await.unwrap();
+    assert!(lifecycle::finish(&db.pool, t1.run_id, first[0].claim_token, &finish).await.unwrap());
+    let next = lifecycle::claim(&db.pool, &claim_args("b", 10, false)).await.unwrap();
     assert_eq!(next.iter().map(|c| c.id).collect::<Vec<_>>(), vec![t2.run_id]);
 }
 
@@ -197,9 +199,9 @@ async fn racing_claimers_without_prefilter_keep_one_turn_per_conversation() {
             let id = format!("w{w}");
             let mut empty_rounds = 0;
             while empty_rounds < 50 {
-                let claimed = match runs::claim(&pool, &claim_args(&id, 3, false)).await {
+                let claimed = match lifecycle::claim(&pool, &claim_args(&id, 3, false)).await {
                     Ok(c) => c,
-                    Err(e) if runs::is_running_conflict(&e) => {
+                    Err(e) if lifecycle::is_running_conflict(&e) => {
                         conflicts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         continue;
                     }
@@ -219,7 +221,7 @@ async fn racing_claimers_without_prefilter_keep_one_turn_per_conversation() {
                     running.lock().unwrap().remove(&c.conversation_id.0);
                     finished.lock().unwrap().push(c.id);
                     let finish = Finish { status: RunStatus::Completed, error: None, assistant: None, usage: None };
-                    assert!(runs::finish(&pool, c.id, c.claim_token, &finish).await.unwrap());
+                    assert!(lifecycle::finish(&pool, c.id, c.claim_token, &finish).await.unwrap());
                 }
             }
         }));
@@ -312,25 +314,25 @@ async fn heartbeat_between_reaper_read_and_write_keeps_the_run() {
     let db = TestDb::new().await;
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
     // A lease of zero: expired the moment it is written.
-    let c = runs::claim(
+    let c = lifecycle::claim(
         &db.pool,
         &Claim { limit: 1, lease: Duration::ZERO, worker_id: "slow", prefilter: true, tenant_max_running: None },
     )
     .await
     .unwrap()
     .remove(0);
-    let expired = runs::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
+    let expired = lifecycle::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
     assert_eq!(expired.iter().map(|x| x.id).collect::<Vec<_>>(), vec![e.run_id]);
 
     // The worker comes back from its pause: its heartbeat lands.
-    let alive = runs::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30)).await.unwrap();
+    let alive = lifecycle::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30)).await.unwrap();
     assert_eq!(alive, vec![(c.id, false)]);
 
     // The reap built on the stale read is a no-op.
-    assert!(!runs::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
+    assert!(!lifecycle::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
     assert_eq!(status(&db.pool, e.run_id).await, "running");
-    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("ok", "complete")), usage: None };
-    assert!(runs::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
+    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("ok", MessageStatus::Complete)), usage: None };
+    assert!(lifecycle::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
     assert_eq!(journal(&db.pool, e.run_id).await.iter().filter(|(_, t)| t == "complete").count(), 1);
 }
 
@@ -340,29 +342,29 @@ async fn heartbeat_between_reaper_read_and_write_keeps_the_run() {
 async fn reaped_worker_writes_change_nothing() {
     let db = TestDb::new().await;
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
-    let c = runs::claim(
+    let c = lifecycle::claim(
         &db.pool,
         &Claim { limit: 1, lease: Duration::ZERO, worker_id: "zombie", prefilter: true, tenant_max_running: None },
     )
     .await
     .unwrap()
     .remove(0);
-    assert!(runs::append_events(&db.pool, c.id, c.claim_token, 4, &[("content_delta", json!({"delta": "a"}))], None)
+    assert!(journal::append_events(&db.pool, c.id, c.claim_token, 4, &[("content_delta", json!({"delta": "a"}))], None)
         .await
         .unwrap());
-    let expired = runs::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
-    assert!(runs::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
+    let expired = lifecycle::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
+    assert!(lifecycle::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
     let after_reap = journal(&db.pool, e.run_id).await;
     assert_eq!(after_reap.last().unwrap(), &(5, "complete".to_string()));
 
     // The zombie resumes.
-    assert!(!runs::append_events(&db.pool, c.id, c.claim_token, 5, &[("content_delta", json!({"delta": "b"}))], None)
+    assert!(!journal::append_events(&db.pool, c.id, c.claim_token, 5, &[("content_delta", json!({"delta": "b"}))], None)
         .await
         .unwrap());
-    assert!(runs::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30)).await.unwrap().is_empty());
+    assert!(lifecycle::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30)).await.unwrap().is_empty());
     let finish =
-        Finish { status: RunStatus::Completed, error: None, assistant: Some(("late", "complete")), usage: None };
-    assert!(!runs::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
+        Finish { status: RunStatus::Completed, error: None, assistant: Some(("late", MessageStatus::Complete)), usage: None };
+    assert!(!lifecycle::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
 
     assert_eq!(status(&db.pool, e.run_id).await, "failed");
     assert_eq!(journal(&db.pool, e.run_id).await, after_reap);
@@ -505,7 +507,7 @@ async fn boot_reconciler_ends_orphans_of_a_dead_cluster() {
         ids.push(enqueue(&db.pool, None, "noop", json!({})).await.run_id);
     }
     // Claimed by processes that no longer exist, with leases long lapsed.
-    runs::claim(
+    lifecycle::claim(
         &db.pool,
         &Claim { limit: 3, lease: Duration::ZERO, worker_id: "gone", prefilter: true, tenant_max_running: None },
     )
@@ -586,8 +588,8 @@ async fn next_turn_enqueued_during_the_terminal_write_still_starts_at_once() {
     w.drain().await;
 }
 
-fn tenant(name: &str) -> runs::Owner {
-    runs::Owner { user_id: format!("{name}-user"), tenant_id: name.into() }
+fn tenant(name: &str) -> enqueue::Owner {
+    enqueue::Owner { user_id: format!("{name}-user"), tenant_id: name.into() }
 }
 
 async fn wait_all(pool: &sqlx::PgPool, ids: &[RunId], want: &str) {

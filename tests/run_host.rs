@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use agent_host::agent::{Agent, AgentError, AgentRegistry, HostError, RunHost, RunInput};
 use agent_host::db::events::FIRST_RUN_SEQ;
-use agent_host::db::runs::{self, Claim};
+use agent_host::db::lifecycle::{self, Claim, ClaimedRun};
 use agent_host::run::host::STREAMED_BYTES_MAX;
 use agent_host::run::journal::{Journal, JournalConfig, JournalStats};
 use agent_host::run::manifest::Manifest;
@@ -86,13 +86,13 @@ async fn journal_pool(db: &TestDb) -> PgPool {
         .unwrap()
 }
 
-async fn claimed(db: &TestDb) -> runs::ClaimedRun {
+async fn claimed(db: &TestDb) -> ClaimedRun {
     enqueue(&db.pool, None, "noop", json!({})).await;
     let claim = Claim { limit: 1, lease: LONG, worker_id: "journal", prefilter: true, tenant_max_running: None };
-    runs::claim(&db.pool, &claim).await.unwrap().pop().unwrap()
+    lifecycle::claim(&db.pool, &claim).await.unwrap().pop().unwrap()
 }
 
-fn start(pool: PgPool, run: &runs::ClaimedRun, give_up_after: Duration, stats: &Arc<JournalStats>) -> Journal {
+fn start(pool: PgPool, run: &ClaimedRun, give_up_after: Duration, stats: &Arc<JournalStats>) -> Journal {
     let config = JournalConfig { flush_every: Duration::from_millis(20), give_up_after };
     Journal::start(pool, run.id, run.claim_token, FIRST_RUN_SEQ, config, CancellationToken::new(), stats.clone())
 }
@@ -279,7 +279,7 @@ async fn the_partial_answer_a_run_keeps_is_bounded() {
         async move { journal(&pool, run.run_id).await.iter().any(|e| e.1 == "flooded") }
     })
     .await;
-    agent_host::db::stop::cancel(&db.pool, run.run_id, &owner().user_id).await.unwrap();
+    lifecycle::cancel(&db.pool, run.run_id, &owner().user_id).await.unwrap();
     wait_status(&db.pool, run.run_id, "cancelled", LONG).await;
     let (partial, status) = answer(&db.pool, run.run_id).await;
     assert_eq!(status, "partial");

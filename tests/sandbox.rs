@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use agent_host::agent::{AgentRegistry, Components};
 use agent_host::api::{self, AppState};
-use agent_host::db::{plugins, runs, tokens, RunId};
+use agent_host::db::{lifecycle, plugins, tokens, RunId};
 use agent_host::hub::Hub;
 use agent_host::sandbox::Sandbox;
 use agent_host::worker::{Worker, WorkerConfig};
@@ -225,8 +225,8 @@ async fn a_guest_that_keeps_going_after_its_claim_was_lost_is_interrupted() {
         .execute(&env.db.pool)
         .await
         .unwrap();
-    let expired = runs::find_expired(&env.db.pool, Duration::ZERO, 10).await.unwrap();
-    assert!(runs::reap(&env.db.pool, expired[0], Duration::ZERO).await.unwrap());
+    let expired = lifecycle::find_expired(&env.db.pool, Duration::ZERO, 10).await.unwrap();
+    assert!(lifecycle::reap(&env.db.pool, expired[0], Duration::ZERO).await.unwrap());
     let ended = journal(&env.db.pool, id).await;
     let ws = w.stats();
     wait_for("the guest to be interrupted", LONG, || {

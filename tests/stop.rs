@@ -443,7 +443,7 @@ async fn retry_reruns_the_latest_stopped_turn_and_conversation_reads_show_it() {
     // The history the third turn's agent sees: every earlier turn with its
     // answer, though "three" was posted before "two" had answered.
     let three: agent_host::db::MessageId = retried["user_message_id"].as_str().unwrap().parse().unwrap();
-    let history = agent_host::db::runs::history(pool, conv, three, 200).await.unwrap();
+    let history = agent_host::db::conversations::history(pool, conv, three, 200).await.unwrap();
     let want_history: Vec<(String, String)> = want[..4].iter().map(|(r, _, c)| (r.clone(), c.clone())).collect();
     assert_eq!(history, want_history);
     let mallory = tokens::create(pool, "mallory", "acme", false).await.unwrap();

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
 use agent_host::api::{self, AppState};
-use agent_host::db::{runs, tokens, RunId};
+use agent_host::db::{journal, lifecycle, tokens, RunId};
 use agent_host::hub::Hub;
 use agent_host::worker::{Worker, WorkerConfig};
 use async_trait::async_trait;
@@ -129,8 +129,8 @@ async fn a_fenced_flush_writes_nothing_and_stops_the_run() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let expired = runs::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
-    assert!(runs::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
+    let expired = lifecycle::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
+    assert!(lifecycle::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
     let ended = journal(&db.pool, e.run_id).await;
     let ws = w.stats();
     wait_for("the worker to stand down", LONG, || {
@@ -242,9 +242,9 @@ async fn a_missing_complete_is_synthesized_from_the_run_row() {
     )
     .await;
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
-    runs::claim(
+    lifecycle::claim(
         &db.pool,
-        &runs::Claim { limit: 1, lease: LONG, worker_id: "dying", prefilter: true, tenant_max_running: None },
+        &lifecycle::Claim { limit: 1, lease: LONG, worker_id: "dying", prefilter: true, tenant_max_running: None },
     )
     .await
     .unwrap();
@@ -279,7 +279,7 @@ async fn retention_trims_events_keeps_the_transcript_and_tails_still_end() {
         .execute(&db.pool)
         .await
         .unwrap();
-    assert_eq!(runs::trim_terminal(&db.pool, Duration::from_secs(24 * 3600), 100).await.unwrap(), 1);
+    assert_eq!(journal::trim_terminal(&db.pool, Duration::from_secs(24 * 3600), 100).await.unwrap(), 1);
     assert!(journal(&db.pool, old.run_id).await.is_empty());
     assert!(!journal(&db.pool, fresh.run_id).await.is_empty());
     let request: Option<Value> = sqlx::query_scalar("SELECT request FROM agent_run WHERE id = $1")
@@ -298,7 +298,7 @@ async fn retention_trims_events_keeps_the_transcript_and_tails_still_end() {
     let frames = client.collect(LONG).await;
     assert_eq!(frames.len(), 1);
     assert_eq!((frames[0].event.as_str(), frames[0].data["status"].as_str()), ("complete", Some("completed")));
-    assert_eq!(runs::trim_terminal(&db.pool, Duration::from_secs(24 * 3600), 100).await.unwrap(), 0);
+    assert_eq!(journal::trim_terminal(&db.pool, Duration::from_secs(24 * 3600), 100).await.unwrap(), 0);
     host.stop().await;
 }
 

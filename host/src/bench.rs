@@ -19,8 +19,9 @@ use crate::run::host::RunHostParts;
 use crate::run::journal::{JournalConfig, FIRST_RUN_SEQ};
 use crate::api::{self, AppState};
 use crate::config::{BenchArgs, DbArgs};
-use crate::db::runs::{self, Claim, Finish, NewRun, Owner};
-use crate::db::{self, RunStatus};
+use crate::db::enqueue::{self, NewRun, Owner};
+use crate::db::lifecycle::{self, Claim, Finish};
+use crate::db::{self, MessageStatus, RunStatus};
 use crate::hub::Hub;
 use crate::server;
 use crate::worker::{Worker, WorkerConfig};
@@ -125,7 +126,7 @@ async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: bool
     }
     for i in 0..samples + 20 {
         let new = bench_run(&owner, "bench", "pickup", None, &config);
-        runs::enqueue(pool, &new).await?;
+        enqueue::enqueue(pool, &new).await?;
         let committed = Instant::now();
         let started = tokio::time::timeout(Duration::from_secs(30), rx.recv())
             .await
@@ -212,17 +213,17 @@ async fn floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f64> {
                     prefilter: true,
                     tenant_max_running: None,
                 };
-                let claimed = runs::claim(&pool, &claim).await?;
+                let claimed = lifecycle::claim(&pool, &claim).await?;
                 let Some(run) = claimed.into_iter().next() else {
                     return Ok::<u64, sqlx::Error>(done);
                 };
                 let finish = Finish {
                     status: RunStatus::Completed,
                     error: None,
-                    assistant: Some(("", "complete")),
+                    assistant: Some(("", MessageStatus::Complete)),
                     usage: None,
                 };
-                runs::finish(&pool, run.id, run.claim_token, &finish).await?;
+                lifecycle::finish(&pool, run.id, run.claim_token, &finish).await?;
                 done += 1;
             }
         }));
@@ -251,7 +252,7 @@ async fn batched_floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f
             prefilter: true,
             tenant_max_running: None,
         };
-        let claimed = runs::claim(pool, &claim).await?;
+        let claimed = lifecycle::claim(pool, &claim).await?;
         if claimed.is_empty() {
             break;
         }
@@ -262,10 +263,10 @@ async fn batched_floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f
                 let finish = Finish {
                     status: RunStatus::Completed,
                     error: None,
-                    assistant: Some(("", "complete")),
+                    assistant: Some(("", MessageStatus::Complete)),
                     usage: None,
                 };
-                runs::finish(&pool, run.id, run.claim_token, &finish).await
+                lifecycle::finish(&pool, run.id, run.claim_token, &finish).await
             }
         });
         for r in futures::future::join_all(finishes).await {
@@ -315,7 +316,7 @@ async fn sandbox(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs) -
     let owner = Owner { user_id: "bench".into(), tenant_id: "bench".into() };
     let config = json!({});
     let new = bench_run(&owner, "bench", "echo", Some(digests[0].as_str()), &config);
-    let run = runs::enqueue(pool, &new).await?;
+    let run = enqueue::enqueue(pool, &new).await?;
     let claim = Claim {
         limit: 1,
         lease: Duration::from_secs(3600),
@@ -323,7 +324,7 @@ async fn sandbox(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs) -
         prefilter: true,
         tenant_max_running: None,
     };
-    let claimed = runs::claim(pool, &claim).await?.pop().context("bench run not claimed")?;
+    let claimed = lifecycle::claim(pool, &claim).await?.pop().context("bench run not claimed")?;
     let journal = crate::run::journal::Journal::start(
         pool.clone(),
         claimed.id,
@@ -439,7 +440,7 @@ async fn cancel_latency(
         let mut samples = Vec::with_capacity(n);
         for _ in 0..n {
             let new = bench_run(&owner, content, plugin, Some(digest), &config);
-            let run = runs::enqueue(pool, &new).await?;
+            let run = enqueue::enqueue(pool, &new).await?;
             let mut ended = hub.subscribe(&crate::db::notify::events_channel(run.run_id)).await;
             let t0 = Instant::now();
             let status =
@@ -450,9 +451,9 @@ async fn cancel_latency(
             }
             // Let the guest get going before the stop.
             tokio::time::sleep(Duration::from_millis(20)).await;
-            db::stop::cancel(pool, run.run_id, "bench").await?;
+            db::lifecycle::cancel(pool, run.run_id, "bench").await?;
             let asked = Instant::now();
-            while runs::terminal_state(pool, run.run_id).await?.is_none() {
+            while db::journal::terminal_state(pool, run.run_id).await?.is_none() {
                 tokio::time::timeout(Duration::from_secs(30), ended.recv()).await.context("run did not end")?;
             }
             samples.push(asked.elapsed());
@@ -508,7 +509,7 @@ async fn stream_latency(pool: &PgPool, url: &str) -> anyhow::Result<()> {
     let owner = Owner { user_id: "bench".into(), tenant_id: "bench".into() };
     let config = json!({});
     let new = bench_run(&owner, "bench", "ticker", None, &config);
-    let run = runs::enqueue(pool, &new).await?;
+    let run = enqueue::enqueue(pool, &new).await?;
     let res = reqwest::Client::new()
         .get(format!("http://{addr}/v1/runs/{}/events", run.run_id))
         .bearer_auth(&token)
@@ -582,7 +583,7 @@ async fn sigkill_to_failed(pool: &PgPool, url: &str, db_args: &DbArgs) -> anyhow
             }
         }
         let new = bench_run(&owner, "bench", "sleep", None, &config);
-        let run = runs::enqueue(pool, &new).await?;
+        let run = enqueue::enqueue(pool, &new).await?;
         let status = || sqlx::query_scalar::<_, String>("SELECT status FROM agent_run WHERE id = $1").bind(run.run_id);
         let t0 = Instant::now();
         while status().fetch_one(pool).await? != "running" {

@@ -103,12 +103,12 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
 
 async fn demo(pool: &PgPool, addr: std::net::SocketAddr) -> anyhow::Result<()> {
     let token = db::tokens::create(pool, "demo", "demo", true).await?;
-    let owner = db::runs::Owner { user_id: "demo".into(), tenant_id: "demo".into() };
+    let owner = db::enqueue::Owner { user_id: "demo".into(), tenant_id: "demo".into() };
     let config = json!({ "steps": 20, "step_ms": 200 });
     let request = json!({ "content": "demo", "plugin": "sleep", "config": config });
-    let run = db::runs::enqueue(
+    let run = db::enqueue::enqueue(
         pool,
-        &db::runs::NewRun {
+        &db::enqueue::NewRun {
             owner: &owner,
             conversation_id: None,
             content: "Count to twenty, slowly.",

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use agent_host::agent::AgentRegistry;
 use agent_host::db::cluster::{Cluster, ClusterOptions};
-use agent_host::db::runs::{self, Enqueued, NewRun, Owner};
+use agent_host::db::enqueue::{self, Enqueued, NewRun, Owner};
 use agent_host::db::{self, ConversationId, RunId};
 use agent_host::hub::Hub;
 use agent_host::worker::{Worker, WorkerConfig};
@@ -114,7 +114,7 @@ pub async fn enqueue_as(
     config: Value,
 ) -> Enqueued {
     let request = json!({ "plugin": plugin });
-    runs::enqueue(
+    enqueue::enqueue(
         pool,
         &NewRun {
             owner,

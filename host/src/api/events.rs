@@ -14,7 +14,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::db::runs::{self, Event};
+use crate::db::journal::{self, Event};
+use crate::db::runs;
 use crate::db::RunId;
 
 use super::{ApiError, AppState, Auth};
@@ -78,7 +79,7 @@ pub async fn events(
 /// The run's `complete` frame made from its row, for a run that ended
 /// without one in the journal (a finalizer died mid-way, or retention trimmed it).
 async fn synthesized_complete(state: &AppState, id: RunId, after: i32) -> Result<Option<Value>, sqlx::Error> {
-    let Some((status, error, last_seq)) = runs::terminal_state(&state.pool, id).await? else {
+    let Some((status, error, last_seq)) = journal::terminal_state(&state.pool, id).await? else {
         return Ok(None);
     };
     let mut v =
@@ -90,14 +91,14 @@ async fn synthesized_complete(state: &AppState, id: RunId, after: i32) -> Result
 }
 
 async fn page(state: &AppState, id: RunId, from: i32) -> Result<Json<Value>, ApiError> {
-    let events = runs::events_after(&state.pool, id, from, PAGE_EVENTS_MAX).await?;
+    let events = journal::events_after(&state.pool, id, from, PAGE_EVENTS_MAX).await?;
     let mut frames: Vec<Value> = events.iter().map(frame).collect();
     let mut terminal = events.iter().any(|e| e.kind == "complete");
     let mut next_from = events.last().map(|e| e.seq).unwrap_or(from);
     if !terminal && (events.len() as i64) < PAGE_EVENTS_MAX {
         if let Some(c) = synthesized_complete(state, id, next_from).await? {
             // Re-read: a complete may have landed between the two reads.
-            let late = runs::events_after(&state.pool, id, next_from, PAGE_EVENTS_MAX).await?;
+            let late = journal::events_after(&state.pool, id, next_from, PAGE_EVENTS_MAX).await?;
             if late.is_empty() {
                 next_from = c["seq"].as_i64().unwrap_or_default() as i32;
                 frames.push(c);
@@ -141,7 +142,7 @@ async fn tail(state: &AppState, id: RunId, from: i32, tx: &mpsc::Sender<SseEvent
         if let Some(w) = wakes.as_mut() {
             w.drain();
         }
-        let events = runs::events_after(&state.pool, id, cursor, PAGE_EVENTS_MAX).await?;
+        let events = journal::events_after(&state.pool, id, cursor, PAGE_EVENTS_MAX).await?;
         for e in &events {
             cursor = e.seq;
             if tx.send(sse_frame(&frame(e))).await.is_err() {
@@ -158,7 +159,7 @@ async fn tail(state: &AppState, id: RunId, from: i32, tx: &mpsc::Sender<SseEvent
             if let Some(c) = synthesized_complete(state, id, cursor).await? {
                 // Terminal: read once more, since the row and its complete
                 // commit together; only a journal without it gets a synthetic one.
-                if runs::events_after(&state.pool, id, cursor, 1).await?.is_empty() {
+                if journal::events_after(&state.pool, id, cursor, 1).await?.is_empty() {
                     let _ = tx.send(sse_frame(&c)).await;
                     return Ok(());
                 }

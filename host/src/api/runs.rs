@@ -7,9 +7,10 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::db::conversations::{self, RetryError};
-use crate::db::runs::{self, EnqueueError, NewRun, Owner};
-use crate::db::stop::{self, Cancelled};
+use crate::db::conversations;
+use crate::db::enqueue::{self, EnqueueError, NewRun, Owner};
+use crate::db::lifecycle::{self, Cancelled, RetryError};
+use crate::db::runs;
 use crate::db::{ConversationId, RunId, RunStatus};
 
 use super::{ApiError, ApiJson, AppState, Auth};
@@ -41,7 +42,7 @@ fn parse_id<T: std::str::FromStr>(raw: &str, what: &str) -> Result<T, ApiError> 
 }
 
 pub async fn create_conversation(State(state): State<AppState>, Auth(p): Auth) -> Result<impl IntoResponse, ApiError> {
-    let (id, created_at) = runs::create_conversation(&state.pool, &owner(&p)).await?;
+    let (id, created_at) = enqueue::create_conversation(&state.pool, &owner(&p)).await?;
     Ok((StatusCode::CREATED, Json(json!({ "id": id, "created_at": created_at }))))
 }
 
@@ -127,13 +128,13 @@ async fn enqueue(
         request: &request,
         idempotency_key,
     };
-    let enqueued = match runs::enqueue(&state.pool, &new).await {
+    let enqueued = match enqueue::enqueue(&state.pool, &new).await {
         Ok(e) => e,
         // The key was used before (or by a concurrent retry that won): answer
         // like the first request if this is the same request, else refuse.
-        Err(e) if runs::is_idempotency_conflict(&e) => {
+        Err(e) if enqueue::is_idempotency_conflict(&e) => {
             let key = idempotency_key.unwrap_or_default();
-            let Some((first, first_request)) = runs::find_by_idempotency_key(&state.pool, &owner.user_id, key).await?
+            let Some((first, first_request)) = enqueue::find_by_idempotency_key(&state.pool, &owner.user_id, key).await?
             else {
                 return Err(ApiError::new(StatusCode::CONFLICT, "conflict", "idempotency key in use; retry"));
             };
@@ -175,7 +176,7 @@ pub async fn cancel_run(
 ) -> Result<impl IntoResponse, ApiError> {
     let id: RunId = parse_id(&id, "run")?;
     let done =
-        stop::cancel(&state.pool, id, &p.user_id).await?.ok_or_else(|| ApiError::not_found(format!("run {id}")))?;
+        lifecycle::cancel(&state.pool, id, &p.user_id).await?.ok_or_else(|| ApiError::not_found(format!("run {id}")))?;
     let (code, status, cancel_requested) = match done {
         Cancelled::Queued => {
             state.record_ended(1);
@@ -188,14 +189,14 @@ pub async fn cancel_run(
 }
 
 /// `POST /v1/conversations/{id}/stop`: one transaction over every queued and
-/// running turn (see `db::stop::stop_conversation`).
+/// running turn (see `db::lifecycle::stop_conversation`).
 pub async fn stop_conversation(
     State(state): State<AppState>,
     Auth(p): Auth,
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let id: ConversationId = parse_id(&id, "conversation")?;
-    let stopped = stop::stop_conversation(&state.pool, id, &p.user_id)
+    let stopped = lifecycle::stop_conversation(&state.pool, id, &p.user_id)
         .await?
         .ok_or_else(|| ApiError::not_found(format!("conversation {id}")))?;
     state.record_ended(stopped.cancelled.len());
@@ -210,7 +211,7 @@ pub async fn retry_run(
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let id: RunId = parse_id(&id, "run")?;
-    match conversations::retry(&state.pool, id, &p.user_id).await {
+    match lifecycle::retry(&state.pool, id, &p.user_id).await {
         Ok(enqueued) => Ok((StatusCode::ACCEPTED, Json(enqueued))),
         Err(RetryError::NotFound) => Err(ApiError::not_found(format!("run {id}"))),
         Err(RetryError::Conflict(m)) => Err(ApiError::new(StatusCode::CONFLICT, "conflict", m)),

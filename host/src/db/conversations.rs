@@ -1,13 +1,61 @@
-//! Conversation reads and the retry a person asks for on purpose (nothing is
-//! ever re-run silently: a run whose worker died ends `failed`).
+//! Conversations: who owns one (the one ownership check), the transcript's
+//! order (one CTE for every reader), the history an agent is shown, and the
+//! reads behind `GET /v1/conversations...`. Called by the HTTP API, by
+//! enqueue and the stop sweep (ownership) and by the run task (history).
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgExecutor, PgPool};
 
-use super::runs::{Enqueued, TRANSCRIPT_CTE};
-use super::notify::{notify, RUN_ENQUEUED};
-use super::{ConversationId, MessageId, RunId, RunStatus};
+use super::{ConversationId, MessageId, MessageStatus, RunId, RunStatus};
+
+/// Whether conversation `id` exists and belongs to `owner_id`. Another
+/// user's conversation is indistinguishable from a missing one.
+pub async fn owned(db: impl PgExecutor<'_>, id: ConversationId, owner_id: &str) -> Result<bool, sqlx::Error> {
+    let found: Option<i32> = sqlx::query_scalar("SELECT 1 FROM conversation WHERE id = $1 AND owner_id = $2")
+        .bind(id)
+        .bind(owner_id)
+        .fetch_optional(db)
+        .await?;
+    Ok(found.is_some())
+}
+
+/// A conversation's messages in transcript order, as a CTE named `t` over
+/// `$1` (the conversation): by turn (the user message's creation), the user
+/// message first, then its answers. Creation order alone would put a turn
+/// posted while the previous one ran before that one's answer.
+pub(crate) const TRANSCRIPT_CTE: &str = "WITH t AS (
+    SELECT m.id, m.role, m.content, m.status, m.run_id, m.created_at,
+           u.created_at AS turn_at, u.id AS turn_id, m.role = 'assistant' AS answer
+    FROM message m
+    LEFT JOIN agent_run r ON m.role = 'assistant' AND r.id = m.run_id
+    JOIN message u ON u.id = coalesce(r.user_message_id, m.id)
+    WHERE m.conversation_id = $1)";
+
+/// The turns of the conversation before `before` (the run's user message),
+/// oldest first: the most recent `limit` complete or partial messages (the
+/// only ones an agent is shown, see [`MessageStatus`]).
+pub async fn history(
+    db: impl PgExecutor<'_>,
+    conversation: ConversationId,
+    before: MessageId,
+    limit: i64,
+) -> Result<Vec<(String, String)>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "{TRANSCRIPT_CTE}
+         SELECT role, content FROM (
+             SELECT * FROM t
+             WHERE status IN ('complete', 'partial')
+               AND (turn_at, turn_id) < (SELECT created_at, id FROM message WHERE id = $2)
+             ORDER BY turn_at DESC, turn_id DESC, answer DESC, created_at DESC LIMIT $3) h
+         ORDER BY turn_at, turn_id, answer, created_at"
+    ))
+    .bind(conversation)
+    .bind(before)
+    .bind(limit)
+    .fetch_all(db)
+    .await
+}
 
 /// Messages one transcript read returns at most.
 pub const MESSAGES_PAGE_MAX: i64 = 1000;
@@ -25,7 +73,7 @@ pub struct MessageView {
     pub id: MessageId,
     pub role: String,
     pub content: String,
-    pub status: String,
+    pub status: MessageStatus,
     pub run_id: Option<RunId>,
     pub created_at: DateTime<Utc>,
 }
@@ -63,7 +111,7 @@ pub struct ConversationSummary {
     /// The first 80 characters of the latest user message.
     pub title: Option<String>,
     pub latest_run_id: Option<RunId>,
-    pub latest_status: Option<String>,
+    pub latest_status: Option<RunStatus>,
 }
 
 /// Conversations one list answers at most.
@@ -112,80 +160,4 @@ pub async fn messages(
     .await?;
     rows.reverse();
     Ok(Some(rows))
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum RetryError {
-    #[error("run not found")]
-    NotFound,
-    #[error("{0}")]
-    Conflict(String),
-    #[error(transparent)]
-    Db(#[from] sqlx::Error),
-}
-
-/// A new run for the same user message, with the same plugin (digest and
-/// manifest as pinned) and config. Only a failed or cancelled run that is its
-/// conversation's latest turn can be retried. The conversation row is locked,
-/// so two retries of one run serialise and the second finds a later turn.
-pub async fn retry(pool: &PgPool, run: RunId, owner_id: &str) -> Result<Enqueued, RetryError> {
-    let mut tx = pool.begin().await?;
-    let row: Option<(ConversationId, String, MessageId)> = sqlx::query_as(
-        "SELECT conversation_id, status, user_message_id FROM agent_run WHERE id = $1 AND owner_id = $2",
-    )
-    .bind(run)
-    .bind(owner_id)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let (conversation, _, message) = row.ok_or(RetryError::NotFound)?;
-    sqlx::query("SELECT 1 FROM conversation WHERE id = $1 FOR UPDATE").bind(conversation).execute(&mut *tx).await?;
-    // Re-read under the lock.
-    let (status, later): (String, bool) = sqlx::query_as(
-        "SELECT r.status, EXISTS (SELECT 1 FROM agent_run l
-                                  WHERE l.conversation_id = r.conversation_id AND l.queue_pos > r.queue_pos)
-         FROM agent_run r WHERE r.id = $1",
-    )
-    .bind(run)
-    .fetch_one(&mut *tx)
-    .await?;
-    if status != "failed" && status != "cancelled" {
-        return Err(RetryError::Conflict(format!(
-            "run {run} is {status}: only a failed or cancelled run can be retried"
-        )));
-    }
-    if later {
-        return Err(RetryError::Conflict(format!(
-            "run {run} is not its conversation's latest turn: only the latest turn can be retried"
-        )));
-    }
-    let new = RunId::new();
-    sqlx::query(
-        "INSERT INTO agent_run (id, conversation_id, owner_id, tenant_id, user_message_id,
-                                plugin, plugin_digest, request, config, plugin_manifest)
-         SELECT $2, conversation_id, owner_id, tenant_id, user_message_id,
-                plugin, plugin_digest, request, config, plugin_manifest
-         FROM agent_run WHERE id = $1",
-    )
-    .bind(run)
-    .bind(new)
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query("UPDATE message SET status = 'queued', run_id = $2 WHERE id = $1")
-        .bind(message)
-        .bind(new)
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query(
-        "INSERT INTO run_event (run_id, seq, type, payload) VALUES
-            ($1, 1, 'user_message_created', jsonb_build_object('message_id', $2::uuid, 'retry_of', $3::uuid)),
-            ($1, 2, 'run_queued', jsonb_build_object('run_id', $1::uuid))",
-    )
-    .bind(new)
-    .bind(message)
-    .bind(run)
-    .execute(&mut *tx)
-    .await?;
-    notify(&mut *tx, RUN_ENQUEUED, &conversation.to_string()).await?;
-    tx.commit().await?;
-    Ok(Enqueued { run_id: new, status: RunStatus::Queued, conversation_id: conversation, user_message_id: message })
 }

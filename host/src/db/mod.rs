@@ -1,15 +1,34 @@
 //! The only place that holds SQL. Everything else calls these functions with a
-//! pool or a transaction (`impl PgExecutor`).
+//! pool or a transaction (`impl PgExecutor`). This file owns the pool, the
+//! migrations and the typed ids; each module below owns one job:
+//!
+//! - [`status`]: `RunStatus` and `MessageStatus`, typed at the database boundary.
+//! - [`notify`]: every NOTIFY channel, and `notify` inside a transaction.
+//! - [`events`]: every event kind and the one `complete` payload.
+//! - [`enqueue`]: a new turn in one transaction (message, queued run, seq
+//!   1-2, wake), conversations created on the way, the idempotency lookup.
+//! - [`lifecycle`]: every change of a run's status (claim, finish, backstop,
+//!   reap, cancel, stop, retry), the lease and the stop flag, with the run and
+//!   message state machines written down beside the trigger they mirror.
+//! - [`journal`]: fenced appends, reads from a cursor, a finalizer's
+//!   `complete`, the terminal state tails synthesize from, retention's trim.
+//! - [`conversations`]: ownership, transcript order, history, conversation reads.
+//! - [`runs`]: run reads as clients see them.
+//! - [`plugins`]: content-addressed components and the names pointing at them.
+//! - [`tokens`]: bearer tokens.
+//! - [`cluster`]: the private PostgreSQL cluster; [`bench`]: the benchmark's SQL.
 
 pub mod bench;
 pub mod cluster;
 pub mod conversations;
+pub mod enqueue;
 pub mod events;
+pub mod journal;
+pub mod lifecycle;
 pub mod notify;
 pub mod plugins;
 pub mod runs;
 pub mod status;
-pub mod stop;
 pub mod tokens;
 
 use std::str::FromStr;

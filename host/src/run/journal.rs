@@ -417,7 +417,7 @@ impl Writer {
     /// written, and is not written again.
     async fn write_batch(&mut self, n: usize) -> Result<bool, sqlx::Error> {
         let events: Vec<(&str, Value)> = self.unsent[..n].iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-        let r = db::runs::append_events(&self.pool, self.run, self.token, self.next_seq, &events, Some(&self.channel))
+        let r = db::journal::append_events(&self.pool, self.run, self.token, self.next_seq, &events, Some(&self.channel))
             .await;
         match r {
             Ok(written) => {
@@ -428,7 +428,7 @@ impl Writer {
                 Ok(written)
             }
             Err(sqlx::Error::Database(d)) if d.constraint() == Some("run_event_pkey") => {
-                let first = db::runs::events_after(&self.pool, self.run, self.next_seq - 1, 1).await?;
+                let first = db::journal::events_after(&self.pool, self.run, self.next_seq - 1, 1).await?;
                 match first.first() {
                     Some(e) if e.seq == self.next_seq && e.kind == events[0].0 => Ok(true),
                     _ => Err(sqlx::Error::Protocol(format!(

@@ -57,7 +57,7 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Hub) {
         if held.is_empty() {
             continue;
         }
-        match db::stop::cancel_requested(&shared.pool, &held).await {
+        match db::lifecycle::cancel_requested(&shared.pool, &held).await {
             Ok(ids) => {
                 let map = shared.held.lock().unwrap();
                 for id in ids {

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::db::{self, notify::RUN_ENQUEUED, runs::Claim};
+use crate::db::{self, lifecycle::Claim, notify::RUN_ENQUEUED};
 use crate::hub::{Hub, Subscription};
 
 use super::{run_task, Shared};
@@ -51,11 +51,11 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             prefilter: true,
             tenant_max_running: shared.config.tenant_max_running.map(i64::from),
         };
-        let result = db::runs::claim(&shared.pool, &claim).await;
+        let result = db::lifecycle::claim(&shared.pool, &claim).await;
         shared.stats.claim_rounds.fetch_add(1, Ordering::Relaxed);
         let claimed = match result {
             Ok(rows) => rows,
-            Err(e) if db::runs::is_running_conflict(&e) => {
+            Err(e) if db::lifecycle::is_running_conflict(&e) => {
                 shared.stats.claim_conflicts.fetch_add(1, Ordering::Relaxed);
                 drop(permits);
                 conflicts += 1;

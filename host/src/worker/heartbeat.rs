@@ -18,7 +18,7 @@ async fn beat(shared: &Shared) {
     if held.is_empty() {
         return;
     }
-    let alive = match db::runs::heartbeat(&shared.pool, &held, shared.config.lease).await {
+    let alive = match db::lifecycle::heartbeat(&shared.pool, &held, shared.config.lease).await {
         Ok(alive) => alive,
         Err(e) => {
             // Not a verdict: the lease may still be ours. If it lapses, the

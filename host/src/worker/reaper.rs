@@ -26,8 +26,8 @@ pub(super) async fn run(shared: Arc<Shared>) {
 /// the write. Returns how many runs this pass ended.
 pub async fn sweep(pool: &PgPool, grace: Duration, stats: &WorkerStats) -> Result<usize, sqlx::Error> {
     let mut reaped = 0;
-    for expired in db::runs::find_expired(pool, grace, REAP_BATCH_MAX).await? {
-        if db::runs::reap(pool, expired, grace).await? {
+    for expired in db::lifecycle::find_expired(pool, grace, REAP_BATCH_MAX).await? {
+        if db::lifecycle::reap(pool, expired, grace).await? {
             tracing::warn!(run_id = %expired.id, "reaped: worker lost, run ended failed");
             reaped += 1;
             stats.record_end(crate::db::RunStatus::Failed, Some(crate::error::FailReason::WorkerLost));

@@ -20,7 +20,7 @@ pub(super) async fn run(shared: Arc<Shared>) {
 
 async fn pass(shared: &Shared) {
     for _ in 0..BATCHES_PER_PASS_MAX {
-        match db::runs::trim_terminal(&shared.pool, shared.config.retention, BATCH_RUNS).await {
+        match db::journal::trim_terminal(&shared.pool, shared.config.retention, BATCH_RUNS).await {
             Ok(n) => {
                 shared.stats.trimmed.fetch_add(n, Ordering::Relaxed);
                 if (n as i64) < BATCH_RUNS {

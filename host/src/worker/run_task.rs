@@ -11,7 +11,7 @@ use tracing::Instrument;
 
 use crate::agent::registry::HISTORY_MESSAGES_MAX;
 use crate::agent::{AgentError, FailReason, HostError, Message, Resolved, RunHost, RunInput, Usage};
-use crate::db::{self, runs::ClaimedRun, runs::Finish, MessageStatus, RunStatus};
+use crate::db::{self, lifecycle::ClaimedRun, lifecycle::Finish, MessageStatus, RunStatus};
 use crate::run::host::RunHostParts;
 use crate::run::journal::{Journal, JournalConfig, FIRST_RUN_SEQ};
 use crate::run::text;
@@ -66,9 +66,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                     // The backstop: a run never stays running because its task died.
                     shared.stats.backstopped.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(%reason, "run ended without a terminal write; backstop ends it failed");
-                    let finish =
-                        Finish { status: RunStatus::Failed, error: Some(&reason), assistant: None, usage: None };
-                    match db::runs::finish(&shared.pool, id, token, &finish).await {
+                    match db::lifecycle::backstop(&shared.pool, id, token, &reason).await {
                         Ok(true) => shared.stats.record_end(RunStatus::Failed, Some(FailReason::Host)),
                         Ok(false) => {}
                         Err(e) => tracing::error!(error = %e, "backstop write failed; the reaper will end the run"),
@@ -93,7 +91,7 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
     };
     // Every agent sees the conversation before this turn.
     let history =
-        match db::runs::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX).await {
+        match db::conversations::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX).await {
             Ok(h) => h.into_iter().map(|(role, content)| Message { role, content }).collect(),
             Err(e) => {
                 tracing::error!(error = %e, "reading the conversation's history failed");
@@ -214,13 +212,13 @@ async fn finalize(
     let finish = Finish {
         status,
         error: error.as_deref(),
-        assistant: assistant.as_ref().map(|(t, s)| (t.as_str(), s.as_str())),
+        assistant: assistant.as_ref().map(|(t, s)| (t.as_str(), *s)),
         usage,
     };
     // No more heartbeats for a run that is ending: one landing after our
     // terminal write would find the claim gone and cry wolf.
     shared.held.lock().unwrap().remove(&row.id);
-    match db::runs::finish(&shared.pool, row.id, row.claim_token, &finish).await {
+    match db::lifecycle::finish(&shared.pool, row.id, row.claim_token, &finish).await {
         Ok(true) => {
             shared.stats.record_end(status, reason);
             Outcome::Finalized

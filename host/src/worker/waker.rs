@@ -1,6 +1,6 @@
 //! Announcements after a run's terminal write has committed: its tails are
 //! told, and the wake chain's second half knocks for a turn the terminal
-//! write could not see (see `db::runs::announce_ended`). Batched: runs that
+//! write could not see (see `db::lifecycle::announce_ended`). Batched: runs that
 //! end in the same instant share one statement.
 
 use std::sync::Arc;
@@ -30,7 +30,7 @@ pub(super) async fn run(shared: Arc<Shared>, mut ended: mpsc::Receiver<(RunId, C
                 }
             }
         }
-        if let Err(e) = db::runs::announce_ended(&shared.pool, &batch).await {
+        if let Err(e) = db::lifecycle::announce_ended(&shared.pool, &batch).await {
             // A lost hint costs a poll interval, nothing more.
             tracing::warn!(error = %e, "post-commit wake failed");
         }

@@ -1,0 +1,145 @@
+//! The journal's SQL: the claim holder's fenced appends, reads from a cursor
+//! for tails, the `complete` a finalizer other than the holder writes, the
+//! terminal state a tail synthesizes an ending from, and retention's trim.
+//! Called by the journal writer (appends), the HTTP tail (reads), the
+//! lifecycle (the finalizers' `complete`) and the retention loop (trim).
+//!
+//! seq ownership: enqueue writes 1-2 ([`super::enqueue::journal_queued`]), the
+//! claim 3, the claim holder 4..n behind the fence; a finalizer other than the
+//! holder takes max(seq)+1 only once the fence has shut the holder out.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::PgExecutor;
+
+use super::events::{complete_payload, COMPLETE};
+use super::{ClaimToken, RunId, RunStatus};
+
+/// One journal row, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct Event {
+    pub seq: i32,
+    #[sqlx(rename = "type")]
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub payload: Value,
+}
+
+/// Appends events `first_seq..` to a run's journal, fenced: written only while
+/// the run still names this claim token and is running. The run row is taken
+/// `FOR SHARE`, so the append serialises with any terminal write and a
+/// finalizer's max(seq)+1 never collides with it. All or nothing: a tripped
+/// fence inserts no row and, with `notify`, announces nothing (the NOTIFY
+/// rides the same statement). Returns false when fenced.
+pub async fn append_events(
+    db: impl PgExecutor<'_>,
+    run: RunId,
+    token: ClaimToken,
+    first_seq: i32,
+    events: &[(&str, Value)],
+    notify: Option<&str>,
+) -> Result<bool, sqlx::Error> {
+    let types: Vec<&str> = events.iter().map(|e| e.0).collect();
+    let payloads: Vec<&Value> = events.iter().map(|e| &e.1).collect();
+    let (inserted, _notified): (i64, Option<i32>) = sqlx::query_as(
+        "WITH ins AS (
+             INSERT INTO run_event (run_id, seq, type, payload)
+             SELECT $1, $3 + e.ord::int - 1, e.type, e.payload
+             FROM (SELECT 1 FROM agent_run
+                   WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
+                   FOR SHARE) AS fence,
+                  unnest($4::text[], $5::jsonb[]) WITH ORDINALITY AS e(type, payload, ord)
+             RETURNING seq),
+         n AS (SELECT count(*) AS n, max(seq) AS last FROM ins)
+         SELECT n.n, CASE WHEN n.n > 0 AND $6::text IS NOT NULL
+                          THEN (SELECT 1 FROM pg_notify($6, n.last::text)) END
+         FROM n",
+    )
+    .bind(run)
+    .bind(token)
+    .bind(first_seq)
+    .bind(types)
+    .bind(payloads)
+    .bind(notify)
+    .fetch_one(db)
+    .await?;
+    Ok(inserted as usize == events.len())
+}
+
+/// Journal rows of a run after `after_seq`, in order, at most `limit`.
+pub async fn events_after(
+    db: impl PgExecutor<'_>,
+    run: RunId,
+    after_seq: i32,
+    limit: i64,
+) -> Result<Vec<Event>, sqlx::Error> {
+    sqlx::query_as("SELECT seq, type, payload FROM run_event WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3")
+        .bind(run)
+        .bind(after_seq)
+        .bind(limit)
+        .fetch_all(db)
+        .await
+}
+
+/// The `complete` event written by a finalizer other than the claim holder
+/// (the reaper), in the transaction that flipped the status: seq is
+/// max(seq)+1, read in its own statement after the status flip locked the
+/// row, so it sees every append that committed before the fence shut (an
+/// append in flight holds the row `FOR SHARE`, so the flip waited for it).
+pub(crate) async fn write_complete(
+    db: impl PgExecutor<'_>,
+    run: RunId,
+    status: RunStatus,
+    error: Option<&str>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO run_event (run_id, seq, type, payload)
+         SELECT $1, coalesce(max(seq), 0) + 1, $2, $3 FROM run_event WHERE run_id = $1",
+    )
+    .bind(run)
+    .bind(COMPLETE)
+    .bind(complete_payload(status, error))
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// A terminal run's (status, error, last seq in its journal); `None` while
+/// the run is not terminal. A tail synthesizes the `complete` from this when
+/// the journal lacks it.
+pub async fn terminal_state(
+    db: impl PgExecutor<'_>,
+    id: RunId,
+) -> Result<Option<(RunStatus, Option<String>, i32)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT r.status, r.error, coalesce((SELECT max(seq) FROM run_event e WHERE e.run_id = r.id), 0)
+         FROM agent_run r WHERE r.id = $1 AND r.status IN ('completed', 'failed', 'cancelled')",
+    )
+    .bind(id)
+    .fetch_optional(db)
+    .await
+}
+
+/// Retention: the journal is a delivery buffer. Deletes the events of up to
+/// `batch_runs` runs terminal for longer than `older_than` and nulls their
+/// request snapshots (the transcript in `message` stays). Returns how many
+/// runs it trimmed; call again until it returns less than `batch_runs`.
+pub async fn trim_terminal(db: impl PgExecutor<'_>, older_than: Duration, batch_runs: i64) -> Result<u64, sqlx::Error> {
+    let trimmed: i64 = sqlx::query_scalar(
+        "WITH victims AS (
+             SELECT id FROM agent_run
+             WHERE finished_at < now() - make_interval(secs => $1) AND request IS NOT NULL
+             ORDER BY finished_at LIMIT $2
+             FOR UPDATE SKIP LOCKED),
+         del AS (DELETE FROM run_event e USING victims v WHERE e.run_id = v.id),
+         upd AS (UPDATE agent_run r SET request = NULL FROM victims v WHERE r.id = v.id RETURNING r.id)
+         SELECT count(*) FROM upd",
+    )
+    .bind(older_than.as_secs_f64())
+    .bind(batch_runs)
+    .fetch_one(db)
+    .await?;
+    Ok(trimmed as u64)
+}

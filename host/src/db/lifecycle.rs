@@ -1,0 +1,685 @@
+//! Every change of a run's status, and the reads that decide one. Nothing
+//! else in the crate writes `agent_run.status`. Each function's doc names its
+//! caller and the transition it makes; the schema's trigger
+//! `agent_run_status_transition` (`migrations/0001_run_core.sql`,
+//! `agent_run_transition_check`) enforces the same table, so a transition
+//! missing here is refused by the database too.
+//!
+//! # The run state machine
+//!
+//! | from    | to        | function                         | caller                                   |
+//! |---------|-----------|----------------------------------|------------------------------------------|
+//! | (none)  | queued    | [`super::enqueue::enqueue`], [`retry`] (a new run) | HTTP API, demo, bench; HTTP retry |
+//! | queued  | running   | [`claim`]                        | dispatcher                               |
+//! | queued  | cancelled | [`cancel`], [`stop_conversation`] | HTTP cancel, HTTP stop                  |
+//! | running | completed, failed, cancelled | [`finish`] (fenced) | run task                          |
+//! | running | failed    | [`backstop`] (fenced)            | run task, when the run's own task died   |
+//! | running | failed    | [`reap`] (lease lapsed past the grace, re-checked in the write) | reaper, boot reconciler |
+//! | running | (flag)    | [`cancel`], [`stop_conversation`] set `cancel_requested` and NOTIFY; the holder then [`finish`]es `cancelled` | HTTP cancel, HTTP stop |
+//!
+//! completed, failed and cancelled are terminal: the trigger refuses any
+//! change out of them, and nothing re-queues a run that started
+//! (at-most-once: a run whose worker died ends failed; a person's [`retry`]
+//! is a new run). Every terminal write commits the run's one `complete`
+//! event with the status flip.
+//!
+//! # The message state machine (see [`MessageStatus`])
+//!
+//! | role      | from            | to       | by                                             |
+//! |-----------|-----------------|----------|------------------------------------------------|
+//! | user      | (none)          | queued   | enqueue                                        |
+//! | user      | queued          | complete | [`claim`] (its run started)                    |
+//! | user      | queued          | draft    | [`cancel`] of a queued run, [`stop_conversation`] |
+//! | user      | draft, complete | queued   | [`retry`] (its run failed or was cancelled)    |
+//! | assistant | (none)          | complete | [`finish`] of a completed run                  |
+//! | assistant | (none)          | partial  | [`finish`] of a failed or cancelled run with text streamed |
+//!
+//! # Clocks
+//!
+//! `started_at` and `finished_at` are the statement clock,
+//! `clock_timestamp()`, taken while the row is written: a claim whose
+//! transaction began before the previous turn's finish committed still
+//! records a start after that finish, so a conversation's turns never appear
+//! to overlap. (`now()` is the transaction's start, which precedes the
+//! snapshot that saw the previous turn end.) Leases (`claim_expires_at`,
+//! `last_heartbeat_at`) are the database's `now()` in every statement that
+//! writes or compares them (claim, heartbeat, reaper): one clock for all
+//! processes, and each of those statements is its transaction's first, so
+//! `now()` trails the statement clock by far less than the reap grace.
+//!
+//! Status words in SQL stay literals where they are index predicates
+//! (`status = 'queued'` must match the partial indexes' own text for the
+//! planner to use them); statuses that come from Rust are bound typed.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::{PgExecutor, PgPool, Postgres, Transaction};
+
+use super::enqueue::{journal_queued, Enqueued};
+use super::events::{complete_payload, COMPLETE, RUN_STARTED};
+use super::journal::write_complete;
+use super::notify::{events_channel, notify, COMPLETE_PAYLOAD, RUN_CANCEL, RUN_ENQUEUED};
+use super::{conversations, ClaimToken, ConversationId, MessageId, MessageStatus, RunId, RunStatus};
+
+// ---------------------------------------------------------------------------
+// queued -> running: the claim.
+
+/// Parameters of one claim.
+#[derive(Debug, Clone)]
+pub struct Claim<'a> {
+    /// At most this many rows: the dispatcher's free slots (acquire-before-pull).
+    pub limit: i64,
+    pub lease: Duration,
+    pub worker_id: &'a str,
+    /// The NOT EXISTS filter that skips conversations with a running run. An
+    /// optimisation only (the partial unique index is the guarantee); tests
+    /// turn it off to show the index holds alone.
+    pub prefilter: bool,
+    /// Running runs one tenant may have at most (`None`: no cap).
+    pub tenant_max_running: Option<i64>,
+}
+
+/// A run as a worker holds it after a claim.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct ClaimedRun {
+    pub id: RunId,
+    pub conversation_id: ConversationId,
+    pub claim_token: ClaimToken,
+    pub user_message_id: MessageId,
+    pub owner_id: String,
+    pub tenant_id: String,
+    pub plugin: String,
+    pub plugin_digest: Option<String>,
+    pub plugin_manifest: Option<Value>,
+    pub config: Value,
+    pub content: String,
+    /// Seconds from enqueue to this claim (the database's clock).
+    pub waited_s: f64,
+}
+
+const CLAIM_SQL: &str = "
+WITH RECURSIVE
+-- Tenants with queued work: a loose index scan (one probe per tenant) over
+-- agent_run_queued_by_tenant, not a scan of the queue.
+tenants AS (
+    (SELECT tenant_id FROM agent_run WHERE status = 'queued' ORDER BY tenant_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT a.tenant_id FROM agent_run a
+            WHERE a.status = 'queued' AND a.tenant_id > t.tenant_id
+            ORDER BY a.tenant_id LIMIT 1)
+    FROM tenants t WHERE t.tenant_id IS NOT NULL
+),
+-- Running runs per tenant. Only needed to weigh tenants against each other
+-- or against a cap: a lone tenant without a cap skips the count (CASE runs
+-- its subquery only when taken), which would otherwise step over every dead
+-- index entry its finished runs left behind.
+load AS (
+    SELECT t.tenant_id,
+           CASE WHEN $5::bigint IS NOT NULL OR (SELECT count(*) FROM tenants WHERE tenant_id IS NOT NULL) > 1
+                THEN (SELECT count(*) FROM agent_run b WHERE b.tenant_id = t.tenant_id AND b.status = 'running')
+                ELSE 0 END AS running
+    FROM tenants t WHERE t.tenant_id IS NOT NULL
+),
+-- Each tenant's oldest claimable turns, locked as they are found (SKIP
+-- LOCKED inside the per-tenant scan, so concurrent claimers move past each
+-- other's rows exactly as a plain FIFO claim would), then ranked by the load
+-- the tenant would carry if each were claimed (running + place in its line):
+-- the least-loaded tenant goes first, and one claim's rows interleave
+-- tenants. Rows locked but not chosen are released at commit, moments later.
+-- The optional cap ($5) keeps a tenant from ever passing that many running.
+heads AS (
+    SELECT l.tenant_id, l.running, c.id, c.queue_pos
+    FROM load l CROSS JOIN LATERAL (
+        SELECT q.id, q.queue_pos
+        FROM agent_run q
+        WHERE q.tenant_id = l.tenant_id AND q.status = 'queued'
+          -- FIFO within a conversation: only its oldest queued turn is a
+          -- candidate, so SKIP LOCKED can never slide onto a later turn.
+          AND NOT EXISTS (
+              SELECT 1 FROM agent_run e
+              WHERE e.conversation_id = q.conversation_id
+                AND e.status = 'queued' AND e.queue_pos < q.queue_pos)
+          AND ($4 = false OR NOT EXISTS (      -- the pre-filter (an optimisation)
+              SELECT 1 FROM agent_run b
+              WHERE b.conversation_id = q.conversation_id AND b.status = 'running'))
+        ORDER BY q.queue_pos
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED                 -- contended rows turn invisible
+    ) c
+),
+candidates AS (
+    SELECT id, queue_pos,
+           running + row_number() OVER (PARTITION BY tenant_id ORDER BY queue_pos) AS load_after
+    FROM heads
+),
+claimed AS (
+    UPDATE agent_run r SET
+        status            = 'running',
+        claim_token       = gen_random_uuid(),
+        claim_expires_at  = now() + make_interval(secs => $2),
+        worker_id         = $3,
+        -- The statement clock: after the previous turn's finish, which this
+        -- statement's snapshot saw commit (see the module's Clocks).
+        started_at        = coalesce(r.started_at, clock_timestamp()),
+        last_heartbeat_at = now()
+    WHERE r.id IN (
+        SELECT id FROM candidates
+        WHERE $5::bigint IS NULL OR load_after <= $5
+        ORDER BY load_after, queue_pos
+        LIMIT $1
+    )
+    RETURNING r.id, r.conversation_id, r.claim_token, r.user_message_id, r.owner_id,
+              r.tenant_id, r.plugin, r.plugin_digest, r.plugin_manifest, r.config,
+              extract(epoch FROM now() - r.created_at)::float8 AS waited_s
+),
+started AS (
+    -- seq 3 belongs to the claim: the run_started event ($6) commits with it.
+    INSERT INTO run_event (run_id, seq, type, payload)
+    SELECT id, 3, $6, jsonb_build_object('worker_id', $3::text) FROM claimed
+),
+msg AS (
+    UPDATE message m SET status = 'complete'
+    FROM claimed c WHERE m.id = c.user_message_id
+    RETURNING m.id, m.content
+)
+SELECT c.*, msg.content FROM claimed c JOIN msg ON msg.id = c.user_message_id";
+
+/// queued -> running, for the dispatcher: claims up to `limit` queued runs in
+/// one statement (each its conversation's oldest queued turn, fair across
+/// tenants), stamping the fence token, the lease and `started_at`, writing
+/// seq 3 `run_started` and turning the user message `complete`. An error for
+/// which [`is_running_conflict`] holds is the one-running-per-conversation
+/// index turning away a turn the pre-filter could not see: it means "claimed
+/// nothing this round", and the caller simply claims again.
+pub async fn claim(db: impl PgExecutor<'_>, claim: &Claim<'_>) -> Result<Vec<ClaimedRun>, sqlx::Error> {
+    sqlx::query_as::<_, ClaimedRun>(CLAIM_SQL)
+        .bind(claim.limit)
+        .bind(claim.lease.as_secs_f64())
+        .bind(claim.worker_id)
+        .bind(claim.prefilter)
+        .bind(claim.tenant_max_running)
+        .bind(RUN_STARTED)
+        .fetch_all(db)
+        .await
+}
+
+/// Whether a claim error was the index turning away a second running turn.
+pub fn is_running_conflict(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.constraint() == Some("one_running_per_conversation"))
+}
+
+// ---------------------------------------------------------------------------
+// running: the holder's lease and its stop flag (no status change).
+
+/// The heartbeat's write (no status change): renews the lease of every run
+/// this process holds, each fenced by its token. Returns the runs still held,
+/// with their cancel flag; a run missing from the answer was lost (reaped or
+/// otherwise ended).
+pub async fn heartbeat(
+    db: impl PgExecutor<'_>,
+    held: &[(RunId, ClaimToken)],
+    lease: Duration,
+) -> Result<Vec<(RunId, bool)>, sqlx::Error> {
+    if held.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<uuid::Uuid> = held.iter().map(|h| h.0 .0).collect();
+    let tokens: Vec<uuid::Uuid> = held.iter().map(|h| h.1 .0).collect();
+    sqlx::query_as(
+        "UPDATE agent_run r SET
+             last_heartbeat_at = now(),
+             claim_expires_at  = now() + make_interval(secs => $3)
+         FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)
+         WHERE r.id = h.id
+           AND r.claim_token = h.token    -- a stale worker's heartbeat updates 0 rows
+           AND r.status = 'running'
+         RETURNING r.id, r.cancel_requested",
+    )
+    .bind(ids)
+    .bind(tokens)
+    .bind(lease.as_secs_f64())
+    .fetch_all(db)
+    .await
+}
+
+/// The canceller's read: of the runs a process holds, those with a stop
+/// requested (the row is the truth a cancel NOTIFY only hints at).
+pub async fn cancel_requested(
+    db: impl PgExecutor<'_>,
+    held: &[(RunId, ClaimToken)],
+) -> Result<Vec<RunId>, sqlx::Error> {
+    let ids: Vec<uuid::Uuid> = held.iter().map(|(r, _)| r.0).collect();
+    let tokens: Vec<uuid::Uuid> = held.iter().map(|(_, t)| t.0).collect();
+    sqlx::query_scalar(
+        "SELECT r.id FROM agent_run r JOIN unnest($1::uuid[], $2::uuid[]) AS h(id, token)
+             ON r.id = h.id AND r.claim_token = h.token
+         WHERE r.status = 'running' AND r.cancel_requested",
+    )
+    .bind(ids)
+    .bind(tokens)
+    .fetch_all(db)
+    .await
+}
+
+// ---------------------------------------------------------------------------
+// running -> terminal: the holder's finish, the backstop, the reaper.
+
+/// How a worker ends its run.
+#[derive(Debug, Clone)]
+pub struct Finish<'a> {
+    pub status: RunStatus,
+    pub error: Option<&'a str>,
+    /// The assistant's text, if any, with its message status (`complete` or
+    /// `partial`).
+    pub assistant: Option<(&'a str, MessageStatus)>,
+    /// Model usage (`agent::Usage`), if the run called a model.
+    pub usage: Option<Value>,
+}
+
+/// running -> completed | failed | cancelled, for the run task (the claim
+/// holder), fenced: status flip, `finished_at`, the one `complete` event, the
+/// assistant message and the wake, in one statement (one transaction). The
+/// `complete` seq is max(seq)+1: the holder's own appends are done (or, for
+/// the backstop, its task is gone), so nothing can append concurrently.
+/// Returns false when fenced: someone else already ended this run.
+pub async fn finish(
+    db: impl PgExecutor<'_>,
+    run: RunId,
+    token: ClaimToken,
+    finish: &Finish<'_>,
+) -> Result<bool, sqlx::Error> {
+    debug_assert!(finish.status.is_terminal());
+    let (text, message_status) = match finish.assistant {
+        Some((t, s)) => (Some(t), Some(s)),
+        None => (None, None),
+    };
+    let applied: Option<bool> = sqlx::query_scalar(
+        "WITH fin AS (
+             -- finished_at is the statement clock (see the module's Clocks).
+             UPDATE agent_run SET status = $3, error = $4, finished_at = clock_timestamp(), usage = $9
+             WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
+             RETURNING id, conversation_id
+         ),
+         ev AS (
+             INSERT INTO run_event (run_id, seq, type, payload)
+             SELECT id, (SELECT coalesce(max(seq), 0) + 1 FROM run_event WHERE run_id = $1), $10, $11
+             FROM fin
+         ),
+         msg AS (
+             INSERT INTO message (id, conversation_id, run_id, role, content, status)
+             SELECT $5, conversation_id, id, 'assistant', $6, $7 FROM fin WHERE $6::text IS NOT NULL
+         ),
+         -- The wake chain: knock when the conversation has a turn waiting on
+         -- this one. (Runs of other conversations were announced at enqueue;
+         -- an unconditional NOTIFY serialises every commit on the notify
+         -- queue.) A turn whose enqueue commits after this statement's
+         -- snapshot is covered by `announce_ended`, after commit.
+         wake AS (
+             SELECT pg_notify($8, f.conversation_id::text) FROM fin f
+             WHERE EXISTS (SELECT 1 FROM agent_run q
+                           WHERE q.conversation_id = f.conversation_id AND q.status = 'queued')
+         )
+         -- Referencing `wake` is what makes it run.
+         SELECT (SELECT count(*) FROM wake) >= 0 FROM fin",
+    )
+    .bind(run)
+    .bind(token)
+    .bind(finish.status)
+    .bind(finish.error)
+    .bind(MessageId::new())
+    .bind(text)
+    .bind(message_status)
+    .bind(RUN_ENQUEUED)
+    .bind(&finish.usage)
+    .bind(COMPLETE)
+    .bind(complete_payload(finish.status, finish.error))
+    .fetch_optional(db)
+    .await?;
+    Ok(applied.is_some())
+}
+
+/// running -> failed, for the run task's backstop: the run's own task died
+/// (panic, error) without an ending. Fenced like [`finish`], which it is with
+/// no answer and no usage; `reason` is the run's error text.
+pub async fn backstop(
+    db: impl PgExecutor<'_>,
+    run: RunId,
+    token: ClaimToken,
+    reason: &str,
+) -> Result<bool, sqlx::Error> {
+    let ending = Finish { status: RunStatus::Failed, error: Some(reason), assistant: None, usage: None };
+    finish(db, run, token, &ending).await
+}
+
+/// Announcements after terminal writes have committed, batched across runs
+/// that ended in the same instant (one notify-only transaction for all); the
+/// waker calls it. No status change.
+///
+/// - Each run's tails are told its `complete` is there. (In the terminal
+///   write's own transaction this NOTIFY would serialise every terminal commit
+///   on PostgreSQL's notify queue lock; tails poll as a fallback regardless.)
+/// - The wake chain's second half: NOTIFY `run_enqueued` if the conversation
+///   has a queued turn. A turn enqueued after the terminal write's snapshot
+///   but before its commit announced itself while this run still looked
+///   running, so its wake found nothing to claim; this read (a fresh snapshot,
+///   after our commit) sees it. A turn enqueued after this read announces
+///   itself after our commit. Either way it is claimed now, not on the tick.
+pub async fn announce_ended(db: impl PgExecutor<'_>, ended: &[(RunId, ConversationId)]) -> Result<(), sqlx::Error> {
+    let channels: Vec<String> = ended.iter().map(|(r, _)| events_channel(*r)).collect();
+    let conversations: Vec<uuid::Uuid> = ended.iter().map(|(_, c)| c.0).collect();
+    sqlx::query(
+        "SELECT pg_notify(ch, $4) FROM unnest($3::text[]) AS ch
+         UNION ALL
+         SELECT pg_notify($1, c::text) FROM (SELECT DISTINCT c FROM unnest($2::uuid[]) AS c) AS d
+         WHERE EXISTS (SELECT 1 FROM agent_run WHERE conversation_id = d.c AND status = 'queued')",
+    )
+    .bind(RUN_ENQUEUED)
+    .bind(conversations)
+    .bind(channels)
+    .bind(COMPLETE_PAYLOAD)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// A run whose lease lapsed past the grace, as the reaper read it.
+#[derive(Debug, Clone, Copy, sqlx::FromRow)]
+pub struct Expired {
+    pub id: RunId,
+    pub claim_token: ClaimToken,
+}
+
+/// The reaper's read (and the boot reconciler's): running runs whose lease
+/// lapsed more than `grace` ago (by the database's clock). A snapshot, stale
+/// the instant it is returned; [`reap`] re-checks in its write.
+pub async fn find_expired(db: impl PgExecutor<'_>, grace: Duration, limit: i64) -> Result<Vec<Expired>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, claim_token FROM agent_run
+         WHERE status = 'running' AND claim_expires_at < now() - make_interval(secs => $1)
+         ORDER BY claim_expires_at LIMIT $2",
+    )
+    .bind(grace.as_secs_f64())
+    .bind(limit)
+    .fetch_all(db)
+    .await
+}
+
+/// running -> failed, for the reaper and the boot reconciler: ends a lost
+/// worker's run, if the lease is still lapsed *now*: the liveness check lives
+/// in the write, so a heartbeat that landed after [`find_expired`] makes this
+/// a no-op. Status, `complete` event (seq max+1, safe because the fence now
+/// shuts the worker out) and wake commit together. Returns whether this call
+/// reaped the run.
+pub async fn reap(pool: &PgPool, expired: Expired, grace: Duration) -> Result<bool, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let reaped: Option<(ConversationId, Option<String>)> = sqlx::query_as(
+        "UPDATE agent_run SET status = 'failed', finished_at = clock_timestamp(),
+                error = 'worker lost: lease expired without a heartbeat (worker ' || coalesce(worker_id, '?') || ')'
+         WHERE id = $1 AND claim_token = $2 AND status = 'running'
+           AND claim_expires_at < now() - make_interval(secs => $3)   -- still dead now?
+         RETURNING conversation_id, error",
+    )
+    .bind(expired.id)
+    .bind(expired.claim_token)
+    .bind(grace.as_secs_f64())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((conversation_id, error)) = reaped else {
+        return Ok(false);
+    };
+    write_complete(&mut *tx, expired.id, RunStatus::Failed, error.as_deref()).await?;
+    notify(&mut *tx, RUN_ENQUEUED, &conversation_id.to_string()).await?;
+    notify(&mut *tx, &events_channel(expired.id), COMPLETE_PAYLOAD).await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+// ---------------------------------------------------------------------------
+// Stops: queued -> cancelled outright; running flagged for its holder.
+
+/// What `cancel` found and did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cancelled {
+    /// Queued: cancelled outright, its message handed back as a draft.
+    Queued,
+    /// Running: flagged and woken; the holder finalizes it `cancelled`.
+    Flagged,
+    /// Already terminal: nothing changed (its status and cancel flag).
+    Terminal(RunStatus, bool),
+}
+
+/// A user message handed back by a stop.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Draft {
+    pub message_id: MessageId,
+    pub content: String,
+}
+
+/// What a conversation stop did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Stopped {
+    /// Queued runs, cancelled outright.
+    pub cancelled: Vec<RunId>,
+    /// Running runs, flagged: their holders are ending them.
+    pub cancelling: Vec<RunId>,
+    /// The cancelled runs' user messages, in conversation order.
+    pub drafts: Vec<Draft>,
+}
+
+/// A run of one owner as a transition reads it, locked `FOR UPDATE` until
+/// the caller's transaction ends.
+#[derive(Debug, Clone, sqlx::FromRow)]
+struct LockedRun {
+    status: RunStatus,
+    conversation_id: ConversationId,
+    user_message_id: MessageId,
+    cancel_requested: bool,
+}
+
+/// Locks run `run` of `owner_id`; `None` when missing or someone else's.
+async fn lock_owned_run(
+    tx: &mut Transaction<'_, Postgres>,
+    run: RunId,
+    owner_id: &str,
+) -> Result<Option<LockedRun>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT status, conversation_id, user_message_id, cancel_requested FROM agent_run
+         WHERE id = $1 AND owner_id = $2 FOR UPDATE",
+    )
+    .bind(run)
+    .bind(owner_id)
+    .fetch_optional(&mut **tx)
+    .await
+}
+
+/// For `POST /v1/runs/{id}/cancel`: cancels one run of `owner_id`; `None`
+/// when missing or someone else's. queued -> cancelled outright (with its
+/// `complete` and its message handed back as a draft); running: the stop
+/// flag and the NOTIFY, and its holder ends it cancelled. Idempotent: a
+/// second cancel of a running run re-flags and re-wakes.
+pub async fn cancel(pool: &PgPool, run: RunId, owner_id: &str) -> Result<Option<Cancelled>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let Some(locked) = lock_owned_run(&mut tx, run, owner_id).await? else {
+        return Ok(None);
+    };
+    let done = match locked.status {
+        RunStatus::Queued => {
+            cancel_queued(&mut tx, &[run]).await?;
+            // It may have been its conversation's head: the next turn is free now.
+            notify(&mut *tx, RUN_ENQUEUED, &locked.conversation_id.to_string()).await?;
+            Cancelled::Queued
+        }
+        RunStatus::Running => {
+            flag(&mut tx, &[run]).await?;
+            Cancelled::Flagged
+        }
+        terminal => Cancelled::Terminal(terminal, locked.cancel_requested),
+    };
+    tx.commit().await?;
+    Ok(Some(done))
+}
+
+/// For `POST /v1/conversations/{id}/stop`: stops a conversation of
+/// `owner_id` in ONE transaction; `None` when missing or someone else's.
+/// Every queued and running run is locked `FOR UPDATE`, queued ones first:
+/// once they are locked no claim can take one (the claim skips locked rows,
+/// and its head-of-conversation check still sees them queued), so the
+/// terminal wake of a running turn that finishes mid-stop finds nothing to
+/// start. queued -> cancelled with their `complete` events and drafts;
+/// running ones are flagged and woken.
+pub async fn stop_conversation(
+    pool: &PgPool,
+    conversation: ConversationId,
+    owner_id: &str,
+) -> Result<Option<Stopped>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    if !conversations::owned(&mut *tx, conversation, owner_id).await? {
+        return Ok(None);
+    }
+    // Rows are locked in the sorted order (LockRows sits above the Sort).
+    let active: Vec<(RunId, RunStatus)> = sqlx::query_as(
+        "SELECT id, status FROM agent_run
+         WHERE conversation_id = $1 AND status IN ('queued', 'running')
+         ORDER BY status = 'running', queue_pos
+         FOR UPDATE",
+    )
+    .bind(conversation)
+    .fetch_all(&mut *tx)
+    .await?;
+    let (queued, running): (Vec<_>, Vec<_>) = active.into_iter().partition(|(_, s)| *s == RunStatus::Queued);
+    let queued: Vec<RunId> = queued.into_iter().map(|(id, _)| id).collect();
+    let running: Vec<RunId> = running.into_iter().map(|(id, _)| id).collect();
+    let drafts = cancel_queued(&mut tx, &queued).await?;
+    flag(&mut tx, &running).await?;
+    tx.commit().await?;
+    Ok(Some(Stopped { cancelled: queued, cancelling: running, drafts }))
+}
+
+/// queued -> cancelled, for [`cancel`] and [`stop_conversation`]: status,
+/// `finished_at`, the `complete` event, the draft message, tails told; in the
+/// caller's transaction, which holds the rows' locks.
+async fn cancel_queued(tx: &mut Transaction<'_, Postgres>, runs: &[RunId]) -> Result<Vec<Draft>, sqlx::Error> {
+    if runs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<uuid::Uuid> = runs.iter().map(|r| r.0).collect();
+    // No one else writes a queued run's journal, so max(seq)+1 is safe.
+    let drafts: Vec<(MessageId, String)> = sqlx::query_as(
+        "WITH r AS (
+             UPDATE agent_run SET status = 'cancelled', cancel_requested = true, finished_at = clock_timestamp()
+             WHERE id = ANY($1) AND status = 'queued'
+             RETURNING id, user_message_id, queue_pos
+         ),
+         ev AS (
+             INSERT INTO run_event (run_id, seq, type, payload)
+             SELECT r.id, (SELECT coalesce(max(seq), 0) + 1 FROM run_event e WHERE e.run_id = r.id), $2, $3
+             FROM r
+         ),
+         m AS (
+             UPDATE message SET status = $4 FROM r
+             WHERE message.id = r.user_message_id
+             RETURNING message.id, message.content, r.queue_pos
+         )
+         SELECT id, content FROM m ORDER BY queue_pos",
+    )
+    .bind(&ids)
+    .bind(COMPLETE)
+    .bind(complete_payload(RunStatus::Cancelled, None))
+    .bind(MessageStatus::Draft)
+    .fetch_all(&mut **tx)
+    .await?;
+    for run in runs {
+        notify(&mut **tx, &events_channel(*run), COMPLETE_PAYLOAD).await?;
+    }
+    Ok(drafts.into_iter().map(|(message_id, content)| Draft { message_id, content }).collect())
+}
+
+/// The stop flag (no status change): flags running runs and wakes their
+/// holders over [`RUN_CANCEL`], in the caller's transaction. The holder's
+/// heartbeat and canceller re-read the flag in case the NOTIFY is lost.
+async fn flag(tx: &mut Transaction<'_, Postgres>, runs: &[RunId]) -> Result<(), sqlx::Error> {
+    if runs.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<uuid::Uuid> = runs.iter().map(|r| r.0).collect();
+    sqlx::query(
+        "WITH f AS (UPDATE agent_run SET cancel_requested = true WHERE id = ANY($1) AND status = 'running' RETURNING id)
+         SELECT pg_notify($2, id::text) FROM f",
+    )
+    .bind(&ids)
+    .bind(RUN_CANCEL)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// (none) -> queued again, on purpose: retry.
+
+#[derive(Debug, thiserror::Error)]
+pub enum RetryError {
+    #[error("run not found")]
+    NotFound,
+    #[error("{0}")]
+    Conflict(String),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+/// For `POST /v1/runs/{id}/retry`: a new queued run for the same user
+/// message (which goes back to `queued`), with the same plugin (digest and
+/// manifest as pinned) and config, its seq 1-2 and the wake. Only a failed or
+/// cancelled run that is its conversation's latest turn can be retried;
+/// nothing is ever re-run silently. The run row, then the conversation row,
+/// are locked, so two retries of one run serialise and the second finds a
+/// later turn.
+pub async fn retry(pool: &PgPool, run: RunId, owner_id: &str) -> Result<Enqueued, RetryError> {
+    let mut tx = pool.begin().await?;
+    let locked = lock_owned_run(&mut tx, run, owner_id).await?.ok_or(RetryError::NotFound)?;
+    let (conversation, message) = (locked.conversation_id, locked.user_message_id);
+    sqlx::query("SELECT 1 FROM conversation WHERE id = $1 FOR UPDATE").bind(conversation).execute(&mut *tx).await?;
+    // Read under the conversation's lock: no turn can be enqueued meanwhile.
+    let later: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM agent_run l
+                        WHERE l.conversation_id = r.conversation_id AND l.queue_pos > r.queue_pos)
+         FROM agent_run r WHERE r.id = $1",
+    )
+    .bind(run)
+    .fetch_one(&mut *tx)
+    .await?;
+    let status = locked.status;
+    if status != RunStatus::Failed && status != RunStatus::Cancelled {
+        return Err(RetryError::Conflict(format!(
+            "run {run} is {status}: only a failed or cancelled run can be retried"
+        )));
+    }
+    if later {
+        return Err(RetryError::Conflict(format!(
+            "run {run} is not its conversation's latest turn: only the latest turn can be retried"
+        )));
+    }
+    let new = RunId::new();
+    sqlx::query(
+        "INSERT INTO agent_run (id, conversation_id, owner_id, tenant_id, user_message_id,
+                                plugin, plugin_digest, request, config, plugin_manifest)
+         SELECT $2, conversation_id, owner_id, tenant_id, user_message_id,
+                plugin, plugin_digest, request, config, plugin_manifest
+         FROM agent_run WHERE id = $1",
+    )
+    .bind(run)
+    .bind(new)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("UPDATE message SET status = $3, run_id = $2 WHERE id = $1")
+        .bind(message)
+        .bind(new)
+        .bind(MessageStatus::Queued)
+        .execute(&mut *tx)
+        .await?;
+    journal_queued(&mut *tx, new, message, Some(run)).await?;
+    notify(&mut *tx, RUN_ENQUEUED, &conversation.to_string()).await?;
+    tx.commit().await?;
+    Ok(Enqueued { run_id: new, status: RunStatus::Queued, conversation_id: conversation, user_message_id: message })
+}
