@@ -1,7 +1,7 @@
 //! Enqueue: a new turn (user message, queued run, journal seq 1-2, the wake)
 //! in one transaction, and the idempotency replay's lookup. Called by the HTTP
 //! API, the demo and the benchmark. Retry ([`super::lifecycle::retry`]) writes
-//! its new run's seq 1-2 with [`journal_queued`], the one writer of them.
+//! its new run's seq 1-2 with `journal_queued`, the one writer of them.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;

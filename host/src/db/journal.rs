@@ -4,7 +4,7 @@
 //! Called by the journal writer (appends), the HTTP tail (reads), the
 //! lifecycle (the finalizers' `complete`) and the retention loop (trim).
 //!
-//! seq ownership: enqueue writes 1-2 ([`super::enqueue::journal_queued`]), the
+//! seq ownership: enqueue writes 1-2 (`enqueue::journal_queued`), the
 //! claim 3, the claim holder 4..n behind the fence; a finalizer other than the
 //! holder takes max(seq)+1 only once the fence has shut the holder out.
 

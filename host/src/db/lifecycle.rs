@@ -1,5 +1,6 @@
-//! Every change of a run's status, and the reads that decide one. Nothing
-//! else in the crate writes `agent_run.status`. Each function's doc names its
+//! Every change of a run's status, and the reads that decide one. No other
+//! module changes `agent_run.status` (enqueue, and the benchmark's bulk
+//! enqueue, insert runs `queued`). Each function's doc names its
 //! caller and the transition it makes; the schema's trigger
 //! `agent_run_status_transition` (`migrations/0001_run_core.sql`,
 //! `agent_run_transition_check`) enforces the same table, so a transition
@@ -47,9 +48,13 @@
 //! processes, and each of those statements is its transaction's first, so
 //! `now()` trails the statement clock by far less than the reap grace.
 //!
-//! Status words in SQL stay literals where they are index predicates
-//! (`status = 'queued'` must match the partial indexes' own text for the
-//! planner to use them); statuses that come from Rust are bound typed.
+//! A message's `created_at` is its column default, `clock_timestamp()`, too,
+//! so an answer is stamped after its run's `finished_at`.
+//!
+//! A status a statement decides itself is a literal in its SQL, as in the
+//! trigger and the partial indexes (the planner matches `status = 'queued'`
+//! against an index's predicate by its text, which a bound parameter would
+//! defeat); a status that comes from Rust is bound as its typed enum.
 
 use std::time::Duration;
 

@@ -79,7 +79,7 @@ pub enum RunStatus {
     /// queued run (-> cancelled).
     Queued,
     /// Written by the claim. Left only by the claim holder's fenced finalize,
-    /// by the dispatcher's backstop (fenced), or by the reaper once the lease
+    /// by the run task's backstop (fenced), or by the reaper once the lease
     /// has lapsed past the grace (re-checked in the write).
     Running,
     /// Terminal, written by the worker's fenced finalize.
