@@ -63,21 +63,9 @@ fn error(a: &Answer) -> (StatusCode, String, String) {
     (a.status, code.to_string(), v["error"]["message"].as_str().unwrap().to_string())
 }
 
-async fn wait_completed(pool: &sqlx::PgPool, run: RunId) {
-    wait_status(pool, run, "completed", LONG).await;
-}
-
 /// An SSE request's whole body, which must end by itself within `within`.
 async fn sse_body(host: &TestHost, run: RunId, last_event_id: i64, within: Duration) -> String {
-    let res = host
-        .client
-        .get(host.events_url(run))
-        .bearer_auth(&host.token)
-        .header("Accept", "text/event-stream")
-        .header("Last-Event-ID", last_event_id.to_string())
-        .send()
-        .await
-        .unwrap();
+    let res = host.events(run, "text/event-stream", None, Some(last_event_id)).await;
     assert_eq!(res.status(), StatusCode::OK);
     tokio::time::timeout(within, res.text()).await.expect("the stream did not end by itself").unwrap()
 }
@@ -95,12 +83,12 @@ fn frames_in(body: &str) -> Vec<&str> {
 #[tokio::test]
 async fn a_completed_run_has_one_ending_for_every_reader() {
     let db = TestDb::new().await;
-    let host = TestHost::start(&db, Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), fast_config("w"))
-        .await;
+    let host =
+        TestHost::start(&db, Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), fast_config("w")).await;
     let (code, v) = host.call("POST", "/v1/runs", Some(json!({ "content": "hi", "plugin": "echo" }))).await;
     assert_eq!(code, StatusCode::ACCEPTED, "{v}");
     let run: RunId = v["run_id"].as_str().unwrap().parse().unwrap();
-    wait_completed(&db.pool, run).await;
+    wait_status(&db.pool, run, "completed", LONG).await;
     let j = assert_journal_sound(&db.pool, run).await;
     let complete = j.last().unwrap().0 as i64;
     assert_eq!(j.last().unwrap().1, "complete");
@@ -134,6 +122,31 @@ async fn a_completed_run_has_one_ending_for_every_reader() {
     let mut client = SseClient::connect(&host.events_url(run), &host.token, Some(complete as i32 - 1)).await;
     let rest = client.collect(LONG).await;
     assert_eq!(rest.iter().map(|f| f.event.as_str()).collect::<Vec<_>>(), ["complete"]);
+    host.stop().await;
+}
+
+/// `agent-host runs tail --from <the complete's seq>` of a completed run:
+/// the stream ends at once without a frame, and the CLI says how the run
+/// ended instead of rejoining until it gives up.
+#[tokio::test]
+async fn the_cli_tail_from_the_ending_reports_the_status() {
+    let db = TestDb::new().await;
+    let host =
+        TestHost::start(&db, Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), fast_config("w")).await;
+    let e = enqueue(&db.pool, None, "echo", json!({})).await;
+    wait_status(&db.pool, e.run_id, "completed", LONG).await;
+    let complete = assert_journal_sound(&db.pool, e.run_id).await.last().unwrap().0;
+    let tail = tokio::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+        .env("AGENT_HOST_URL", &host.base)
+        .env("AGENT_HOST_TOKEN", &host.token)
+        .args(["runs", "tail", &e.run_id.to_string(), "--from", &complete.to_string()])
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(LONG, tail).await.expect("the CLI kept rejoining").unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(out.stdout.is_empty(), "nothing after the cursor is printed");
+    assert!(stderr.contains("[completed]"), "{stderr}");
     host.stop().await;
 }
 
@@ -203,7 +216,11 @@ async fn text_postgres_cannot_store_is_refused_with_422_naming_the_field() {
         for uri in ["/v1/runs".to_string(), format!("/v1/conversations/{conv}/runs")] {
             let a = edge.post_json(&uri, &body.to_string()).await;
             let (status, code, message) = error(&a);
-            assert_eq!((status, code.as_str()), (StatusCode::UNPROCESSABLE_ENTITY, "invalid"), "{uri} {body}: {message}");
+            assert_eq!(
+                (status, code.as_str()),
+                (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+                "{uri} {body}: {message}"
+            );
             assert_eq!(message, format!("{field} contains U+0000, which cannot be stored"), "{uri} {body}");
         }
     }
@@ -353,13 +370,12 @@ async fn lists_page_with_a_cursor_past_the_old_caps() {
     .execute(pool)
     .await
     .unwrap();
-    let want: Vec<String> = sqlx::query_scalar(
-        "SELECT id::text FROM message WHERE conversation_id = $1::uuid ORDER BY created_at, id",
-    )
-    .bind(&conv)
-    .fetch_all(pool)
-    .await
-    .unwrap();
+    let want: Vec<String> =
+        sqlx::query_scalar("SELECT id::text FROM message WHERE conversation_id = $1::uuid ORDER BY created_at, id")
+            .bind(&conv)
+            .fetch_all(pool)
+            .await
+            .unwrap();
     let path = format!("/v1/conversations/{conv}/messages");
     assert_eq!(walk(&edge, &path, "messages", "id", 1000).await, want);
     assert_eq!(walk(&edge, &path, "messages", "id", 333).await, want);
@@ -444,14 +460,7 @@ async fn live_sse_tails_are_bounded_per_process() {
     let mut second = SseClient::connect(&host.events_url(b.run_id), &host.token, None).await;
     assert_eq!(first.next(LONG).await.unwrap().event, "user_message_created");
     assert_eq!(second.next(LONG).await.unwrap().event, "user_message_created");
-    let refused = host
-        .client
-        .get(host.events_url(a.run_id))
-        .bearer_auth(&host.token)
-        .header("Accept", "text/event-stream")
-        .send()
-        .await
-        .unwrap();
+    let refused = host.events(a.run_id, "text/event-stream", None, None).await;
     assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
     let retry_after: u64 = refused.headers()["retry-after"].to_str().unwrap().parse().unwrap();
     assert!(retry_after >= 1);

@@ -103,7 +103,7 @@ async fn follow(api: &Api, id: &str, from: i64) -> anyhow::Result<()> {
             // The stream ended before a `complete`: a stream also ends at
             // once, without one, when the cursor is past the run's ending.
             Ok(None) => {
-                if let Some(status) = ended(api, id).await? {
+                if let Ok(Some(status)) = ended(api, id).await {
                     eprintln!("\n[{status}]");
                     if status == "completed" {
                         return Ok(());

@@ -71,16 +71,29 @@ impl TestHost {
         format!("{}/v1/runs/{run}/events", self.base)
     }
 
+    /// `GET` of a run's events with `accept`, after `from` (as `?from=`) or
+    /// `last_event_id` (as `Last-Event-ID`).
+    pub async fn events(
+        &self,
+        run: RunId,
+        accept: &str,
+        from: Option<i64>,
+        last_event_id: Option<i64>,
+    ) -> reqwest::Response {
+        let url = match from {
+            Some(from) => format!("{}?from={from}", self.events_url(run)),
+            None => self.events_url(run),
+        };
+        let mut req = self.client.get(url).bearer_auth(&self.token).header("Accept", accept);
+        if let Some(id) = last_event_id {
+            req = req.header("Last-Event-ID", id.to_string());
+        }
+        req.send().await.unwrap()
+    }
+
     /// One JSON page of a run's events after `from`.
     pub async fn events_page(&self, run: RunId, from: i64) -> Value {
-        let res = self
-            .client
-            .get(format!("{}?from={from}", self.events_url(run)))
-            .bearer_auth(&self.token)
-            .header("Accept", "application/json")
-            .send()
-            .await
-            .unwrap();
+        let res = self.events(run, "application/json", Some(from), None).await;
         assert_eq!(res.status(), StatusCode::OK);
         res.json().await.unwrap()
     }

@@ -35,7 +35,12 @@ impl SseClient {
         assert_eq!(res.status(), 200);
         let ct = res.headers()["content-type"].to_str().unwrap().to_string();
         assert!(ct.starts_with("text/event-stream"), "{ct}");
-        SseClient { stream: res.bytes_stream().boxed(), decoder: SseDecoder::default(), frames: VecDeque::new(), comments: 0 }
+        SseClient {
+            stream: res.bytes_stream().boxed(),
+            decoder: SseDecoder::default(),
+            frames: VecDeque::new(),
+            comments: 0,
+        }
     }
 
     /// The next frame, or `None` when the server closed the stream.

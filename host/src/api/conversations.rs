@@ -51,7 +51,8 @@ pub async fn conversation_messages(
 ) -> Result<impl IntoResponse, ApiError> {
     let page = q.page(MESSAGES_PAGE_MAX as usize)?;
     let after = page.after_as::<MessageId>()?;
-    let mut rows = conversations::messages(&state.pool, id.0, &p.user_id, after, page.fetch()).await?.or_not_found(id)?;
+    let mut rows =
+        conversations::messages(&state.pool, id.0, &p.user_id, after, page.fetch()).await?.or_not_found(id)?;
     let next_cursor = page.finish(&mut rows, |m| m.id.to_string());
     Ok(Json(json!({ "messages": rows, "next_cursor": next_cursor })))
 }

@@ -111,12 +111,9 @@ impl<T: Resource, S: Send + Sync> FromRequestParts<S> for PathId<T> {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        let Path(raw) = Path::<String>::from_request_parts(parts, state)
-            .await
-            .map_err(|e| ApiError::bad_request(e.body_text()))?;
-        raw.parse()
-            .map(PathId)
-            .map_err(|_| ApiError::bad_request(format!("{} id {raw:?} is not a UUID", T::NAME)))
+        let Path(raw) =
+            Path::<String>::from_request_parts(parts, state).await.map_err(|e| ApiError::bad_request(e.body_text()))?;
+        raw.parse().map(PathId).map_err(|_| ApiError::bad_request(format!("{} id {raw:?} is not a UUID", T::NAME)))
     }
 }
 

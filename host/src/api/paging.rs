@@ -36,12 +36,13 @@ impl PageQuery {
                 ApiError::bad_request(format!("limit must be an integer from 1 to {LIMIT_MAX}, not {raw:?}"))
             })?,
         };
-        let after = match &self.after {
-            None => None,
-            Some(raw) => Some(decode(raw).ok_or_else(|| {
-                ApiError::bad_request("after must be a next_cursor this list answered".to_string())
-            })?),
-        };
+        let after =
+            match &self.after {
+                None => None,
+                Some(raw) => Some(decode(raw).ok_or_else(|| {
+                    ApiError::bad_request("after must be a next_cursor this list answered".to_string())
+                })?),
+            };
         Ok(Page { limit, after })
     }
 }

@@ -33,7 +33,9 @@ pub async fn upload(
     {
         let field_name = field.name().unwrap_or_default().to_string();
         let bytes = field.bytes().await.map_err(|e| match e.status() {
-            StatusCode::PAYLOAD_TOO_LARGE => ApiError::too_large(format!("the upload exceeds {COMPONENT_BYTES_MAX} bytes")),
+            StatusCode::PAYLOAD_TOO_LARGE => {
+                ApiError::too_large(format!("the upload exceeds {COMPONENT_BYTES_MAX} bytes"))
+            }
             _ => ApiError::bad_request(format!("malformed multipart body: {e}")),
         })?;
         if field_name != "component" && bytes.len() > FIELD_BYTES_MAX {

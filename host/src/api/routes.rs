@@ -214,9 +214,8 @@ pub const ROUTES: &[Route] = &[
         query: &[],
         body: Some(("multipart/form-data", plugin_form)),
         handler: || {
-            post(plugins::upload).layer(axum::extract::DefaultBodyLimit::max(
-                crate::service::plugins::COMPONENT_BYTES_MAX + 64 * 1024,
-            ))
+            post(plugins::upload)
+                .layer(axum::extract::DefaultBodyLimit::max(crate::service::plugins::COMPONENT_BYTES_MAX + 64 * 1024))
         },
     },
     Route {
@@ -326,7 +325,9 @@ pub fn openapi() -> Value {
             if *name == "limit" {
                 schema = json!({ "type": kind, "minimum": 1, "maximum": LIMIT_MAX });
             }
-            parameters.push(json!({ "name": name, "in": "query", "required": false, "description": description, "schema": schema }));
+            parameters.push(
+                json!({ "name": name, "in": "query", "required": false, "description": description, "schema": schema }),
+            );
         }
         if !parameters.is_empty() {
             op["parameters"] = json!(parameters);

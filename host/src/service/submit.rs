@@ -154,8 +154,7 @@ pub async fn submit(pool: &PgPool, agents: &AgentRegistry, s: &Submission) -> Re
         // like the first request if this is the same request, else refuse.
         Err(e) if runs::is_idempotency_conflict(&e) => {
             let key = key.unwrap_or_default();
-            let Some((first, first_request)) = runs::find_by_idempotency_key(pool, &s.owner.user_id, key).await?
-            else {
+            let Some((first, first_request)) = runs::find_by_idempotency_key(pool, &s.owner.user_id, key).await? else {
                 return Err(SubmitError::IdempotencyKeyInUse);
             };
             if first_request.is_some_and(|r| r != request) {
