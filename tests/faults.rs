@@ -96,7 +96,7 @@ async fn follow(live: Live, token: String, run: RunId, salt: usize) -> (Vec<(i32
         };
         let hang_up_after = 1 + (attempt * 7 + salt) % 5;
         let (mut body, mut decoder, mut out, mut frames) =
-            (res.bytes_stream(), agent_host::sse::SseDecoder::default(), Vec::new(), 0);
+            (res.bytes_stream(), agent_host::stream::decode::SseDecoder::default(), Vec::new(), 0);
         'stream: while let Some(Ok(chunk)) = body.next().await {
             decoder.feed(&chunk, &mut out).unwrap();
             for data in out.drain(..) {

@@ -517,7 +517,7 @@ async fn stream_latency(pool: &PgPool, url: &str) -> anyhow::Result<()> {
         .send()
         .await?
         .error_for_status()?;
-    let (mut body, mut decoder, mut out) = (res.bytes_stream(), crate::sse::SseDecoder::default(), Vec::new());
+    let (mut body, mut decoder, mut out) = (res.bytes_stream(), crate::stream::decode::SseDecoder::default(), Vec::new());
     let mut samples = Vec::with_capacity(ticks);
     'read: while let Some(chunk) = tokio::time::timeout(Duration::from_secs(30), body.next()).await? {
         decoder.feed(&chunk?, &mut out).map_err(anyhow::Error::msg)?;

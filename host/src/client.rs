@@ -14,7 +14,7 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 
 use crate::config::{ApiArgs, ConversationsCommand, RunsCommand};
-use crate::sse::SseDecoder;
+use crate::stream::decode::SseDecoder;
 
 /// Reconnects after a dropped stream before giving up.
 const REJOINS_MAX: u32 = 20;
@@ -100,7 +100,17 @@ async fn follow(api: &Api, id: &str, from: i64) -> anyhow::Result<()> {
                 }
                 std::process::exit(1);
             }
-            Ok(None) => {}
+            // The stream ended before a `complete`: a stream also ends at
+            // once, without one, when the cursor is past the run's ending.
+            Ok(None) => {
+                if let Ok(Some(status)) = ended(api, id).await {
+                    eprintln!("\n[{status}]");
+                    if status == "completed" {
+                        return Ok(());
+                    }
+                    std::process::exit(1);
+                }
+            }
             // Refusals (unknown run, bad token) are final; a dropped connection is not.
             Err(e) if e.downcast_ref::<Refused>().is_some() => return Err(e),
             Err(e) => eprintln!("\n[stream dropped: {e:#}; rejoining after seq {last}]"),
@@ -116,6 +126,13 @@ async fn follow(api: &Api, id: &str, from: i64) -> anyhow::Result<()> {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 struct Refused(String);
+
+/// The run's status if it has ended (then nothing more will be streamed).
+async fn ended(api: &Api, id: &str) -> anyhow::Result<Option<String>> {
+    let run = api.call(reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await?;
+    let status = run["status"].as_str().unwrap_or_default();
+    Ok(["completed", "failed", "cancelled"].contains(&status).then(|| status.to_string()))
+}
 
 /// One connection: prints events and advances `last`; the run's final status
 /// once `complete` arrives, `None` if the stream ended before it.

@@ -152,6 +152,9 @@ pub struct ServeArgs {
     /// SSE keepalive, which is also a tail's fallback poll when no wake arrives.
     #[arg(long, env = "AGENT_HOST_SSE_KEEPALIVE_MS", default_value_t = 15_000)]
     pub sse_keepalive_ms: u64,
+    /// Live SSE tails this process serves at most; past it a new one answers 503 `too_many_streams`.
+    #[arg(long, env = "AGENT_HOST_SSE_TAILS_MAX", default_value_t = crate::stream::tail::LIVE_TAILS_MAX_DEFAULT)]
+    pub sse_tails_max: usize,
     #[command(flatten)]
     pub worker: WorkerArgs,
     #[command(flatten)]

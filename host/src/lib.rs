@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod run;
 pub mod sandbox;
 pub mod server;
-pub mod sse;
+pub mod service;
+pub mod stream;
 pub mod tools;
 pub mod worker;

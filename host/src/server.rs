@@ -1,6 +1,7 @@
 //! Process assembly: database (given or private), migrations, hub, worker,
 //! HTTP, and the ordered shutdown on SIGTERM/SIGINT.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -68,7 +69,7 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let addr = listener.local_addr()?;
-    let mut state = AppState::new(pool.clone(), agents, hub);
+    let mut state = AppState::new(pool.clone(), agents, hub).with_sse_tails_max(args.sse_tails_max);
     state.keepalive = std::time::Duration::from_millis(args.sse_keepalive_ms);
     state.stats = Some(worker.observer());
     let app = api::router(state);
@@ -156,17 +157,13 @@ impl ShutdownSignal {
     }
 }
 
-/// `plugins add`: validate against the world, then store and point the name.
+/// `plugins add`: the registration `POST /v1/plugins` does (`service::plugins`).
 pub async fn plugins_add(
     db_args: &DbArgs,
     name: &str,
     file: &std::path::Path,
     manifest: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        db::plugins::valid_name(name),
-        "plugin name {name:?} must be 1-63 characters of a-z, 0-9, _ and -, starting with a letter"
-    );
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
     let manifest: serde_json::Value = match manifest {
         Some(path) => {
@@ -175,24 +172,35 @@ pub async fn plugins_add(
         }
         None => json!({}),
     };
-    crate::sandbox::Manifest::parse(&manifest).map_err(anyhow::Error::msg)?;
+    // Before a database is opened (or a private cluster started).
+    crate::service::plugins::check(name, &manifest)?;
     with_pool(db_args, |pool| async move {
-        let sandbox = crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
-        sandbox.validate(&bytes)?;
-        let row = db::plugins::put(&pool, name, &bytes, &manifest).await?;
+        let sandbox: Arc<dyn crate::agent::Components> =
+            crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
+        let row = crate::service::plugins::register(&pool, &sandbox, name, bytes, &manifest).await?;
         println!("{} -> {} ({} bytes)", row.name, row.digest, row.size_bytes);
         Ok(())
     })
     .await
 }
 
-/// `plugins list`.
+/// Plugins one `plugins list` read fetches.
+const PLUGINS_LIST_PAGE: i64 = 1000;
+
+/// `plugins list`: every registered plugin, a page at a time.
 pub async fn plugins_list(db_args: &DbArgs) -> anyhow::Result<()> {
     with_pool(db_args, |pool| async move {
-        for p in db::plugins::list(&pool).await? {
-            println!("{}\t{}\t{} bytes\t{}", p.name, p.digest, p.size_bytes, p.manifest);
+        let mut after: Option<String> = None;
+        loop {
+            let page = db::plugins::list(&pool, after.as_deref(), PLUGINS_LIST_PAGE).await?;
+            for p in &page {
+                println!("{}\t{}\t{} bytes\t{}", p.name, p.digest, p.size_bytes, p.manifest);
+            }
+            match page.last() {
+                Some(last) if page.len() as i64 == PLUGINS_LIST_PAGE => after = Some(last.name.clone()),
+                _ => return Ok(()),
+            }
         }
-        Ok(())
     })
     .await
 }

@@ -1,13 +1,17 @@
-//! A host in the test process: a worker and the HTTP API on a real port, and
-//! a client that speaks JSON to it with a bearer token.
+//! The HTTP API from a test: a host in the test process (a worker and the
+//! API on a real port, with a client that speaks JSON to it with a bearer
+//! token), and one request through the router in-process (`oneshot`).
 
 use agent_host::agent::AgentRegistry;
 use agent_host::api::{self, AppState};
 use agent_host::db::{tokens, RunId};
 use agent_host::hub::Hub;
 use agent_host::worker::{Worker, WorkerConfig};
+use axum::body::Body;
+use http_body_util::BodyExt;
 use reqwest::StatusCode;
 use serde_json::Value;
+use tower::ServiceExt;
 
 use super::TestDb;
 
@@ -21,9 +25,22 @@ pub struct TestHost {
 
 impl TestHost {
     pub async fn start(db: &TestDb, hub: Option<Hub>, agents: AgentRegistry, config: WorkerConfig) -> TestHost {
+        Self::start_with(db, hub, agents, config, |_| {}).await
+    }
+
+    /// [`TestHost::start`] with the API's state adjusted by `tweak` (a
+    /// keepalive, a bound) before it serves.
+    pub async fn start_with(
+        db: &TestDb,
+        hub: Option<Hub>,
+        agents: AgentRegistry,
+        config: WorkerConfig,
+        tweak: impl FnOnce(&mut AppState),
+    ) -> TestHost {
         let worker = Worker::start(db.pool.clone(), hub.clone(), agents.clone(), config).await.unwrap();
         let mut state = AppState::new(db.pool.clone(), agents, hub);
         state.stats = Some(worker.observer());
+        tweak(&mut state);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let server = tokio::spawn(async move {
@@ -54,8 +71,114 @@ impl TestHost {
         format!("{}/v1/runs/{run}/events", self.base)
     }
 
+    /// `GET` of a run's events with `accept`, after `from` (as `?from=`) or
+    /// `last_event_id` (as `Last-Event-ID`).
+    pub async fn events(
+        &self,
+        run: RunId,
+        accept: &str,
+        from: Option<i64>,
+        last_event_id: Option<i64>,
+    ) -> reqwest::Response {
+        let url = match from {
+            Some(from) => format!("{}?from={from}", self.events_url(run)),
+            None => self.events_url(run),
+        };
+        let mut req = self.client.get(url).bearer_auth(&self.token).header("Accept", accept);
+        if let Some(id) = last_event_id {
+            req = req.header("Last-Event-ID", id.to_string());
+        }
+        req.send().await.unwrap()
+    }
+
+    /// One JSON page of a run's events after `from`.
+    pub async fn events_page(&self, run: RunId, from: i64) -> Value {
+        let res = self.events(run, "application/json", Some(from), None).await;
+        assert_eq!(res.status(), StatusCode::OK);
+        res.json().await.unwrap()
+    }
+
+    /// A `/metrics` scrape: each sample line (name with labels) to its value.
+    pub async fn scrape(&self) -> std::collections::HashMap<String, f64> {
+        let res = self.client.get(format!("{}/metrics", self.base)).send().await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        let text = res.text().await.unwrap();
+        text.lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| {
+                let (k, v) = l.rsplit_once(' ').unwrap();
+                (k.to_string(), v.parse().unwrap_or_else(|_| panic!("bad sample {l:?}")))
+            })
+            .collect()
+    }
+
     pub async fn stop(mut self) {
         self.worker.take().unwrap().drain().await;
         self.server.abort();
     }
+}
+
+/// An answer read whole: status, headers and the body's bytes.
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: axum::http::HeaderMap,
+    pub body: bytes::Bytes,
+}
+
+impl Answer {
+    /// The body as JSON (Null when it is not JSON).
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+
+    /// The body as text, for asserting what it does not say.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// One request through `router` in-process: `token` as the bearer, `body`
+/// as (content type, bytes), extra `headers`.
+pub async fn oneshot(
+    router: &axum::Router,
+    method: &str,
+    uri: &str,
+    token: Option<&str>,
+    headers: &[(&str, &str)],
+    body: Option<(&str, Vec<u8>)>,
+) -> Answer {
+    let mut req = axum::http::Request::builder().method(method).uri(uri);
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let req = match body {
+        Some((content_type, bytes)) => req.header("content-type", content_type).body(Body::from(bytes)),
+        None => req.body(Body::empty()),
+    }
+    .unwrap();
+    let res = router.clone().oneshot(req).await.unwrap();
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Answer { status: parts.status, headers: parts.headers, body }
+}
+
+/// A `multipart/form-data` body of `fields` (a `component` field goes as a
+/// .wasm file): (content type, body).
+pub fn multipart(fields: &[(&str, &[u8])]) -> (String, Vec<u8>) {
+    let boundary = "agent-host-test-boundary";
+    let mut body = Vec::new();
+    for (name, value) in fields {
+        body.extend_from_slice(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"").as_bytes());
+        if *name == "component" {
+            body.extend_from_slice(b"; filename=\"plugin.wasm\"\r\nContent-Type: application/wasm");
+        }
+        body.extend_from_slice(b"\r\n\r\n");
+        body.extend_from_slice(value);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    (format!("multipart/form-data; boundary={boundary}"), body)
 }

@@ -1,8 +1,11 @@
-//! A small SSE client over reqwest: parses frames per the EventSource spec
-//! (fields id, event, data; comments; a blank line dispatches).
+//! A small SSE client over reqwest, on the crate's one decoder
+//! (`agent_host::stream::decode`): fields id, event, data; comments; a blank
+//! line dispatches; a character split across reads is put back together.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
+use agent_host::stream::decode::SseDecoder;
 use futures::StreamExt;
 use serde_json::Value;
 
@@ -15,7 +18,9 @@ pub struct Frame {
 
 pub struct SseClient {
     stream: futures::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
-    buf: String,
+    decoder: SseDecoder,
+    frames: VecDeque<Frame>,
+    /// Comment lines (keepalives) seen so far.
     pub comments: usize,
 }
 
@@ -30,39 +35,36 @@ impl SseClient {
         assert_eq!(res.status(), 200);
         let ct = res.headers()["content-type"].to_str().unwrap().to_string();
         assert!(ct.starts_with("text/event-stream"), "{ct}");
-        SseClient { stream: res.bytes_stream().boxed(), buf: String::new(), comments: 0 }
+        SseClient {
+            stream: res.bytes_stream().boxed(),
+            decoder: SseDecoder::default(),
+            frames: VecDeque::new(),
+            comments: 0,
+        }
     }
 
     /// The next frame, or `None` when the server closed the stream.
     pub async fn next(&mut self, within: Duration) -> Option<Frame> {
         let deadline = tokio::time::Instant::now() + within;
-        let (mut id, mut event, mut data) = (None, String::from("message"), Vec::<String>::new());
         loop {
-            while let Some(pos) = self.buf.find('\n') {
-                let line: String = self.buf.drain(..=pos).collect();
-                let line = line.trim_end_matches(['\n', '\r']);
-                if line.is_empty() {
-                    if data.is_empty() {
-                        continue;
-                    }
-                    let data = serde_json::from_str(&data.join("\n")).expect("frame data is JSON");
-                    return Some(Frame { id, event, data });
-                }
-                if line.starts_with(':') {
-                    self.comments += 1;
-                    continue;
-                }
-                let (field, value) = line.split_once(':').unwrap_or((line, ""));
-                let value = value.strip_prefix(' ').unwrap_or(value);
-                match field {
-                    "id" => id = Some(value.to_string()),
-                    "event" => event = value.to_string(),
-                    "data" => data.push(value.to_string()),
-                    _ => {}
-                }
+            if let Some(f) = self.frames.pop_front() {
+                return Some(f);
             }
-            let chunk = tokio::time::timeout_at(deadline, self.stream.next()).await.expect("SSE frame timed out")?;
-            self.buf.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+            let chunk = tokio::time::timeout_at(deadline, self.stream.next()).await.expect("SSE frame timed out");
+            let (mut out, ended) = (Vec::new(), chunk.is_none());
+            match chunk {
+                Some(chunk) => self.decoder.feed_frames(&chunk.unwrap(), &mut out).expect("an SSE body"),
+                None => out.extend(self.decoder.finish_frame().expect("an SSE body")),
+            }
+            self.comments = self.decoder.comments() as usize;
+            self.frames.extend(out.into_iter().map(|f| Frame {
+                id: f.id,
+                event: f.event.unwrap_or_else(|| "message".into()),
+                data: serde_json::from_str(&f.data).expect("frame data is JSON"),
+            }));
+            if ended {
+                return self.frames.pop_front();
+            }
         }
     }
 

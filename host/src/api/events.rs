@@ -1,31 +1,32 @@
-//! The tail: `GET /v1/runs/{id}/events`. A stream is a table with a cursor:
-//! every frame carries its seq, a client that drops rejoins with `?from=N` or
+//! `GET /v1/runs/{id}/events`: the native API's two encoders over the
+//! journal tail (`stream::tail`). A stream is a table with a cursor: every
+//! frame carries its seq, a client that drops rejoins with `?from=N` or
 //! `Last-Event-ID`, and any process serves any run's tail.
+//!
+//! - SSE (`Accept: text/event-stream`): one frame per event (`id: <seq>`,
+//!   `event: <type>`, `data: <frame>`), a comment per keepalive, and the end
+//!   of the body at the run's ending; nothing at all for a cursor at or past
+//!   it. Live tails are bounded per process: past the bound, 503.
+//! - JSON: one page `{events, next_from, terminal}`.
 
 use std::convert::Infallible;
-use std::time::Duration;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use futures::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 
-use crate::db::journal::{self, Event};
+use crate::db::events::COMPLETE;
+use crate::db::journal::Event;
 use crate::db::runs;
 use crate::db::RunId;
+use crate::stream::tail::{Item, TailStream, PAGE_EVENTS_MAX};
 
-use super::{ApiError, AppState, Auth};
-
-/// Events one read (and one JSON page) returns at most.
-pub const PAGE_EVENTS_MAX: i64 = 500;
-/// Frames buffered for a slow SSE client before the tail waits for it.
-const FRAMES_QUEUE_MAX: usize = 64;
-/// The default keepalive, which is also the tail's fallback poll.
-pub const KEEPALIVE_DEFAULT: Duration = Duration::from_secs(15);
+use super::{ApiError, ApiQuery, AppState, Auth, OrNotFound, PathId};
 
 #[derive(Debug, Deserialize)]
 pub struct EventsQuery {
@@ -54,12 +55,11 @@ fn parse_cursor(raw: &str, what: &str) -> Result<i32, ApiError> {
 pub async fn events(
     State(state): State<AppState>,
     Auth(p): Auth,
-    Path(id): Path<String>,
-    Query(q): Query<EventsQuery>,
+    id: PathId<RunId>,
+    ApiQuery(q): ApiQuery<EventsQuery>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    let id: RunId = id.parse().map_err(|_| ApiError::bad_request(format!("run id {id:?} is not a UUID")))?;
-    runs::get_run(&state.pool, id, &p.user_id).await?.ok_or_else(|| ApiError::not_found(format!("run {id}")))?;
+    runs::get_run(&state.pool, id.0, &p.user_id).await?.or_not_found(id)?;
     // A reconnecting EventSource repeats its URL and adds Last-Event-ID: the
     // header is the newer cursor.
     let from = match (headers.get("last-event-id"), &q.from) {
@@ -70,113 +70,55 @@ pub async fn events(
     let wants_sse =
         headers.get(header::ACCEPT).and_then(|a| a.to_str().ok()).is_some_and(|a| a.contains("text/event-stream"));
     if wants_sse {
-        Ok(sse(state, id, from).await.into_response())
+        let tail = state.tails().follow(id.0, from)?;
+        Ok(sse(id.0, tail).into_response())
     } else {
-        Ok(page(&state, id, from).await?.into_response())
+        Ok(page(state.tails().catch_up(id.0, from), from).await?.into_response())
     }
 }
 
-/// The run's `complete` frame made from its row, for a run that ended
-/// without one in the journal (a finalizer died mid-way, or retention trimmed it).
-async fn synthesized_complete(state: &AppState, id: RunId, after: i32) -> Result<Option<Value>, sqlx::Error> {
-    let Some((status, error, last_seq)) = journal::terminal_state(&state.pool, id).await? else {
-        return Ok(None);
-    };
-    let mut v =
-        json!({ "type": "complete", "seq": last_seq.max(after) + 1, "status": status.as_str(), "synthesized": true });
-    if let Some(e) = error {
-        v["error"] = json!(e);
-    }
-    Ok(Some(v))
-}
-
-async fn page(state: &AppState, id: RunId, from: i32) -> Result<Json<Value>, ApiError> {
-    let events = journal::events_after(&state.pool, id, from, PAGE_EVENTS_MAX).await?;
-    let mut frames: Vec<Value> = events.iter().map(frame).collect();
-    let mut terminal = events.iter().any(|e| e.kind == "complete");
-    let mut next_from = events.last().map(|e| e.seq).unwrap_or(from);
-    if !terminal && (events.len() as i64) < PAGE_EVENTS_MAX {
-        if let Some(c) = synthesized_complete(state, id, next_from).await? {
-            // Re-read: a complete may have landed between the two reads.
-            let late = journal::events_after(&state.pool, id, next_from, PAGE_EVENTS_MAX).await?;
-            if late.is_empty() {
-                next_from = c["seq"].as_i64().unwrap_or_default() as i32;
-                frames.push(c);
-                terminal = true;
-            } else {
-                terminal = late.iter().any(|e| e.kind == "complete");
-                next_from = late.last().map(|e| e.seq).unwrap_or(next_from);
-                frames.extend(late.iter().map(frame));
+/// The JSON encoder: up to [`PAGE_EVENTS_MAX`] events after `from`;
+/// `next_from` is the last seq returned (or `from`), `terminal` whether the
+/// run has ended for this reader (its ending is on this page, or was before it).
+async fn page(mut tail: TailStream, from: i32) -> Result<Json<Value>, ApiError> {
+    let (mut frames, mut next_from, mut terminal) = (Vec::new(), from, false);
+    while frames.len() < PAGE_EVENTS_MAX as usize {
+        match tail.next().await.transpose()? {
+            Some(Item::Event(e)) => {
+                next_from = e.seq;
+                terminal = e.kind == COMPLETE;
+                frames.push(frame(&e));
             }
+            Some(Item::End(ending)) => {
+                terminal = ending.is_terminal();
+                break;
+            }
+            Some(Item::Keepalive) => {}
+            None => break,
         }
     }
     Ok(Json(json!({ "events": frames, "next_from": next_from, "terminal": terminal })))
 }
 
-async fn sse(state: AppState, id: RunId, from: i32) -> Sse<impl futures::Stream<Item = Result<SseEvent, Infallible>>> {
-    let (tx, rx) = mpsc::channel::<SseEvent>(FRAMES_QUEUE_MAX);
-    let keepalive = state.keepalive;
-    tokio::spawn(async move {
-        if let Err(e) = tail(&state, id, from, &tx).await {
-            tracing::warn!(run_id = %id, error = %e, "tail ended early; the client can rejoin from its last seq");
-        }
-    });
-    let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) });
-    Sse::new(stream).keep_alive(KeepAlive::new().interval(keepalive))
-}
-
-fn sse_frame(v: &Value) -> SseEvent {
-    SseEvent::default().id(v["seq"].to_string()).event(v["type"].as_str().unwrap_or("event")).data(v.to_string())
-}
-
-/// Replays everything after `from`, then follows the run live until its
-/// `complete`. Subscribes before the first read, so no wake falls in the gap;
-/// waits on the hub with the keepalive as the fallback poll.
-async fn tail(state: &AppState, id: RunId, from: i32, tx: &mpsc::Sender<SseEvent>) -> Result<(), sqlx::Error> {
-    let mut wakes = match &state.hub {
-        Some(hub) => Some(hub.subscribe(&crate::db::notify::events_channel(id)).await),
-        None => None,
-    };
-    let mut cursor = from;
-    loop {
-        if let Some(w) = wakes.as_mut() {
-            w.drain();
-        }
-        let events = journal::events_after(&state.pool, id, cursor, PAGE_EVENTS_MAX).await?;
-        for e in &events {
-            cursor = e.seq;
-            if tx.send(sse_frame(&frame(e))).await.is_err() {
-                return Ok(()); // the client left; the run goes on
+/// The SSE encoder: the body ends with the tail (or at its first error,
+/// after which the client rejoins from its last seq).
+fn sse(run: RunId, tail: TailStream) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let frames = futures::stream::unfold(tail, move |mut tail| async move {
+        let frame = match tail.next().await? {
+            Ok(Item::Event(e)) => {
+                // A field cannot hold a line break (a guest's kind could):
+                // such a frame goes as the default type; its data names it.
+                let kind = if e.kind.contains(['\n', '\r']) { "message" } else { e.kind.as_str() };
+                SseEvent::default().id(e.seq.to_string()).event(kind).data(frame(&e).to_string())
             }
-            if e.kind == "complete" {
-                return Ok(()); // the first ending wins
-            }
-        }
-        if events.len() as i64 == PAGE_EVENTS_MAX {
-            continue;
-        }
-        if events.is_empty() {
-            if let Some(c) = synthesized_complete(state, id, cursor).await? {
-                // Terminal: read once more, since the row and its complete
-                // commit together; only a journal without it gets a synthetic one.
-                if journal::events_after(&state.pool, id, cursor, 1).await?.is_empty() {
-                    let _ = tx.send(sse_frame(&c)).await;
-                    return Ok(());
-                }
-                continue;
-            }
-        }
-        let wait = async {
-            match wakes.as_mut() {
-                Some(w) => {
-                    let _ = tokio::time::timeout(state.keepalive, w.recv()).await;
-                }
-                None => tokio::time::sleep(state.keepalive).await,
+            Ok(Item::Keepalive) => SseEvent::default().comment("keepalive"),
+            Ok(Item::End(_)) => return None,
+            Err(e) => {
+                tracing::warn!(run_id = %run, error = %e, "tail ended early; the client can rejoin from its last seq");
+                return None;
             }
         };
-        tokio::select! {
-            _ = wait => {}
-            _ = tx.closed() => return Ok(()),
-        }
-    }
+        Some((Ok(frame), tail))
+    });
+    Sse::new(frames)
 }

@@ -64,6 +64,10 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
         e.counter("agent_host_hub_notifications_total", "Notifications received.", h.notifications.load(Relaxed));
         e.counter("agent_host_hub_dropped_total", "Wakes dropped on full queues.", h.dropped.load(Relaxed));
     }
+    let tails = &state.live_tails;
+    e.gauge("agent_host_sse_tails", "Live SSE tails this process serves.", tails.live() as f64);
+    e.gauge("agent_host_sse_tails_max", "The bound on live SSE tails (--sse-tails-max).", tails.max() as f64);
+    e.counter("agent_host_sse_tails_refused_total", "SSE tails refused at the bound (503).", tails.refused());
     if let Some(sandbox) = state.agents.sandbox() {
         e.gauge("agent_host_sandboxes_live", "Guest instances alive.", sandbox.live() as f64);
     }

@@ -1,4 +1,4 @@
-//! Plugin upload (admins) and listing.
+//! Plugin upload (admins, through `service::plugins`) and the paged listing.
 
 use axum::extract::{Multipart, State};
 use axum::http::StatusCode;
@@ -7,12 +7,15 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use crate::db;
-use crate::sandbox::Manifest;
+use crate::service::plugins::{self as registry, COMPONENT_BYTES_MAX};
 
-use super::{ApiError, AppState, Auth};
+use super::paging::PageQuery;
+use super::{ApiError, ApiQuery, AppState, Auth};
 
-/// Bytes of an uploaded component.
-pub const COMPONENT_BYTES_MAX: usize = 32 << 20;
+/// Plugins a listing page holds unless the caller asks for fewer.
+pub const PLUGINS_PAGE_DEFAULT: usize = 100;
+/// Bytes of an upload's `name` or `manifest` field.
+const FIELD_BYTES_MAX: usize = 64 * 1024;
 
 /// `POST /v1/plugins`, multipart: `name`, `component` (.wasm), optional `manifest` (JSON).
 pub async fn upload(
@@ -21,7 +24,7 @@ pub async fn upload(
     mut form: Multipart,
 ) -> Result<impl IntoResponse, ApiError> {
     if !p.admin {
-        return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", "uploading plugins needs an admin token"));
+        return Err(ApiError::forbidden("uploading plugins needs an admin token"));
     }
     let sandbox = state.agents.sandbox().cloned().ok_or_else(|| ApiError::unavailable("this host runs no sandbox"))?;
     let (mut name, mut component, mut manifest) = (None, None, None);
@@ -30,13 +33,14 @@ pub async fn upload(
     {
         let field_name = field.name().unwrap_or_default().to_string();
         let bytes = field.bytes().await.map_err(|e| match e.status() {
-            StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "too_large",
-                format!("the upload exceeds {COMPONENT_BYTES_MAX} bytes"),
-            ),
+            StatusCode::PAYLOAD_TOO_LARGE => {
+                ApiError::too_large(format!("the upload exceeds {COMPONENT_BYTES_MAX} bytes"))
+            }
             _ => ApiError::bad_request(format!("malformed multipart body: {e}")),
         })?;
+        if field_name != "component" && bytes.len() > FIELD_BYTES_MAX {
+            return Err(ApiError::too_large(format!("field {field_name:?} exceeds {FIELD_BYTES_MAX} bytes")));
+        }
         match field_name.as_str() {
             "name" => name = Some(String::from_utf8_lossy(&bytes).trim().to_string()),
             "component" => component = Some(bytes),
@@ -49,38 +53,43 @@ pub async fn upload(
         }
     }
     let name = name.ok_or_else(|| ApiError::invalid("missing field `name`"))?;
-    if !db::plugins::valid_name(&name) {
-        return Err(ApiError::invalid(format!(
-            "plugin name {name:?} must be 1-63 characters of a-z, 0-9, _ and -, starting with a letter"
-        )));
-    }
-    let component = component.ok_or_else(|| ApiError::invalid("missing field `component` (the .wasm file)"))?;
     let manifest = manifest.unwrap_or_else(|| json!({}));
-    Manifest::parse(&manifest).map_err(ApiError::invalid)?;
-    // Compiling is CPU work: off the async threads.
-    let bytes = component.clone();
-    tokio::task::spawn_blocking(move || sandbox.validate(&bytes))
-        .await
-        .map_err(|e| ApiError::unavailable(e.to_string()))?
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
-    let row = db::plugins::put(&state.pool, &name, &component, &manifest).await?;
+    // Name and manifest first: their refusals do not wait for the component.
+    registry::check(&name, &manifest)?;
+    let component = component.ok_or_else(|| ApiError::invalid("missing field `component` (the .wasm file)"))?;
+    let row = registry::register(&state.pool, &sandbox, &name, component.into(), &manifest).await?;
     Ok((StatusCode::CREATED, Json(json!({ "name": row.name, "digest": row.digest, "manifest": row.manifest }))))
 }
 
-/// `GET /v1/plugins`.
-pub async fn list(State(state): State<AppState>, Auth(_): Auth) -> Result<impl IntoResponse, ApiError> {
-    let mut plugins: Vec<Value> = db::plugins::list(&state.pool)
-        .await?
+/// `GET /v1/plugins?limit&after`: registered plugins and the built-in
+/// agents whose names no plugin took, one list in byte order of the name
+/// (the cursor is the last name).
+pub async fn list(
+    State(state): State<AppState>,
+    Auth(_): Auth,
+    ApiQuery(q): ApiQuery<PageQuery>,
+) -> Result<impl IntoResponse, ApiError> {
+    let page = q.page(PLUGINS_PAGE_DEFAULT)?;
+    let after = page.after.as_deref();
+    let rows = db::plugins::list(&state.pool, after, page.fetch()).await?;
+    let mut plugins: Vec<(String, Value)> = rows
         .into_iter()
         .map(|p| {
-            json!({ "name": p.name, "digest": p.digest, "manifest": p.manifest,
-                    "size_bytes": p.size_bytes, "updated_at": p.updated_at, "builtin": false })
+            let v = json!({ "name": p.name, "digest": p.digest, "manifest": p.manifest,
+                            "size_bytes": p.size_bytes, "updated_at": p.updated_at, "builtin": false });
+            (p.name, v)
         })
         .collect();
+    // A built-in past this page's registered names sorts past the cut below;
+    // one within them was among the rows if a plugin took its name.
     for name in state.agents.names() {
-        if !plugins.iter().any(|p| p["name"] == name.as_str()) {
-            plugins.push(json!({ "name": name, "digest": null, "manifest": null, "builtin": true }));
+        if after.is_none_or(|a| name.as_str() > a) && !plugins.iter().any(|(n, _)| *n == name) {
+            let v = json!({ "name": name, "digest": null, "manifest": null, "builtin": true });
+            plugins.push((name, v));
         }
     }
-    Ok(Json(json!({ "plugins": plugins })))
+    plugins.sort_by(|a, b| a.0.cmp(&b.0));
+    let next_cursor = page.finish(&mut plugins, |(name, _)| name.clone());
+    let plugins: Vec<Value> = plugins.into_iter().map(|(_, v)| v).collect();
+    Ok(Json(json!({ "plugins": plugins, "next_cursor": next_cursor })))
 }

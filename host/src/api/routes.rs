@@ -4,7 +4,8 @@
 use axum::routing::{get, post, MethodRouter};
 use serde_json::{json, Map, Value};
 
-use super::{events, metrics, plugins, runs, AppState};
+use super::paging::LIMIT_MAX;
+use super::{conversations, events, metrics, plugins, runs, AppState, ErrorCode};
 
 /// Builds a JSON schema.
 pub type Schema = fn() -> Value;
@@ -21,10 +22,21 @@ pub struct Route {
     pub ok: (u16, &'static str),
     /// Error statuses this operation answers besides 401 (with auth) and 5xx.
     pub errors: &'static [u16],
+    /// Query parameters.
+    pub query: &'static [Param],
     /// Request body: (content type, its JSON schema).
     pub body: Option<(&'static str, Schema)>,
     pub handler: fn() -> MethodRouter<AppState>,
 }
+
+/// One query parameter: name, JSON type, what it means.
+pub type Param = (&'static str, &'static str, &'static str);
+
+/// The paging parameters every list route takes.
+const PAGING: &[Param] = &[
+    ("limit", "integer", "items on this page, 1 to 1000 (default: the list's page size)"),
+    ("after", "string", "the next_cursor of the previous page"),
+];
 
 fn run_body() -> Value {
     json!({ "type": "object", "required": ["content", "plugin"], "additionalProperties": false, "properties": {
@@ -58,6 +70,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
         errors: &[400, 404, 409, 413, 415, 422],
+        query: &[],
         body: Some(("application/json", run_body)),
         handler: || post(runs::create_run),
     },
@@ -72,16 +85,23 @@ pub const ROUTES: &[Route] = &[
              finished_at, last_seq, usage}",
         ),
         errors: &[400, 404],
+        query: &[],
         body: None,
         handler: || get(runs::get_run),
     },
     Route {
         method: "get",
         path: "/v1/runs/{id}/events",
-        summary: "The run's events after ?from=N or Last-Event-ID: SSE (text/event-stream) or one JSON page",
+        summary: "The run's events after ?from=N or Last-Event-ID: SSE (text/event-stream) until the run's ending, \
+                  or one JSON page; a cursor at or past the ending gets no events (an empty terminal page, or an \
+                  SSE stream that ends at once); 503 too_many_streams with Retry-After past the process's bound",
         auth: true,
         ok: (200, "SSE frames, or {events, next_from, terminal}"),
-        errors: &[400, 404],
+        errors: &[400, 404, 503],
+        query: &[
+            ("from", "integer", "the last seq seen (default 0); Last-Event-ID, when sent, wins"),
+            ("access_token", "string", "the bearer token, for an EventSource (which cannot send headers)"),
+        ],
         body: None,
         handler: || get(events::events),
     },
@@ -92,6 +112,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (202, "{id, status, cancel_requested}"),
         errors: &[400, 404],
+        query: &[],
         body: None,
         handler: || post(runs::cancel_run),
     },
@@ -102,6 +123,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
         errors: &[400, 404, 409],
+        query: &[],
         body: None,
         handler: || post(runs::retry_run),
     },
@@ -112,18 +134,20 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (201, "{id, created_at}"),
         errors: &[],
+        query: &[],
         body: None,
-        handler: || post(runs::create_conversation),
+        handler: || post(conversations::create_conversation),
     },
     Route {
         method: "get",
         path: "/v1/conversations",
-        summary: "The caller's conversations, newest first (at most 100)",
+        summary: "The caller's conversations, newest first, 100 a page unless ?limit says otherwise",
         auth: true,
-        ok: (200, "{conversations: [{id, created_at, title, latest_run_id, latest_status}]}"),
-        errors: &[],
+        ok: (200, "{conversations: [{id, created_at, title, latest_run_id, latest_status}], next_cursor}"),
+        errors: &[400],
+        query: PAGING,
         body: None,
-        handler: || get(runs::list_conversations),
+        handler: || get(conversations::list_conversations),
     },
     Route {
         method: "get",
@@ -132,18 +156,20 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "{id, created_at, active_run_id, queued_run_ids}"),
         errors: &[400, 404],
+        query: &[],
         body: None,
-        handler: || get(runs::get_conversation),
+        handler: || get(conversations::get_conversation),
     },
     Route {
         method: "get",
         path: "/v1/conversations/{id}/messages",
-        summary: "The transcript in turn order",
+        summary: "The transcript in turn order, 1000 a page unless ?limit says otherwise",
         auth: true,
-        ok: (200, "{messages: [{id, role, content, status, run_id, created_at}]}"),
+        ok: (200, "{messages: [{id, role, content, status, run_id, created_at}], next_cursor}"),
         errors: &[400, 404],
+        query: PAGING,
         body: None,
-        handler: || get(runs::conversation_messages),
+        handler: || get(conversations::conversation_messages),
     },
     Route {
         method: "post",
@@ -152,6 +178,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
         errors: &[400, 404, 409, 413, 415, 422],
+        query: &[],
         body: Some(("application/json", turn_body)),
         handler: || post(runs::create_run_in_conversation),
     },
@@ -162,16 +189,18 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "{cancelled: [run ids], cancelling: [run ids], drafts: [{message_id, content}]}"),
         errors: &[400, 404],
+        query: &[],
         body: None,
-        handler: || post(runs::stop_conversation),
+        handler: || post(conversations::stop_conversation),
     },
     Route {
         method: "get",
         path: "/v1/plugins",
-        summary: "Registered plugins and built-in agents",
+        summary: "Registered plugins and built-in agents, by name, 100 a page unless ?limit says otherwise",
         auth: true,
-        ok: (200, "{plugins: [{name, digest, manifest, size_bytes, updated_at, builtin}]}"),
-        errors: &[],
+        ok: (200, "{plugins: [{name, digest, manifest, size_bytes, updated_at, builtin}], next_cursor}"),
+        errors: &[400],
+        query: PAGING,
         body: None,
         handler: || get(plugins::list),
     },
@@ -182,9 +211,11 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (201, "{name, digest, manifest}"),
         errors: &[400, 403, 413, 415, 422],
+        query: &[],
         body: Some(("multipart/form-data", plugin_form)),
         handler: || {
-            post(plugins::upload).layer(axum::extract::DefaultBodyLimit::max(plugins::COMPONENT_BYTES_MAX + 64 * 1024))
+            post(plugins::upload)
+                .layer(axum::extract::DefaultBodyLimit::max(crate::service::plugins::COMPONENT_BYTES_MAX + 64 * 1024))
         },
     },
     Route {
@@ -194,6 +225,7 @@ pub const ROUTES: &[Route] = &[
         auth: false,
         ok: (200, "{status: ok}"),
         errors: &[],
+        query: &[],
         body: None,
         handler: || get(|| async { axum::Json(json!({ "status": "ok" })) }),
     },
@@ -204,6 +236,7 @@ pub const ROUTES: &[Route] = &[
         auth: false,
         ok: (200, "{status: ready}"),
         errors: &[503],
+        query: &[],
         body: None,
         handler: || get(super::readyz),
     },
@@ -214,6 +247,7 @@ pub const ROUTES: &[Route] = &[
         auth: false,
         ok: (200, "text/plain; version=0.0.4"),
         errors: &[],
+        query: &[],
         body: None,
         handler: || get(metrics::metrics),
     },
@@ -224,6 +258,7 @@ pub const ROUTES: &[Route] = &[
         auth: false,
         ok: (200, "text/html"),
         errors: &[],
+        query: &[],
         body: None,
         handler: || get(|| async { axum::response::Html(CONSOLE_HTML) }),
     },
@@ -234,6 +269,7 @@ pub const ROUTES: &[Route] = &[
         auth: false,
         ok: (200, "OpenAPI 3.1"),
         errors: &[],
+        query: &[],
         body: None,
         handler: || get(|| async { axum::Json(openapi()) }),
     },
@@ -252,7 +288,8 @@ fn reason(status: u16) -> &'static str {
         413 => "too large",
         415 => "wrong content type",
         422 => "invalid",
-        503 => "not ready",
+        500 => "internal error (the message is fixed; the cause is logged)",
+        503 => "not available now: not ready, or too many live streams (see Retry-After)",
         _ => "see the error's message",
     }
 }
@@ -260,6 +297,7 @@ fn reason(status: u16) -> &'static str {
 /// The OpenAPI 3.1 document of [`ROUTES`].
 pub fn openapi() -> Value {
     let error = json!({ "description": "", "content": { "application/json": { "schema": { "$ref": "#/components/schemas/Error" } } } });
+    let codes: Vec<&str> = ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
     let mut paths = Map::new();
     for r in ROUTES {
         let mut responses = Map::new();
@@ -278,8 +316,21 @@ pub fn openapi() -> Value {
         if r.auth {
             op["security"] = json!([{ "bearer": [] }]);
         }
+        let mut parameters = Vec::new();
         if r.path.contains("{id}") {
-            op["parameters"] = json!([{ "name": "id", "in": "path", "required": true, "schema": { "type": "string", "format": "uuid" } }]);
+            parameters.push(json!({ "name": "id", "in": "path", "required": true, "schema": { "type": "string", "format": "uuid" } }));
+        }
+        for (name, kind, description) in r.query {
+            let mut schema = json!({ "type": kind });
+            if *name == "limit" {
+                schema = json!({ "type": kind, "minimum": 1, "maximum": LIMIT_MAX });
+            }
+            parameters.push(
+                json!({ "name": name, "in": "query", "required": false, "description": description, "schema": schema }),
+            );
+        }
+        if !parameters.is_empty() {
+            op["parameters"] = json!(parameters);
         }
         if let Some((content_type, schema)) = r.body {
             op["requestBody"] = json!({ "required": true, "content": { content_type: { "schema": schema() } } });
@@ -295,7 +346,7 @@ pub fn openapi() -> Value {
             "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } },
             "schemas": { "Error": { "type": "object", "required": ["error"], "properties": { "error": {
                 "type": "object", "required": ["code", "message"],
-                "properties": { "code": { "type": "string" }, "message": { "type": "string" } } } } } }
+                "properties": { "code": { "type": "string", "enum": codes }, "message": { "type": "string" } } } } } }
         }
     })
 }

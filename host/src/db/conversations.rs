@@ -117,8 +117,16 @@ pub struct ConversationSummary {
 /// Conversations one list answers at most.
 pub const CONVERSATIONS_PAGE_MAX: i64 = 100;
 
-/// The owner's conversations, newest first (at most [`CONVERSATIONS_PAGE_MAX`]).
-pub async fn list(db: impl PgExecutor<'_>, owner_id: &str) -> Result<Vec<ConversationSummary>, sqlx::Error> {
+/// The owner's conversations, newest first (ties in time by id), at most
+/// `limit`, after the conversation `after` when given: keyset paging, so a
+/// conversation created meanwhile neither shifts nor repeats a page. An
+/// `after` that is not the owner's answers no rows.
+pub async fn list(
+    db: impl PgExecutor<'_>,
+    owner_id: &str,
+    after: Option<ConversationId>,
+    limit: i64,
+) -> Result<Vec<ConversationSummary>, sqlx::Error> {
     sqlx::query_as(
         "SELECT c.id, c.created_at, left(m.content, 80) AS title, r.id AS latest_run_id, r.status AS latest_status
          FROM conversation c
@@ -126,20 +134,28 @@ pub async fn list(db: impl PgExecutor<'_>, owner_id: &str) -> Result<Vec<Convers
                             WHERE conversation_id = c.id ORDER BY queue_pos DESC LIMIT 1) r ON true
          LEFT JOIN message m ON m.id = r.user_message_id
          WHERE c.owner_id = $1
-         ORDER BY c.created_at DESC LIMIT $2",
+           AND ($3::uuid IS NULL
+                OR (c.created_at, c.id) < (SELECT a.created_at, a.id FROM conversation a
+                                           WHERE a.id = $3 AND a.owner_id = $1))
+         ORDER BY c.created_at DESC, c.id DESC LIMIT $2",
     )
     .bind(owner_id)
-    .bind(CONVERSATIONS_PAGE_MAX)
+    .bind(limit)
+    .bind(after)
     .fetch_all(db)
     .await
 }
 
-/// The transcript, oldest first (at most [`MESSAGES_PAGE_MAX`], the latest);
-/// `None` when the conversation is missing or someone else's.
+/// The transcript in turn order (ties by id), at most `limit` messages,
+/// after the message `after` when given (keyset paging); `None` when the
+/// conversation is missing or someone else's. An `after` that is not a
+/// message of this conversation answers no rows.
 pub async fn messages(
     pool: &PgPool,
     id: ConversationId,
     owner_id: &str,
+    after: Option<MessageId>,
+    limit: i64,
 ) -> Result<Option<Vec<MessageView>>, sqlx::Error> {
     let owned: Option<i32> = sqlx::query_scalar("SELECT 1 FROM conversation WHERE id = $1 AND owner_id = $2")
         .bind(id)
@@ -149,15 +165,18 @@ pub async fn messages(
     if owned.is_none() {
         return Ok(None);
     }
-    let mut rows: Vec<MessageView> = sqlx::query_as(&format!(
+    let rows: Vec<MessageView> = sqlx::query_as(&format!(
         "{TRANSCRIPT_CTE}
          SELECT id, role, content, status, run_id, created_at FROM t
-         ORDER BY turn_at DESC, turn_id DESC, answer DESC, created_at DESC LIMIT $2"
+         WHERE $3::uuid IS NULL
+            OR (turn_at, turn_id, answer, created_at, id)
+               > (SELECT turn_at, turn_id, answer, created_at, id FROM t WHERE id = $3)
+         ORDER BY turn_at, turn_id, answer, created_at, id LIMIT $2"
     ))
     .bind(id)
-    .bind(MESSAGES_PAGE_MAX)
+    .bind(limit)
+    .bind(after)
     .fetch_all(pool)
     .await?;
-    rows.reverse();
     Ok(Some(rows))
 }

@@ -68,11 +68,18 @@ pub async fn get(db: impl PgExecutor<'_>, name: &str) -> Result<Option<PluginRow
     .await
 }
 
-pub async fn list(db: impl PgExecutor<'_>) -> Result<Vec<PluginRow>, sqlx::Error> {
+/// Registered plugins in byte order of their names (`COLLATE "C"`, so
+/// callers can merge them with other names), at most `limit`, after the
+/// name `after` when given.
+pub async fn list(db: impl PgExecutor<'_>, after: Option<&str>, limit: i64) -> Result<Vec<PluginRow>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT p.name, p.digest, p.manifest, c.size_bytes, p.updated_at
-         FROM plugin p JOIN plugin_component c ON c.digest = p.digest ORDER BY p.name",
+        r#"SELECT p.name, p.digest, p.manifest, c.size_bytes, p.updated_at
+           FROM plugin p JOIN plugin_component c ON c.digest = p.digest
+           WHERE $1::text IS NULL OR p.name COLLATE "C" > $1
+           ORDER BY p.name COLLATE "C" LIMIT $2"#,
     )
+    .bind(after)
+    .bind(limit)
     .fetch_all(db)
     .await
 }

@@ -298,7 +298,7 @@ impl OpenAi {
             )));
         }
         let mut stream = resp.bytes_stream();
-        let mut sse = crate::sse::SseDecoder::default();
+        let mut sse = crate::stream::decode::SseDecoder::default();
         let mut events = Vec::new();
         let mut reply = Reply::default();
         loop {
@@ -658,7 +658,7 @@ mod tests {
     #[test]
     fn the_decoder_finds_the_same_events_however_the_body_is_cut() {
         let whole = {
-            let mut d = crate::sse::SseDecoder::default();
+            let mut d = crate::stream::decode::SseDecoder::default();
             let mut out = Vec::new();
             d.feed(TOOL_CALL_REPLY.as_bytes(), &mut out).unwrap();
             assert_eq!(d.finish().unwrap(), None);
@@ -667,7 +667,7 @@ mod tests {
         assert_eq!(whole.len(), 6);
         assert_eq!(whole[5], "[DONE]");
         for size in 1..=9 {
-            let mut d = crate::sse::SseDecoder::default();
+            let mut d = crate::stream::decode::SseDecoder::default();
             let mut out = Vec::new();
             for piece in TOOL_CALL_REPLY.as_bytes().chunks(size) {
                 d.feed(piece, &mut out).unwrap();
@@ -675,7 +675,7 @@ mod tests {
             assert_eq!(out, whole, "cut every {size} bytes");
         }
         // A last event with no blank line after it still counts.
-        let mut d = crate::sse::SseDecoder::default();
+        let mut d = crate::stream::decode::SseDecoder::default();
         let mut out = Vec::new();
         d.feed(b"data: a\ndata: b\n\ndata: [DONE]", &mut out).unwrap();
         assert_eq!(out, ["a\nb"]);

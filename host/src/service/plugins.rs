@@ -1,0 +1,74 @@
+//! Plugin registration, written once: `POST /v1/plugins` and
+//! `agent-host plugins add` both call [`register`]. It checks the name and
+//! the manifest, validates the component against the world with the
+//! sandbox (off the async threads), then stores it content-addressed and
+//! points the name at it (`db::plugins::put`).
+
+use std::sync::Arc;
+
+use serde_json::Value;
+use sqlx::PgPool;
+
+use crate::db::plugins::{self, PluginRow};
+use crate::agent::Components;
+use crate::run::manifest::Manifest;
+
+use super::storable::{self, Unstorable};
+
+/// Bytes of a component.
+pub const COMPONENT_BYTES_MAX: usize = 32 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    #[error(transparent)]
+    Unstorable(#[from] Unstorable),
+    #[error("plugin name {0:?} must be 1-63 characters of a-z, 0-9, _ and -, starting with a letter")]
+    InvalidName(String),
+    #[error("{0}")]
+    InvalidManifest(String),
+    #[error("the component is {0} bytes; the limit is {COMPONENT_BYTES_MAX}")]
+    TooLarge(usize),
+    /// Not a component of the world the host serves (the sandbox's words).
+    #[error("{0}")]
+    InvalidComponent(String),
+    /// The validating task died (a panic, or the runtime is shutting down).
+    #[error("validating the component stopped before it finished")]
+    Interrupted,
+    /// For logs only; APIs answer a fixed message.
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+}
+
+/// What can be checked without the component or the database: the name and
+/// the manifest. [`register`] checks it too; a CLI calls it first to fail
+/// before opening a database.
+pub fn check(name: &str, manifest: &Value) -> Result<(), RegisterError> {
+    storable::text("name", name)?;
+    storable::json("manifest", manifest)?;
+    if !plugins::valid_name(name) {
+        return Err(RegisterError::InvalidName(name.to_string()));
+    }
+    Manifest::parse(manifest).map_err(|e| RegisterError::InvalidManifest(e.to_string()))?;
+    Ok(())
+}
+
+/// Checks, validates and stores `component` under `name` with `manifest`.
+pub async fn register(
+    pool: &PgPool,
+    sandbox: &Arc<dyn Components>,
+    name: &str,
+    component: Vec<u8>,
+    manifest: &Value,
+) -> Result<PluginRow, RegisterError> {
+    check(name, manifest)?;
+    if component.len() > COMPONENT_BYTES_MAX {
+        return Err(RegisterError::TooLarge(component.len()));
+    }
+    // Compiling is CPU work: off the async threads.
+    let sandbox = sandbox.clone();
+    let component = tokio::task::spawn_blocking(move || sandbox.validate(&component).map(|()| component))
+        .await
+        .map_err(|_| RegisterError::Interrupted)?
+        .map_err(|e| RegisterError::InvalidComponent(e.to_string()))?;
+    Ok(plugins::put(pool, name, &component, manifest).await?)
+}

@@ -1,0 +1,219 @@
+//! Enqueue as a service: what every API that starts a run calls (the native
+//! `POST /v1/runs` and `POST /v1/conversations/{id}/runs` today, the
+//! Responses API next), so none of them holds run logic.
+//!
+//! It owns: validating what the client sent (content, plugin, config,
+//! idempotency key, and the storable-text rule), pinning the plugin to the
+//! (name, digest, manifest) its name points at now, the request snapshot, and
+//! the idempotency replay (the same key and request: the first answer again;
+//! the same key, another request: refused). The enqueue transaction itself is
+//! `db::enqueue::enqueue`.
+
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+use crate::agent::AgentRegistry;
+use crate::db::enqueue::{self as runs, EnqueueError, Enqueued, NewRun, Owner};
+use crate::db::{ConversationId, RunId};
+
+use super::storable::{self, Unstorable};
+
+/// Characters of a user message.
+pub const CONTENT_CHARS_MAX: usize = 64 * 1024;
+/// Bytes of a run's config JSON.
+pub const CONFIG_BYTES_MAX: usize = 16 * 1024;
+/// Bytes of an idempotency key.
+pub const IDEMPOTENCY_KEY_BYTES_MAX: usize = 200;
+/// Plugin names an unknown-plugin refusal lists at most.
+pub const AVAILABLE_NAMES_MAX: i64 = 100;
+
+/// One request to start a run, as a client sent it.
+#[derive(Debug, Clone)]
+pub struct Submission {
+    pub owner: Owner,
+    /// `None`: a new conversation for this run.
+    pub conversation_id: Option<ConversationId>,
+    pub content: String,
+    pub plugin: String,
+    /// `None`: `{}`.
+    pub config: Option<Value>,
+    pub idempotency_key: Option<String>,
+}
+
+/// The run a submission started, or the one its idempotency key started before.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Submitted {
+    Created(Enqueued),
+    /// The same key and the same request as before: the first answer again.
+    Replayed(Enqueued),
+}
+
+impl Submitted {
+    pub fn enqueued(&self) -> &Enqueued {
+        match self {
+            Submitted::Created(e) | Submitted::Replayed(e) => e,
+        }
+    }
+
+    pub fn replayed(&self) -> bool {
+        matches!(self, Submitted::Replayed(_))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error(transparent)]
+    Unstorable(#[from] Unstorable),
+    #[error("content must not be empty")]
+    EmptyContent,
+    #[error("content has {0} characters; the limit is {CONTENT_CHARS_MAX}")]
+    ContentTooLong(usize),
+    #[error("unknown plugin {plugin:?}; available: {}", available.join(", "))]
+    UnknownPlugin { plugin: String, available: Vec<String> },
+    #[error("config must be a JSON object")]
+    ConfigNotObject,
+    #[error("config is {0} bytes; the limit is {CONFIG_BYTES_MAX}")]
+    ConfigTooLarge(usize),
+    #[error("Idempotency-Key must be 1-{IDEMPOTENCY_KEY_BYTES_MAX} visible ASCII bytes")]
+    BadIdempotencyKey,
+    /// Missing, or another user's: the same answer.
+    #[error("conversation {0} not found")]
+    ConversationNotFound(ConversationId),
+    #[error("Idempotency-Key {key:?} was used for a different request (run {run})")]
+    IdempotencyKeyReused { key: String, run: RunId },
+    /// A concurrent request with the key won, and its run is not readable yet.
+    #[error("idempotency key in use; retry")]
+    IdempotencyKeyInUse,
+    /// For logs only; APIs answer a fixed message.
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+}
+
+/// Validates `s`, pins its plugin and enqueues it (or replays the run its
+/// idempotency key started).
+pub async fn submit(pool: &PgPool, agents: &AgentRegistry, s: &Submission) -> Result<Submitted, SubmitError> {
+    // Before anything reaches the database, text it cannot store.
+    storable::text("content", &s.content)?;
+    storable::text("plugin", &s.plugin)?;
+    if let Some(config) = &s.config {
+        storable::json("config", config)?;
+    }
+    if let Some(key) = &s.idempotency_key {
+        storable::text("idempotency key", key)?;
+    }
+    if s.content.trim().is_empty() {
+        return Err(SubmitError::EmptyContent);
+    }
+    let chars = s.content.chars().count();
+    if chars > CONTENT_CHARS_MAX {
+        return Err(SubmitError::ContentTooLong(chars));
+    }
+    // A registered plugin, pinned now to the digest (and manifest) its name
+    // points at, so re-pointing the name later changes nothing for this run;
+    // else a built-in agent of that name.
+    let registered = match agents.sandbox() {
+        Some(_) => crate::db::plugins::get(pool, &s.plugin).await?,
+        None => None,
+    };
+    if registered.is_none() && !agents.contains(&s.plugin) {
+        let mut available = agents.names();
+        available.extend(crate::db::plugins::list(pool, None, AVAILABLE_NAMES_MAX).await?.into_iter().map(|p| p.name));
+        available.sort();
+        available.dedup();
+        return Err(SubmitError::UnknownPlugin { plugin: s.plugin.clone(), available });
+    }
+    let config = s.config.clone().unwrap_or_else(|| json!({}));
+    if !config.is_object() {
+        return Err(SubmitError::ConfigNotObject);
+    }
+    let config_bytes = config.to_string().len();
+    if config_bytes > CONFIG_BYTES_MAX {
+        return Err(SubmitError::ConfigTooLarge(config_bytes));
+    }
+    let key = s.idempotency_key.as_deref();
+    if key.is_some_and(|k| !valid_idempotency_key(k)) {
+        return Err(SubmitError::BadIdempotencyKey);
+    }
+    // What a replay is compared with.
+    let request =
+        json!({ "content": s.content, "plugin": s.plugin, "conversation_id": s.conversation_id, "config": config });
+    let new = NewRun {
+        owner: &s.owner,
+        conversation_id: s.conversation_id,
+        content: &s.content,
+        plugin: &s.plugin,
+        plugin_digest: registered.as_ref().map(|p| p.digest.as_str()),
+        plugin_manifest: registered.as_ref().map(|p| &p.manifest),
+        config: &config,
+        request: &request,
+        idempotency_key: key,
+    };
+    match runs::enqueue(pool, &new).await {
+        Ok(e) => Ok(Submitted::Created(e)),
+        // The key was used before (or by a concurrent retry that won): answer
+        // like the first request if this is the same request, else refuse.
+        Err(e) if runs::is_idempotency_conflict(&e) => {
+            let key = key.unwrap_or_default();
+            let Some((first, first_request)) = runs::find_by_idempotency_key(pool, &s.owner.user_id, key).await? else {
+                return Err(SubmitError::IdempotencyKeyInUse);
+            };
+            if first_request.is_some_and(|r| r != request) {
+                return Err(SubmitError::IdempotencyKeyReused { key: key.to_string(), run: first.run_id });
+            }
+            Ok(Submitted::Replayed(first))
+        }
+        Err(EnqueueError::ConversationNotFound(id)) => Err(SubmitError::ConversationNotFound(id)),
+        Err(EnqueueError::Db(e)) => Err(e.into()),
+    }
+}
+
+/// 1 to [`IDEMPOTENCY_KEY_BYTES_MAX`] bytes of visible ASCII (what an HTTP
+/// header value may hold: tab, space to `~`).
+fn valid_idempotency_key(key: &str) -> bool {
+    !key.is_empty()
+        && key.len() <= IDEMPOTENCY_KEY_BYTES_MAX
+        && key.bytes().all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idempotency_keys_are_bounded_visible_ascii() {
+        assert!(valid_idempotency_key("k-1"));
+        assert!(valid_idempotency_key(&"k".repeat(IDEMPOTENCY_KEY_BYTES_MAX)));
+        for bad in ["", "caf\u{e9}", "a\u{fffd}", "a\nb"] {
+            assert!(!valid_idempotency_key(bad), "{bad:?}");
+        }
+        assert!(!valid_idempotency_key(&"k".repeat(IDEMPOTENCY_KEY_BYTES_MAX + 1)));
+    }
+
+    /// Unstorable text is refused before anything reaches the database (this
+    /// pool has none behind it).
+    #[tokio::test]
+    async fn unstorable_text_is_refused_before_the_database() {
+        let pool = PgPool::connect_lazy("postgres://nobody@127.0.0.1:1/none").unwrap();
+        let agents = AgentRegistry::with_builtins();
+        let ok = Submission {
+            owner: Owner { user_id: "u".into(), tenant_id: "t".into() },
+            conversation_id: None,
+            content: "hi".into(),
+            plugin: "echo".into(),
+            config: None,
+            idempotency_key: None,
+        };
+        let cases = [
+            ("content", Submission { content: "a\0b".into(), ..ok.clone() }),
+            ("plugin", Submission { plugin: "e\0".into(), ..ok.clone() }),
+            ("config", Submission { config: Some(json!({ "a": { "\u{0}": 1 } })), ..ok.clone() }),
+            ("idempotency key", Submission { idempotency_key: Some("k\0".into()), ..ok.clone() }),
+        ];
+        for (field, s) in cases {
+            match submit(&pool, &agents, &s).await {
+                Err(SubmitError::Unstorable(u)) => assert_eq!(u.field, field),
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+    }
+}
