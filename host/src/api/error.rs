@@ -223,6 +223,7 @@ impl From<RegisterError> for ApiError {
             | RegisterError::InvalidComponent(_) => ApiError::invalid(message),
             RegisterError::TooLarge(_) => ApiError::too_large(message),
             RegisterError::Interrupted => ApiError::unavailable(message),
+            RegisterError::Sandbox(cause) => ApiError::internal(&cause),
             RegisterError::Db(e) => e.into(),
         }
     }

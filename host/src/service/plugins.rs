@@ -10,7 +10,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use crate::db::plugins::{self, PluginRow};
-use crate::sandbox::{Manifest, Sandbox};
+use crate::sandbox::{Manifest, Sandbox, SandboxError};
 
 use super::storable::{self, Unstorable};
 
@@ -30,6 +30,9 @@ pub enum RegisterError {
     /// Not a component of the world the host serves (the sandbox's words).
     #[error("{0}")]
     InvalidComponent(String),
+    /// The sandbox failed in itself, not over the component; for logs only.
+    #[error("sandbox: {0}")]
+    Sandbox(String),
     /// The validating task died (a panic, or the runtime is shutting down).
     #[error("validating the component stopped before it finished")]
     Interrupted,
@@ -68,6 +71,10 @@ pub async fn register(
     let component = tokio::task::spawn_blocking(move || sandbox.validate(&component).map(|()| component))
         .await
         .map_err(|_| RegisterError::Interrupted)?
-        .map_err(|e| RegisterError::InvalidComponent(e.to_string()))?;
+        .map_err(|e| match e {
+            SandboxError::Invalid(_) => RegisterError::InvalidComponent(e.to_string()),
+            SandboxError::Db(e) => RegisterError::Db(e),
+            e => RegisterError::Sandbox(e.to_string()),
+        })?;
     Ok(plugins::put(pool, name, &component, manifest).await?)
 }
