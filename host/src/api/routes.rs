@@ -288,7 +288,6 @@ fn reason(status: u16) -> &'static str {
         413 => "too large",
         415 => "wrong content type",
         422 => "invalid",
-        500 => "internal error (the message is fixed; the cause is logged)",
         503 => "not available now: not ready, or too many live streams (see Retry-After)",
         _ => "see the error's message",
     }
