@@ -1,7 +1,6 @@
 //! The only place that holds SQL. Everything else calls these functions with a
 //! pool or a transaction (`impl PgExecutor`).
 
-pub mod bench;
 pub mod cluster;
 pub mod conversations;
 pub mod events;
