@@ -1,5 +1,8 @@
 //! Command line and environment. Every flag has an `AGENT_HOST_*` fallback;
-//! durations are in milliseconds and validated at start.
+//! durations are in milliseconds. [`Cli::validate`] refuses, at start and
+//! naming the flag, any setting that would busy-loop (a zero interval) or
+//! overcommit (more runs than the sandbox has instances); `main` calls it
+//! before anything is opened.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -46,8 +49,12 @@ pub enum Command {
     /// Manage API tokens.
     #[command(subcommand)]
     Tokens(TokensCommand),
-    /// Measure enqueue latency, pickup latency and drain throughput.
-    Bench(BenchArgs),
+    /// The benchmark moved to its own binary; this only says where.
+    #[command(hide = true)]
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        args: Vec<String>,
+    },
     /// Manage WebAssembly plugins.
     #[command(subcommand)]
     Plugins(PluginsCommand),
@@ -276,24 +283,109 @@ impl WorkerArgs {
     }
 }
 
-#[derive(Debug, Clone, Args)]
-pub struct BenchArgs {
-    /// Runs pre-enqueued for each drain pass.
-    #[arg(long, default_value_t = 20_000)]
-    pub runs: usize,
-    /// Runs in flight while draining.
-    #[arg(long, default_value_t = 10)]
-    pub in_flight: usize,
-    /// Passes of the drain and SQL-floor measurements (medians are reported).
-    #[arg(long, default_value_t = 5)]
-    pub passes: usize,
-    /// Samples for the latency measurements.
-    #[arg(long, default_value_t = 500)]
-    pub samples: usize,
-    /// Where the built guest plugins are (echo.wasm, fixtures.wasm).
-    #[arg(long, default_value = "plugins/target/wasm32-wasip2/release")]
-    pub plugin_dir: PathBuf,
-    /// Guests parked at once for the memory measurement.
-    #[arg(long, default_value_t = 1000)]
-    pub parked: usize,
+/// A configuration the host refuses at start: it would busy-loop or
+/// overcommit. Each message names the flag (and its environment fallback).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{flag} ({env}) must be greater than 0: {why}")]
+    Zero { flag: &'static str, env: &'static str, why: &'static str },
+    #[error(
+        "--max-runs ({max_runs}) exceeds the sandbox's pool of {instances} instances: \
+         runs past the pool could not instantiate their guest"
+    )]
+    MaxRunsAboveInstances { max_runs: usize, instances: u32 },
+    #[error(
+        "--heartbeat-ms ({heartbeat_ms}) must be below --lease-ms ({lease_ms}), or a healthy worker loses its runs"
+    )]
+    HeartbeatNotBelowLease { heartbeat_ms: u64, lease_ms: u64 },
+}
+
+/// Refuses a zero `value` for the flag `flag` (environment `env`), saying why.
+fn non_zero(value: u64, flag: &'static str, env: &'static str, why: &'static str) -> Result<(), ConfigError> {
+    if value == 0 {
+        return Err(ConfigError::Zero { flag, env, why });
+    }
+    Ok(())
+}
+
+impl Cli {
+    /// Every check that can be made before anything is opened.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.db.validate()?;
+        if let Command::Serve(args) = &self.command {
+            args.validate()?;
+        }
+        Ok(())
+    }
+}
+
+impl DbArgs {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        non_zero(
+            self.db_pool_max.into(),
+            "--db-pool-max",
+            "AGENT_HOST_DB_POOL_MAX",
+            "a pool of no connections makes every query wait out its timeout",
+        )
+    }
+}
+
+impl ServeArgs {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        // The keepalive is also each tail's fallback poll.
+        non_zero(
+            self.sse_keepalive_ms,
+            "--sse-keepalive-ms",
+            "AGENT_HOST_SSE_KEEPALIVE_MS",
+            "every SSE tail would send keepalives and re-read its run in a busy loop",
+        )?;
+        self.worker.validate()?;
+        self.tools.validate()
+    }
+}
+
+impl WorkerArgs {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let spin = "its loop would spin without pause";
+        for (value, flag, env, why) in [
+            (self.max_runs as u64, "--max-runs", "AGENT_HOST_MAX_RUNS", "this process would never start a run"),
+            (self.lease_ms, "--lease-ms", "AGENT_HOST_LEASE_MS", "every claim would lapse the moment it is made"),
+            (self.heartbeat_ms, "--heartbeat-ms", "AGENT_HOST_HEARTBEAT_MS", spin),
+            (self.reap_interval_ms, "--reap-interval-ms", "AGENT_HOST_REAP_INTERVAL_MS", spin),
+            (self.poll_tick_ms, "--poll-tick-ms", "AGENT_HOST_POLL_TICK_MS", spin),
+            (self.journal_flush_ms, "--journal-flush-ms", "AGENT_HOST_JOURNAL_FLUSH_MS", spin),
+            (self.retention_interval_ms, "--retention-interval-ms", "AGENT_HOST_RETENTION_INTERVAL_MS", spin),
+        ] {
+            non_zero(value, flag, env, why)?;
+        }
+        if let Some(cap) = self.tenant_max_running {
+            non_zero(
+                cap.into(),
+                "--tenant-max-running",
+                "AGENT_HOST_TENANT_MAX_RUNNING",
+                "no tenant could ever run (leave it unset for no cap)",
+            )?;
+        }
+        // Overcommit: each running Wasm run holds one instance of the
+        // sandbox's pool; runs past it would fail to instantiate.
+        let instances = crate::sandbox::INSTANCES_MAX;
+        if self.max_runs > instances as usize {
+            return Err(ConfigError::MaxRunsAboveInstances { max_runs: self.max_runs, instances });
+        }
+        if self.heartbeat_ms >= self.lease_ms {
+            return Err(ConfigError::HeartbeatNotBelowLease {
+                heartbeat_ms: self.heartbeat_ms,
+                lease_ms: self.lease_ms,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl ToolArgs {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let why = "every model call would time out at once";
+        non_zero(self.llm_timeout_ms, "--llm-timeout-ms", "AGENT_HOST_LLM_TIMEOUT_MS", why)?;
+        non_zero(self.llm_idle_timeout_ms, "--llm-idle-timeout-ms", "AGENT_HOST_LLM_IDLE_TIMEOUT_MS", why)
+    }
 }

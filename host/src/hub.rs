@@ -1,11 +1,20 @@
 //! The hub: one LISTEN connection per process, fanned out in-process.
 //!
-//! A single supervisor task owns the connection and every LISTEN/UNLISTEN, so
-//! a reconnect cannot race a subscribe. Subscriber queues are bounded and drop
-//! on overflow: a wake only ever means "something changed", and a full queue
-//! already holds a pending wake. Signals are hints; rows are truth: every
-//! consumer re-reads its rows and keeps a poll interval as its fallback, so a
-//! lost NOTIFY (or the hub being down) costs latency, never correctness.
+//! A single supervisor task owns the connection, the subscriber lists and
+//! every LISTEN/UNLISTEN, so a reconnect cannot race a subscribe. Subscriber
+//! queues are bounded and drop on overflow: a wake only ever means "something
+//! changed", and a full queue already holds a pending wake. Signals are hints;
+//! rows are truth: every consumer re-reads its rows and keeps a poll interval
+//! as its fallback, so a lost NOTIFY (or the hub being down) costs latency,
+//! never correctness.
+//!
+//! Unsubscribing cannot be lost: a dropped [`Subscription`] closes its queue
+//! and wakes the supervisor through a [`Notify`] (a permit, never a queue
+//! that can be full); the supervisor then prunes every subscriber whose queue
+//! is closed and UNLISTENs each channel left without one. A subscribe
+//! abandoned half-way (its future dropped) is pruned the same way. Callers:
+//! the dispatcher, the canceller and the SSE tails subscribe; `/metrics`
+//! reads [`HubStats`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -13,12 +22,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::PgListener;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::{mpsc, oneshot, Notify};
 
 /// Wakes a subscriber can hold before further ones are dropped.
 pub const SUBSCRIBER_QUEUE_MAX: usize = 16;
-/// Commands (subscribe/unsubscribe) waiting for the supervisor.
-const COMMAND_QUEUE_MAX: usize = 1024;
+/// Subscribes waiting for the supervisor; a subscriber waits when it is full.
+/// Unsubscribing never goes through it.
+pub const COMMAND_QUEUE_MAX: usize = 1024;
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// Bound on one connection attempt.
@@ -33,33 +44,52 @@ pub enum Wake {
     Reconnected,
 }
 
-enum Command {
-    Subscribe { channel: String, id: u64, tx: mpsc::Sender<Wake>, ack: oneshot::Sender<()> },
-    Unsubscribe { channel: String, id: u64 },
+struct Subscribe {
+    channel: String,
+    tx: mpsc::Sender<Wake>,
+    ack: oneshot::Sender<()>,
 }
 
+/// The hub's counters, read by `/metrics` and tests.
 #[derive(Debug, Default)]
 pub struct HubStats {
     pub connected: AtomicBool,
     pub reconnects: AtomicU64,
     pub notifications: AtomicU64,
+    /// Wakes dropped on a subscriber's full queue.
     pub dropped: AtomicU64,
+    /// Subscribers removed because their receiver was gone.
+    pub pruned: AtomicU64,
+    subscribers: AtomicU64,
+    channels: AtomicU64,
+}
+
+impl HubStats {
+    /// Live subscribers, as of the supervisor's last change.
+    pub fn subscribers(&self) -> u64 {
+        self.subscribers.load(Ordering::Relaxed)
+    }
+
+    /// Channels with at least one subscriber: the ones the connection
+    /// LISTENs on while it is up.
+    pub fn channels(&self) -> u64 {
+        self.channels.load(Ordering::Relaxed)
+    }
 }
 
 /// Handle to the process's hub. Cheap to clone.
 #[derive(Clone)]
 pub struct Hub {
-    commands: mpsc::Sender<Command>,
-    next_id: Arc<AtomicU64>,
+    commands: mpsc::Sender<Subscribe>,
+    /// Wakes the supervisor to prune closed subscribers.
+    prune: Arc<Notify>,
     stats: Arc<HubStats>,
 }
 
 /// A live subscription; dropping it unsubscribes.
 pub struct Subscription {
     rx: mpsc::Receiver<Wake>,
-    channel: String,
-    id: u64,
-    commands: mpsc::Sender<Command>,
+    prune: Arc<Notify>,
 }
 
 impl Subscription {
@@ -81,8 +111,11 @@ impl Subscription {
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        let _ =
-            self.commands.try_send(Command::Unsubscribe { channel: std::mem::take(&mut self.channel), id: self.id });
+        // Close first, then wake: the supervisor's prune must see this queue
+        // closed. `notify_one` stores a permit if the supervisor is busy, so
+        // a burst of drops costs one prune and none is lost.
+        self.rx.close();
+        self.prune.notify_one();
     }
 }
 
@@ -93,8 +126,9 @@ impl Hub {
     pub fn start(url: String) -> Hub {
         let (commands, rx) = mpsc::channel(COMMAND_QUEUE_MAX);
         let stats = Arc::new(HubStats::default());
-        tokio::spawn(supervise(url, rx, stats.clone()));
-        Hub { commands, next_id: Arc::new(AtomicU64::new(1)), stats }
+        let prune = Arc::new(Notify::new());
+        tokio::spawn(supervise(url, rx, prune.clone(), stats.clone()));
+        Hub { commands, prune, stats }
     }
 
     pub fn stats(&self) -> &HubStats {
@@ -106,29 +140,39 @@ impl Hub {
     /// subscribe before reading rows, and no wake can fall in the gap.
     pub async fn subscribe(&self, channel: &str) -> Subscription {
         let (tx, rx) = mpsc::channel(SUBSCRIBER_QUEUE_MAX);
+        // Built before the first await: if this future is dropped half-way,
+        // the subscription's drop still closes the queue and asks for a prune.
+        let subscription = Subscription { rx, prune: self.prune.clone() };
         let (ack, acked) = oneshot::channel();
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let cmd = Command::Subscribe { channel: channel.to_string(), id, tx, ack };
-        if self.commands.send(cmd).await.is_ok() {
+        if self.commands.send(Subscribe { channel: channel.to_string(), tx, ack }).await.is_ok() {
             let _ = acked.await;
         }
-        Subscription { rx, channel: channel.to_string(), id, commands: self.commands.clone() }
+        subscription
     }
 }
 
+/// The supervisor's subscriber lists, by channel. A channel is a key exactly
+/// while it has a subscriber, and then (while connected) it is LISTENed.
+#[derive(Default)]
 struct Subscribers {
-    by_channel: HashMap<String, Vec<(u64, mpsc::Sender<Wake>)>>,
+    by_channel: HashMap<String, Vec<mpsc::Sender<Wake>>>,
+    count: u64,
 }
 
 impl Subscribers {
-    fn send(&self, stats: &HubStats, channel: &str, wake: &Wake) {
-        if let Some(subs) = self.by_channel.get(channel) {
-            for (_, tx) in subs {
-                if tx.try_send(wake.clone()).is_err() {
+    /// Wakes the channel's subscribers; returns whether one was found closed.
+    fn send(&self, stats: &HubStats, channel: &str, wake: &Wake) -> bool {
+        let mut closed = false;
+        for tx in self.by_channel.get(channel).into_iter().flatten() {
+            match tx.try_send(wake.clone()) {
+                Ok(()) => {}
+                Err(TrySendError::Full(_)) => {
                     stats.dropped.fetch_add(1, Ordering::Relaxed);
                 }
+                Err(TrySendError::Closed(_)) => closed = true,
             }
         }
+        closed
     }
 
     fn wake_all(&self, stats: &HubStats) {
@@ -136,10 +180,57 @@ impl Subscribers {
             self.send(stats, channel, &Wake::Reconnected);
         }
     }
+
+    /// Adds a subscriber; returns whether its channel is new (needs a LISTEN).
+    fn add(&mut self, channel: &str, tx: mpsc::Sender<Wake>) -> bool {
+        let entry = self.by_channel.entry(channel.to_string()).or_default();
+        let new_channel = entry.is_empty();
+        entry.push(tx);
+        self.count += 1;
+        new_channel
+    }
+
+    /// Removes every subscriber whose receiver is gone; returns the channels
+    /// left without subscribers (to UNLISTEN).
+    fn prune(&mut self, stats: &HubStats) -> Vec<String> {
+        let mut emptied = Vec::new();
+        let mut pruned = 0;
+        self.by_channel.retain(|channel, txs| {
+            let before = txs.len();
+            txs.retain(|tx| !tx.is_closed());
+            pruned += (before - txs.len()) as u64;
+            if txs.is_empty() {
+                emptied.push(channel.clone());
+            }
+            !txs.is_empty()
+        });
+        self.count -= pruned;
+        stats.pruned.fetch_add(pruned, Ordering::Relaxed);
+        emptied
+    }
+
+    fn publish(&self, stats: &HubStats) {
+        stats.subscribers.store(self.count, Ordering::Relaxed);
+        stats.channels.store(self.by_channel.len() as u64, Ordering::Relaxed);
+    }
 }
 
-async fn supervise(url: String, mut commands: mpsc::Receiver<Command>, stats: Arc<HubStats>) {
-    let mut subs = Subscribers { by_channel: HashMap::new() };
+/// What the supervisor is asked to do besides reading notifications.
+enum Input {
+    Subscribe(Subscribe),
+    Prune,
+}
+
+/// The next subscribe or prune request; `None` once every `Hub` is gone.
+async fn next_input(commands: &mut mpsc::Receiver<Subscribe>, prune: &Notify) -> Option<Input> {
+    tokio::select! {
+        cmd = commands.recv() => cmd.map(Input::Subscribe),
+        _ = prune.notified() => Some(Input::Prune),
+    }
+}
+
+async fn supervise(url: String, mut commands: mpsc::Receiver<Subscribe>, prune: Arc<Notify>, stats: Arc<HubStats>) {
+    let mut subs = Subscribers::default();
     let mut listener: Option<PgListener> = None;
     let mut backoff = BACKOFF_MIN;
     let mut ever_connected = false;
@@ -152,8 +243,8 @@ async fn supervise(url: String, mut commands: mpsc::Receiver<Command>, stats: Ar
             let result = loop {
                 tokio::select! {
                     r = &mut connecting => break r,
-                    cmd = commands.recv() => match cmd {
-                        Some(cmd) => { handle(cmd, &mut subs, None).await; }
+                    input = next_input(&mut commands, &prune) => match input {
+                        Some(input) => { handle(input, &mut subs, &stats, None).await; }
                         None => return,
                     },
                 }
@@ -190,8 +281,8 @@ async fn supervise(url: String, mut commands: mpsc::Receiver<Command>, stats: Ar
                     loop {
                         tokio::select! {
                             _ = &mut sleep => break,
-                            cmd = commands.recv() => match cmd {
-                                Some(cmd) => { handle(cmd, &mut subs, None).await; }
+                            input = next_input(&mut commands, &prune) => match input {
+                                Some(input) => { handle(input, &mut subs, &stats, None).await; }
                                 None => return,
                             },
                         }
@@ -201,9 +292,9 @@ async fn supervise(url: String, mut commands: mpsc::Receiver<Command>, stats: Ar
             continue;
         };
         tokio::select! {
-            cmd = commands.recv() => match cmd {
-                Some(cmd) => {
-                    if !handle(cmd, &mut subs, Some(conn)).await {
+            input = next_input(&mut commands, &prune) => match input {
+                Some(input) => {
+                    if !handle(input, &mut subs, &stats, Some(conn)).await {
                         lost(&mut listener, &stats, &subs);
                     }
                 }
@@ -212,7 +303,14 @@ async fn supervise(url: String, mut commands: mpsc::Receiver<Command>, stats: Ar
             n = conn.try_recv() => match n {
                 Ok(Some(n)) => {
                     stats.notifications.fetch_add(1, Ordering::Relaxed);
-                    subs.send(&stats, n.channel(), &Wake::Notify(n.payload().to_string()));
+                    let wake = Wake::Notify(n.payload().to_string());
+                    // A closed subscriber found here is pruned now, not at
+                    // its drop's wake (which may already have been taken).
+                    if subs.send(&stats, n.channel(), &wake)
+                        && !handle(Input::Prune, &mut subs, &stats, Some(conn)).await
+                    {
+                        lost(&mut listener, &stats, &subs);
+                    }
                 }
                 Ok(None) | Err(_) => lost(&mut listener, &stats, &subs),
             },
@@ -228,15 +326,14 @@ fn lost(listener: &mut Option<PgListener>, stats: &HubStats, subs: &Subscribers)
     subs.wake_all(stats);
 }
 
-/// Applies one command. Returns false if the connection failed doing it.
-async fn handle(cmd: Command, subs: &mut Subscribers, conn: Option<&mut PgListener>) -> bool {
-    match cmd {
-        Command::Subscribe { channel, id, tx, ack } => {
-            let entry = subs.by_channel.entry(channel.clone()).or_default();
-            let new_channel = entry.is_empty();
-            entry.push((id, tx));
+/// Applies one input. Returns false if the connection failed doing it (the
+/// lists are updated regardless: a reconnect LISTENs on exactly their keys).
+async fn handle(input: Input, subs: &mut Subscribers, stats: &HubStats, conn: Option<&mut PgListener>) -> bool {
+    let ok = match input {
+        Input::Subscribe(Subscribe { channel, tx, ack }) => {
             let mut ok = true;
-            if new_channel {
+            // Abandoned before we got to it: nothing to add, nothing to LISTEN.
+            if !tx.is_closed() && subs.add(&channel, tx) {
                 if let Some(conn) = conn {
                     ok = conn.listen(&channel).await.is_ok();
                 }
@@ -244,18 +341,20 @@ async fn handle(cmd: Command, subs: &mut Subscribers, conn: Option<&mut PgListen
             let _ = ack.send(());
             ok
         }
-        Command::Unsubscribe { channel, id } => {
+        Input::Prune => {
             let mut ok = true;
-            if let Some(entry) = subs.by_channel.get_mut(&channel) {
-                entry.retain(|(i, _)| *i != id);
-                if entry.is_empty() {
-                    subs.by_channel.remove(&channel);
-                    if let Some(conn) = conn {
-                        ok = conn.unlisten(&channel).await.is_ok();
+            let emptied = subs.prune(stats);
+            if let Some(conn) = conn {
+                for channel in emptied {
+                    if conn.unlisten(&channel).await.is_err() {
+                        ok = false;
+                        break;
                     }
                 }
             }
             ok
         }
-    }
+    };
+    subs.publish(stats);
+    ok
 }

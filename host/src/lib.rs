@@ -6,7 +6,6 @@
 
 pub mod agent;
 pub mod api;
-pub mod bench;
 pub mod client;
 pub mod config;
 pub mod db;

@@ -1,18 +1,29 @@
+//! The `agent-host` binary: parses the command line (`config`), refuses a
+//! configuration that would busy-loop or overcommit before anything is
+//! opened, then serves, migrates, manages tokens and plugins, or drives a
+//! running host over HTTP (`client`).
+
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use tracing_subscriber::EnvFilter;
 
 use agent_host::client;
 use agent_host::config::{Cli, Command, PluginsCommand, TokensCommand};
-use agent_host::{bench, db, server};
+use agent_host::{db, server};
+
+/// Where the benchmark went when it left the host's binary.
+const BENCH_MOVED: &str = "the benchmark is no longer part of agent-host: it is its own binary, \
+    `cargo run --release -p agent-host-bench -- [flags]` (the same flags; see BENCHMARKS.md)";
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    // The benchmark's own runs would drown its figures in per-run lines.
-    let default_level = if matches!(cli.command, Command::Bench(_)) { "warn" } else { "info" };
+    // Refused before anything is opened, as a usage error (exit status 2).
+    if let Err(e) = cli.validate() {
+        Cli::command().error(clap::error::ErrorKind::ValueValidation, e).exit();
+    }
     tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_env("AGENT_HOST_LOG").unwrap_or_else(|_| EnvFilter::new(default_level)))
+        .with_env_filter(EnvFilter::try_from_env("AGENT_HOST_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
@@ -33,7 +44,7 @@ async fn main() -> anyhow::Result<()> {
             })
             .await
         }
-        Command::Bench(args) => bench::run(&cli.db, &args).await,
+        Command::Bench { .. } => Cli::command().error(clap::error::ErrorKind::InvalidSubcommand, BENCH_MOVED).exit(),
         Command::Plugins(PluginsCommand::Add { name, file, manifest }) => {
             server::plugins_add(&cli.db, &name, &file, manifest.as_deref()).await
         }

@@ -18,7 +18,6 @@
 //! - [`tokens`]: bearer tokens.
 //! - [`cluster`]: the private PostgreSQL cluster; [`bench`]: the benchmark's SQL.
 
-pub mod bench;
 pub mod cluster;
 pub mod conversations;
 pub mod enqueue;

@@ -1,0 +1,139 @@
+//! Everything the benchmark takes from agent-host, in one place, through the
+//! library's public API only: the library keeps no benchmark code and no
+//! benchmark SQL. When the library's paths move, this file is the one to
+//! adapt; the sections import from here.
+//!
+//! Runs are claimed the way workers claim them (a [`Worker`], or for the SQL
+//! floors the dispatcher's own claim statement) and end through the worker's
+//! fenced terminal write; every event goes through a run's journal, as the
+//! worker opens it.
+
+use anyhow::Context;
+use serde_json::Value;
+use sqlx::PgPool;
+
+pub use agent_host::agent::{Agent, AgentError, AgentRegistry, Components, RunHost, RunInput};
+pub use agent_host::api::{router, AppState};
+pub use agent_host::config::{DbArgs, ServeArgs};
+pub use agent_host::db::events::{CONTENT_DELTA, ENQUEUE_SEQS, RUN_QUEUED, USER_MESSAGE_CREATED};
+pub use agent_host::db::notify::events_channel;
+pub use agent_host::db::enqueue::Enqueued;
+pub use agent_host::db::lifecycle::ClaimedRun;
+pub use agent_host::db::{MessageStatus, RunId, RunStatus};
+pub use agent_host::hub::Hub;
+pub use agent_host::run::journal::FLUSH_DEFAULT as JOURNAL_FLUSH_DEFAULT;
+pub use agent_host::error::FailReason;
+pub use agent_host::sandbox::{Manifest, Sandbox};
+pub use agent_host::server::{connect_and_migrate, open_database, serve};
+pub use agent_host::stream::decode::SseDecoder;
+pub use agent_host::worker::{Worker, WorkerConfig};
+
+use agent_host::db::{self, enqueue, journal, lifecycle, runs};
+
+/// The benchmark's user and tenant.
+pub const OWNER: &str = "bench";
+
+fn owner() -> enqueue::Owner {
+    enqueue::Owner { user_id: OWNER.into(), tenant_id: OWNER.into() }
+}
+
+/// Enqueues one run of the benchmark's owner, in a conversation of its own,
+/// with the enqueue the API uses (conversation, message, run, seq 1-2).
+pub async fn enqueue(
+    pool: &PgPool,
+    content: &str,
+    plugin: &str,
+    plugin_digest: Option<&str>,
+    config: &Value,
+) -> anyhow::Result<Enqueued> {
+    let owner = owner();
+    let new = enqueue::NewRun {
+        owner: &owner,
+        conversation_id: None,
+        content,
+        plugin,
+        plugin_digest,
+        plugin_manifest: None,
+        config,
+        request: config,
+        idempotency_key: None,
+    };
+    Ok(enqueue::enqueue(pool, &new).await?)
+}
+
+/// Claims up to `limit` runs with the dispatcher's claim statement.
+pub async fn claim(pool: &PgPool, worker_id: &str, limit: usize) -> Result<Vec<ClaimedRun>, sqlx::Error> {
+    let claim = lifecycle::Claim {
+        limit: limit as i64,
+        lease: agent_host::worker::LEASE_DEFAULT,
+        worker_id,
+        prefilter: true,
+        tenant_max_running: None,
+    };
+    lifecycle::claim(pool, &claim).await
+}
+
+/// Ends a claimed run completed with an empty answer, with the worker's
+/// fenced terminal write.
+pub async fn finish_completed(pool: &PgPool, run: &ClaimedRun) -> Result<(), sqlx::Error> {
+    let finish =
+        lifecycle::Finish { status: RunStatus::Completed, error: None, assistant: Some(("", MessageStatus::Complete)), usage: None };
+    lifecycle::finish(pool, run.id, run.claim_token, &finish).await?;
+    Ok(())
+}
+
+/// A run's status and error, as its owner sees it.
+pub async fn status(pool: &PgPool, run: RunId) -> anyhow::Result<(RunStatus, Option<String>)> {
+    let view = runs::get_run(pool, run, OWNER).await?.context("a bench run disappeared")?;
+    Ok((view.status, view.error))
+}
+
+/// Whether the run has ended.
+pub async fn is_terminal(pool: &PgPool, run: RunId) -> Result<bool, sqlx::Error> {
+    Ok(journal::terminal_state(pool, run).await?.is_some())
+}
+
+/// A user's stop of one run.
+pub async fn cancel(pool: &PgPool, run: RunId) -> Result<(), sqlx::Error> {
+    lifecycle::cancel(pool, run, OWNER).await?;
+    Ok(())
+}
+
+/// Journal rows of `kind` in the run's first `limit` events.
+pub async fn journal_rows(pool: &PgPool, run: RunId, kind: &str, limit: i64) -> Result<usize, sqlx::Error> {
+    Ok(journal::events_after(pool, run, 0, limit).await?.iter().filter(|e| e.kind == kind).count())
+}
+
+/// An API token of the benchmark's owner.
+pub async fn token(pool: &PgPool) -> Result<String, sqlx::Error> {
+    db::tokens::create(pool, OWNER, OWNER, false).await
+}
+
+/// Stores a plugin component (validated by `sandbox`) and returns its digest.
+pub async fn put_plugin(pool: &PgPool, sandbox: &Sandbox, name: &str, bytes: &[u8]) -> anyhow::Result<String> {
+    sandbox.validate(bytes)?;
+    Ok(db::plugins::put(pool, name, bytes, &serde_json::json!({})).await?.digest)
+}
+
+/// One guest turn on a run's host, as the worker's registry resolves and
+/// runs it (this benchmark passes no history).
+pub async fn run_guest(
+    sandbox: &Sandbox,
+    host: &RunHost,
+    digest: &str,
+    manifest: &Manifest,
+    input: RunInput,
+) -> Result<String, AgentError> {
+    Components::agent(sandbox, digest, manifest).await?.run(host, input).await
+}
+
+/// The probe's input for one guest turn: the claimed run's, with other
+/// content and config.
+pub fn guest_input(run: &RunInput, content: &str, config: Value) -> RunInput {
+    RunInput { content: content.to_string(), config, ..run.clone() }
+}
+
+/// An agent's failure, for the benchmark's own probes.
+pub fn probe_failed(e: impl std::fmt::Display) -> AgentError {
+    AgentError::failed(FailReason::Agent, e.to_string())
+}

@@ -1,0 +1,150 @@
+//! `agent-host-bench`: the documented benchmark of agent-host, outside the
+//! host's binary and library. Prints enqueue latency over HTTP, pickup latency
+//! (enqueue commit to agent start, idle worker), drain throughput of
+//! pre-enqueued no-op runs, the same SQL statements run without the host (the
+//! SQL floor) and their ratio, emit-to-client latency, SIGKILL-to-failed, and
+//! the sandbox's costs. Medians over passes; the machine is shared and noisy,
+//! so single figures mean little.
+//!
+//! It uses the library's public API only (see `library`), in a throwaway
+//! database beside the one it is given (or in a private cluster).
+
+mod figures;
+mod library;
+mod queue;
+mod sandbox;
+mod sql;
+mod stream;
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+use library::{DbArgs, ServeArgs};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "agent-host-bench",
+    version,
+    about = "Measure agent-host: enqueue and pickup latency, drain throughput against the SQL floor, \
+             streaming, reaping and the sandbox",
+    args_override_self = true
+)]
+struct Cli {
+    #[command(flatten)]
+    db: DbArgs,
+    #[command(flatten)]
+    bench: BenchArgs,
+    #[command(subcommand)]
+    role: Option<Role>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Role {
+    /// The `agent-host serve` process the SIGKILL measurement starts and
+    /// kills (the benchmark runs it as its own child).
+    #[command(hide = true)]
+    Serve(Box<ServeArgs>),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Runs pre-enqueued for each drain pass.
+    #[arg(long, default_value_t = 20_000)]
+    pub runs: usize,
+    /// Runs in flight while draining.
+    #[arg(long, default_value_t = 10)]
+    pub in_flight: usize,
+    /// Passes of the drain and SQL-floor measurements (medians are reported).
+    #[arg(long, default_value_t = 5)]
+    pub passes: usize,
+    /// Samples for the latency measurements.
+    #[arg(long, default_value_t = 500)]
+    pub samples: usize,
+    /// Where the built guest plugins are (echo.wasm, fixtures.wasm).
+    #[arg(long, default_value = "plugins/target/wasm32-wasip2/release")]
+    pub plugin_dir: PathBuf,
+    /// Guests parked at once for the memory measurement.
+    #[arg(long, default_value_t = 1000)]
+    pub parked: usize,
+    /// Host processes killed for the SIGKILL-to-failed measurement.
+    #[arg(long, default_value_t = 5)]
+    pub kills: usize,
+    /// The throwaway database created (dropped first if it exists) beside the given one.
+    #[arg(long, default_value = "agent_host_bench")]
+    pub bench_database: String,
+}
+
+impl BenchArgs {
+    /// Guests the sandbox's instance pool can hold; one more is the probe's own run.
+    const PARKED_MAX: usize = agent_host::sandbox::INSTANCES_MAX as usize - 1;
+
+    fn validate(&self) -> anyhow::Result<()> {
+        for (flag, n) in [
+            ("--runs", self.runs),
+            ("--in-flight", self.in_flight),
+            ("--passes", self.passes),
+            ("--samples", self.samples),
+            ("--parked", self.parked),
+            ("--kills", self.kills),
+        ] {
+            anyhow::ensure!(n > 0, "{flag} must be greater than 0");
+        }
+        anyhow::ensure!(
+            self.parked <= Self::PARKED_MAX,
+            "--parked ({}) exceeds the sandbox's instance pool ({})",
+            self.parked,
+            Self::PARKED_MAX
+        );
+        Ok(())
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // The benchmark's own runs would drown its figures in per-run lines.
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_env("AGENT_HOST_LOG").unwrap_or_else(|_| EnvFilter::new("warn")))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    cli.db.validate()?;
+    match &cli.role {
+        Some(Role::Serve(args)) => {
+            args.validate()?;
+            library::serve(&cli.db, args).await
+        }
+        None => {
+            cli.bench.validate()?;
+            run(&cli.db, &cli.bench).await
+        }
+    }
+}
+
+async fn run(db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
+    let mut database = library::open_database(db_args).await?;
+    let result = measure(&database.url, db_args, args).await;
+    if let Some(c) = database.cluster.as_mut() {
+        c.stop();
+    }
+    result
+}
+
+async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
+    let url = sql::fresh_database(server_url, &args.bench_database).await?;
+    let pool = library::connect_and_migrate(&url, (args.in_flight as u32 + 8).max(16)).await?;
+    println!("agent-host bench: {} cores, database {}", figures::num_cpus(), figures::redact(&url));
+
+    queue::enqueue_latency(&pool, args).await?;
+    queue::pickup_latency(&pool, &url, args, true).await?;
+    queue::pickup_latency(&pool, &url, args, false).await?;
+    queue::throughput(&pool, &url, args).await?;
+    stream::stream_latency(&pool, &url).await?;
+    queue::sigkill_to_failed(&pool, &url, db_args, args).await?;
+    sandbox::sandbox(&pool, &url, db_args, args).await?;
+
+    pool.close().await;
+    Ok(())
+}

@@ -1,0 +1,308 @@
+//! The queue's figures: enqueue over HTTP, pickup (hub up and down), drain
+//! throughput against the SQL floors, and SIGKILL to failed.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use async_trait::async_trait;
+use serde_json::json;
+use sqlx::PgPool;
+use tokio::sync::mpsc;
+
+use crate::figures::{median, percentiles};
+use crate::library::{self, Agent, AgentError, AgentRegistry, AppState, DbArgs, Hub, RunHost, RunInput, RunStatus};
+use crate::library::{Worker, WorkerConfig};
+use crate::{sql, BenchArgs};
+
+/// Requests and runs before the measured ones, to warm connections and caches.
+const WARMUP: usize = 20;
+/// Bound on any one wait of the benchmark.
+const WAIT_MAX: Duration = Duration::from_secs(30);
+/// Bound on one drain pass.
+const DRAIN_MAX: Duration = Duration::from_secs(600);
+/// Runs in one bulk-enqueue statement.
+const ENQUEUE_CHUNK: usize = 5_000;
+
+/// A worker of the benchmark, as `serve` configures one.
+pub fn worker_config(max_runs: usize) -> WorkerConfig {
+    WorkerConfig { max_runs, worker_id: "bench".into(), ..WorkerConfig::default() }
+}
+
+/// Reports the instant it started, then returns like `noop`.
+struct Pickup(mpsc::UnboundedSender<Instant>);
+
+#[async_trait]
+impl Agent for Pickup {
+    async fn run(&self, _host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
+        let _ = self.0.send(Instant::now());
+        Ok(String::new())
+    }
+}
+
+pub async fn enqueue_latency(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<()> {
+    sql::reset(pool).await?;
+    let token = library::token(pool).await?;
+    let app = library::router(AppState::new(pool.clone(), AgentRegistry::with_builtins(), None));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let client = reqwest::Client::new();
+    let url = format!("http://{addr}/v1/runs");
+    let body = json!({ "content": "bench", "plugin": "noop" });
+    let mut samples = Vec::with_capacity(args.samples);
+    for i in 0..args.samples + WARMUP {
+        let t0 = Instant::now();
+        let res = client.post(&url).bearer_auth(&token).json(&body).send().await?;
+        anyhow::ensure!(res.status() == 202, "enqueue answered {}", res.status());
+        res.bytes().await?;
+        if i >= WARMUP {
+            samples.push(t0.elapsed());
+        }
+    }
+    server.abort();
+    println!("enqueue over HTTP, {} sequential POST /v1/runs: {}", args.samples, percentiles(&mut samples));
+    Ok(())
+}
+
+/// With the hub down the dispatcher finds work on its poll tick, shortened
+/// here to 100 ms (the default is 10 s), over fewer samples.
+const HUB_DOWN_POLL: Duration = Duration::from_millis(100);
+const HUB_DOWN_SAMPLES_MAX: usize = 50;
+
+pub async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: bool) -> anyhow::Result<()> {
+    sql::reset(pool).await?;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut agents = AgentRegistry::default();
+    agents.insert("pickup", Arc::new(Pickup(tx)));
+    let mut config = worker_config(args.in_flight);
+    let samples = if hub_up { args.samples } else { args.samples.min(HUB_DOWN_SAMPLES_MAX) };
+    if !hub_up {
+        config.poll_tick = HUB_DOWN_POLL;
+    }
+    let hub = Hub::start(url.to_string());
+    let worker = Worker::start(pool.clone(), hub_up.then(|| hub.clone()), agents, config).await?;
+    let mut latencies = Vec::with_capacity(samples);
+    // Measure the hub's wake, not its first connect.
+    let connecting = Instant::now();
+    while !hub.stats().connected.load(Ordering::Relaxed) {
+        anyhow::ensure!(connecting.elapsed() < WAIT_MAX, "the hub did not connect");
+        tokio::task::yield_now().await;
+    }
+    let config = json!({});
+    for i in 0..samples + WARMUP {
+        library::enqueue(pool, "bench", "pickup", None, &config).await?;
+        let committed = Instant::now();
+        let started = tokio::time::timeout(WAIT_MAX, rx.recv())
+            .await
+            .context("a run was not picked up within 30 s")?
+            .context("worker stopped")?;
+        if i >= WARMUP {
+            latencies.push(started.saturating_duration_since(committed));
+        }
+    }
+    worker.drain().await;
+    let how = if hub_up { "hub up".to_string() } else { format!("hub down, poll tick {HUB_DOWN_POLL:?}") };
+    println!(
+        "pickup, enqueue commit to agent start, idle worker, {how}, {samples} runs: {}",
+        percentiles(&mut latencies)
+    );
+    Ok(())
+}
+
+pub async fn throughput(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<()> {
+    let (mut e2e, mut floor, mut batched) = (Vec::new(), Vec::new(), Vec::new());
+    for pass in 1..=args.passes {
+        let rate = drain_pass(pool, url, args).await?;
+        e2e.push(rate);
+        let f = floor_pass(pool, args).await?;
+        floor.push(f);
+        let b = batched_floor_pass(pool, args).await?;
+        batched.push(b);
+        println!(
+            "  pass {pass}: end to end {rate:.0} runs/s, SQL floor {f:.0} runs/s, batched SQL floor {b:.0} runs/s"
+        );
+    }
+    let (e, f, b) = (median(&mut e2e), median(&mut floor), median(&mut batched));
+    println!(
+        "drain {} pre-enqueued no-op runs, {} in flight: median {e:.0} runs/s over {} passes",
+        args.runs, args.in_flight, args.passes
+    );
+    println!(
+        "SQL floor, {n} connections each claiming one run and finishing it: median {f:.0} runs/s",
+        n = args.in_flight
+    );
+    println!(
+        "batched SQL floor, one claim of up to {n} runs, finished on {n} connections: median {b:.0} runs/s",
+        n = args.in_flight
+    );
+    println!("ratio end to end / SQL floor: {:.2}; end to end / batched SQL floor: {:.2}", e / f, e / b);
+    Ok(())
+}
+
+async fn drain_pass(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<f64> {
+    sql::reset(pool).await?;
+    enqueue_all(pool, args.runs).await?;
+    let t0 = Instant::now();
+    let hub = Some(Hub::start(url.to_string()));
+    let worker =
+        Worker::start(pool.clone(), hub, AgentRegistry::with_builtins(), worker_config(args.in_flight)).await?;
+    let stats = worker.stats();
+    let mut tick = tokio::time::interval(Duration::from_millis(2));
+    while stats.finished.load(Ordering::Relaxed) < args.runs as u64 {
+        tick.tick().await;
+        anyhow::ensure!(t0.elapsed() < DRAIN_MAX, "drain pass took over {DRAIN_MAX:?}");
+    }
+    let took = t0.elapsed();
+    worker.drain().await;
+    Ok(args.runs as f64 / took.as_secs_f64())
+}
+
+/// The floor: the worker's own statements (claim one, finish it) on
+/// `in_flight` connections, with nothing of the host around them.
+async fn floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f64> {
+    sql::reset(pool).await?;
+    enqueue_all(pool, args.runs).await?;
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..args.in_flight {
+        let pool = pool.clone();
+        tasks.push(tokio::spawn(async move {
+            let id = format!("floor-{i}");
+            let mut done = 0u64;
+            loop {
+                let Some(run) = library::claim(&pool, &id, 1).await?.into_iter().next() else {
+                    return Ok::<u64, sqlx::Error>(done);
+                };
+                library::finish_completed(&pool, &run).await?;
+                done += 1;
+            }
+        }));
+    }
+    let mut done = 0;
+    for t in tasks {
+        done += t.await??;
+    }
+    let took = t0.elapsed();
+    anyhow::ensure!(done == args.runs as u64, "floor finished {done} of {} runs", args.runs);
+    Ok(args.runs as f64 / took.as_secs_f64())
+}
+
+/// The floor with the host's batching and none of the host: claim up to
+/// `in_flight` runs in one statement, finish them concurrently, repeat.
+async fn batched_floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f64> {
+    sql::reset(pool).await?;
+    enqueue_all(pool, args.runs).await?;
+    let t0 = Instant::now();
+    let mut done = 0;
+    loop {
+        let claimed = library::claim(pool, "floor", args.in_flight).await?;
+        if claimed.is_empty() {
+            break;
+        }
+        done += claimed.len();
+        let finishes = claimed.iter().map(|run| library::finish_completed(pool, run));
+        for r in futures::future::join_all(finishes).await {
+            r?;
+        }
+    }
+    let took = t0.elapsed();
+    anyhow::ensure!(done == args.runs, "batched floor finished {done} of {} runs", args.runs);
+    Ok(args.runs as f64 / took.as_secs_f64())
+}
+
+/// Pre-enqueues `n` no-op runs in chunks (each chunk one statement).
+async fn enqueue_all(pool: &PgPool, n: usize) -> anyhow::Result<()> {
+    let mut left = n;
+    while left > 0 {
+        let k = left.min(ENQUEUE_CHUNK);
+        sql::bulk_enqueue(pool, k as i64, "noop").await?;
+        left -= k;
+    }
+    sql::analyze(pool).await?;
+    Ok(())
+}
+
+/// Polls the run's status until `done` holds, for at most [`WAIT_MAX`].
+async fn wait_status(
+    pool: &PgPool,
+    run: library::RunId,
+    what: &str,
+    done: impl Fn(RunStatus) -> bool,
+) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(5));
+    loop {
+        tick.tick().await;
+        if done(library::status(pool, run).await?.0) {
+            return Ok(());
+        }
+        anyhow::ensure!(t0.elapsed() < WAIT_MAX, "{what} within {WAIT_MAX:?}");
+    }
+}
+
+/// SIGKILL to failed: a real `serve` child (short lease: 1 s, grace 0.3 s)
+/// holding a run is killed; this process's reaper (every 100 ms) ends the
+/// run. Median over `--kills` kills.
+pub async fn sigkill_to_failed(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
+    use std::io::BufRead;
+    sql::reset(pool).await?;
+    let reaper_config = WorkerConfig {
+        lease: Duration::from_secs(1),
+        heartbeat: Duration::from_millis(200),
+        reap_grace: Duration::from_millis(300),
+        reap_interval: Duration::from_millis(100),
+        dispatch: false,
+        worker_id: "bench-reaper".into(),
+        ..WorkerConfig::default()
+    };
+    let reaper = Worker::start(pool.clone(), None, AgentRegistry::default(), reaper_config).await?;
+    let config = json!({ "steps": 100_000, "step_ms": 50 });
+    let mut samples = Vec::new();
+    for _ in 0..args.kills {
+        // This binary's hidden `serve`: the host's own serve, in a process of its own.
+        let mut child = std::process::Command::new(std::env::current_exe()?)
+            .args(["--database-url", url, "--cache-dir"])
+            .arg(&db_args.cache_dir)
+            .args(["serve", "--listen", "127.0.0.1:0", "--worker-id", "bench-victim", "--lease-ms", "1000"])
+            .args(["--heartbeat-ms", "200", "--reap-grace-ms", "300"])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        let stdout = child.stdout.take().context("child stdout")?;
+        let mut listening = false;
+        for line in std::io::BufReader::new(stdout).lines() {
+            if line?.starts_with("agent-host listening on") {
+                listening = true;
+                break;
+            }
+        }
+        if !listening {
+            let _ = child.kill();
+            let _ = child.wait();
+            anyhow::bail!("the serve child exited before listening");
+        }
+        let run = library::enqueue(pool, "bench", "sleep", None, &config).await?;
+        if let Err(e) =
+            wait_status(pool, run.run_id, "the child never claimed the run", |s| s == RunStatus::Running).await
+        {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
+        child.kill()?;
+        let killed = Instant::now();
+        let _ = child.wait();
+        wait_status(pool, run.run_id, "the run was never reaped", |s| s == RunStatus::Failed).await?;
+        samples.push(killed.elapsed());
+    }
+    reaper.drain().await;
+    println!(
+        "SIGKILL to failed (lease 1 s, reap grace 0.3 s, reaper every 100 ms), {} kills: {}",
+        args.kills,
+        percentiles(&mut samples)
+    );
+    Ok(())
+}

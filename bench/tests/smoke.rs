@@ -1,0 +1,113 @@
+//! The benchmark still runs: its `--help`, and one whole run at the smallest
+//! settings against real PostgreSQL (DATABASE_URL's server, or a private
+//! cluster), printing every figure in the documented format.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BENCH: &str = env!("CARGO_BIN_EXE_agent-host-bench");
+/// Bound on the whole small run.
+const RUN_MAX: Duration = Duration::from_secs(600);
+
+#[test]
+fn help_lists_the_benchmark_flags() {
+    let out = Command::new(BENCH).arg("--help").output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let help = String::from_utf8(out.stdout).unwrap();
+    for flag in ["--runs", "--in-flight", "--passes", "--samples", "--plugin-dir", "--parked", "--database-url"] {
+        assert!(help.contains(flag), "--help does not list {flag}:\n{help}");
+    }
+}
+
+#[test]
+fn zero_counts_are_refused() {
+    let out = Command::new(BENCH).args(["--passes", "0"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--passes"), "{out:?}");
+}
+
+#[test]
+fn a_small_run_prints_every_figure() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let scratch = std::env::temp_dir().join(format!("agent-host-bench-smoke-{}", std::process::id()));
+    let database = format!("agent_host_bench_smoke_{}", std::process::id());
+    let mut cmd = Command::new(BENCH);
+    cmd.args(["--runs", "40", "--in-flight", "4", "--passes", "1", "--samples", "3", "--parked", "3", "--kills", "1"])
+        .args(["--bench-database", &database])
+        .arg("--plugin-dir")
+        .arg(root.join("plugins/target/wasm32-wasip2/release"))
+        .arg("--cache-dir")
+        .arg(scratch.join("cache"))
+        .arg("--data-dir")
+        .arg(scratch.join("pg"))
+        .env_remove("AGENT_HOST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if t0.elapsed() > RUN_MAX {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the small benchmark run took over {RUN_MAX:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut stdout = String::new();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut stdout).unwrap();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    if let Ok(url) = std::env::var("DATABASE_URL") {
+        drop_database(&url, &database);
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    assert!(status.success(), "exit {status:?}\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    let mut expected = vec![
+        "agent-host bench: ",
+        "enqueue over HTTP, 3 sequential POST /v1/runs: p50 ",
+        "pickup, enqueue commit to agent start, idle worker, hub up, 3 runs: p50 ",
+        "pickup, enqueue commit to agent start, idle worker, hub down, poll tick 100ms, 3 runs: p50 ",
+        "  pass 1: end to end ",
+        "drain 40 pre-enqueued no-op runs, 4 in flight: median ",
+        "SQL floor, 4 connections each claiming one run and finishing it: median ",
+        "batched SQL floor, one claim of up to 4 runs, finished on 4 connections: median ",
+        "ratio end to end / SQL floor: ",
+        "emit to SSE client (a structural event, through journal, NOTIFY and HTTP), 200 events: p50 ",
+        "journal rows for 1000 content deltas emitted back to back: ",
+        "SIGKILL to failed (lease 1 s, reap grace 0.3 s, reaper every 100 ms), 1 kills: p50 ",
+    ];
+    if root.join("plugins/target/wasm32-wasip2/release/echo.wasm").exists() {
+        expected.extend([
+            "sandbox: store + instantiate + trivial run, 3 runs: p50 ",
+            "sandbox: one emit-event (content_delta) host call: p50 ",
+            "cancel to terminal, cooperative guest, 3 runs: p50 ",
+            "cancel to terminal, guest ignoring cancel, grace 500 ms, 3 runs: p50 ",
+            "sandbox: 3 guests parked in a host call: process RSS ",
+        ]);
+    }
+    let lines: Vec<&str> = stdout.lines().collect();
+    let mut at = 0;
+    for want in expected {
+        let Some(i) = lines[at..].iter().position(|l| l.starts_with(want)) else {
+            panic!("no line starting {want:?} (in order) in:\n{stdout}");
+        };
+        at += i + 1;
+    }
+}
+
+/// Drops the run's throwaway database on DATABASE_URL's server.
+fn drop_database(url: &str, name: &str) {
+    let base = url.rsplit_once('/').map(|(b, _)| b).unwrap_or(url);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        use sqlx::Connection;
+        let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres")).await.unwrap();
+        sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut admin).await.unwrap();
+        admin.close().await.unwrap();
+    });
+}
