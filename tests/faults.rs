@@ -219,8 +219,9 @@ async fn the_system_keeps_its_promises_while_processes_die_pause_and_disconnect(
     wait_all_terminal(pool, 130).await;
     let cut: Vec<bool> = sqlx::query_scalar(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-         WHERE datname = current_database() AND query ~* '^\\s*(UN)?LISTEN' AND pid <> pg_backend_pid()",
+         WHERE datname = current_database() AND application_name = $1",
     )
+    .bind(agent_host::hub::APPLICATION_NAME)
     .fetch_all(pool)
     .await
     .unwrap();

@@ -332,8 +332,9 @@ async fn a_killed_listen_connection_reconnects_and_wakes_come_back() {
 
     let killed: i64 = sqlx::query_scalar(
         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-         WHERE datname = current_database() AND query ILIKE 'LISTEN %'",
+         WHERE datname = current_database() AND application_name = $1",
     )
+    .bind(agent_host::hub::APPLICATION_NAME)
     .fetch_one(&db.pool)
     .await
     .unwrap();

@@ -34,6 +34,15 @@ const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// Bound on one connection attempt.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The LISTEN session's `application_name`: operators (and tests) find the
+/// hub's connection by it, never by the text of its statements.
+pub const APPLICATION_NAME: &str = "agent-host-hub";
+
+/// `url` with the hub's application name.
+fn listen_url(url: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}application_name={APPLICATION_NAME}")
+}
 
 /// Why a subscriber was woken.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -238,6 +247,7 @@ async fn supervise(url: String, mut commands: mpsc::Receiver<Subscribe>, prune: 
         let Some(conn) = listener.as_mut() else {
             // Connect while still serving subscribes: a subscriber must never
             // wait on a database that is down, only fall back to polling.
+            let url = listen_url(&url);
             let connecting = tokio::time::timeout(CONNECT_TIMEOUT, PgListener::connect(&url));
             tokio::pin!(connecting);
             let result = loop {

@@ -52,6 +52,22 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
         e.counter("agent_host_journal_flushes_total", "Journal flush statements.", stats.journal.flushes.load(Relaxed));
         e.counter("agent_host_journal_rows_total", "Journal rows written.", stats.journal.rows.load(Relaxed));
         e.counter("agent_host_journal_deltas_total", "Content deltas received.", stats.journal.deltas_in.load(Relaxed));
+        let j = &stats.journal;
+        e.counter(
+            "agent_host_journal_flush_failures_total",
+            "Journal flushes that failed (retried).",
+            j.flush_failures.load(Relaxed),
+        );
+        e.counter(
+            "agent_host_journal_gave_up_total",
+            "Runs whose journal gave up (database gone too long).",
+            j.gave_up.load(Relaxed),
+        );
+        e.counter(
+            "agent_host_text_nul_replaced_total",
+            "U+0000 from guests, tools and models replaced with U+FFFD before storing.",
+            j.nul_replaced.load(Relaxed),
+        );
     }
     if let Some(hub) = &state.hub {
         let h = hub.stats();
