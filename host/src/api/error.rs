@@ -104,6 +104,15 @@ pub struct ApiError {
     pub retry_after_s: Option<u32>,
 }
 
+/// `ApiError::invalid(message)` and its siblings: one per code a handler names.
+macro_rules! constructors {
+    ($($name:ident => $code:ident),+ $(,)?) => {
+        $(pub fn $name(message: impl Into<String>) -> Self {
+            Self::new(ErrorCode::$code, message)
+        })+
+    };
+}
+
 impl ApiError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         ApiError { code, message: message.into(), retry_after_s: None }
@@ -114,26 +123,14 @@ impl ApiError {
     pub fn not_found(what: impl std::fmt::Display) -> Self {
         Self::new(ErrorCode::NotFound, format!("{what} not found"))
     }
-    pub fn invalid(message: impl Into<String>) -> Self {
-        Self::new(ErrorCode::Invalid, message)
-    }
-    pub fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(ErrorCode::BadRequest, message)
-    }
-    pub fn unauthenticated(message: impl Into<String>) -> Self {
-        Self::new(ErrorCode::Unauthenticated, message)
-    }
-    pub fn forbidden(message: impl Into<String>) -> Self {
-        Self::new(ErrorCode::Forbidden, message)
-    }
-    pub fn conflict(message: impl Into<String>) -> Self {
-        Self::new(ErrorCode::Conflict, message)
-    }
-    pub fn too_large(message: impl Into<String>) -> Self {
-        Self::new(ErrorCode::TooLarge, message)
-    }
-    pub fn unavailable(message: impl Into<String>) -> Self {
-        Self::new(ErrorCode::Unavailable, message)
+    constructors! {
+        invalid => Invalid,
+        bad_request => BadRequest,
+        unauthenticated => Unauthenticated,
+        forbidden => Forbidden,
+        conflict => Conflict,
+        too_large => TooLarge,
+        unavailable => Unavailable,
     }
     /// The internal path: `cause` goes to the log, the client gets a fixed message.
     pub fn internal(cause: &dyn std::fmt::Display) -> Self {
