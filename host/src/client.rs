@@ -14,6 +14,7 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 
 use crate::config::{ApiArgs, ConversationsCommand, RunsCommand};
+use crate::db::events;
 use crate::stream::decode::SseDecoder;
 
 /// Reconnects after a dropped stream before giving up.
@@ -163,11 +164,11 @@ async fn stream_once(api: &Api, id: &str, last: &mut i64) -> anyhow::Result<Opti
                 *last = seq;
             }
             match event["type"].as_str().unwrap_or("") {
-                "content_delta" => {
+                events::CONTENT_DELTA => {
                     print!("{}", event["delta"].as_str().unwrap_or(""));
                     stdout.flush()?;
                 }
-                "complete" => {
+                events::COMPLETE => {
                     let status = event["status"].as_str().unwrap_or("?").to_string();
                     match event["error"].as_str() {
                         Some(error) => eprintln!("\n[{status}: {error}]"),
@@ -175,12 +176,12 @@ async fn stream_once(api: &Api, id: &str, last: &mut i64) -> anyhow::Result<Opti
                     }
                     return Ok(Some(status));
                 }
-                "tool_call_started" => eprintln!("\n[tool {} #{}]", event["name"], event["call_index"]),
-                "tool_call_finished" => {
+                events::TOOL_CALL_STARTED => eprintln!("\n[tool {} #{}]", event["name"], event["call_index"]),
+                events::TOOL_CALL_FINISHED => {
                     eprintln!("[tool {} #{}: {}]", event["name"], event["call_index"], event["outcome"])
                 }
-                "user_message_created" | "run_queued" => {}
-                "run_started" => eprintln!("[started on {}]", event["worker_id"].as_str().unwrap_or("?")),
+                events::USER_MESSAGE_CREATED | events::RUN_QUEUED => {}
+                events::RUN_STARTED => eprintln!("[started on {}]", event["worker_id"].as_str().unwrap_or("?")),
                 other => eprintln!("\n[{other}] {}", event_body(&event)),
             }
         }
