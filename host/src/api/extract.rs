@@ -52,35 +52,35 @@ fn stream_token(query: Option<&str>) -> Option<&str> {
     query?.split('&').find_map(|pair| pair.strip_prefix("access_token="))
 }
 
-/// `Json` whose rejections use the API's error shape and statuses.
-pub struct ApiJson<T>(pub T);
+/// An axum extractor whose rejections use the API's error shape: the
+/// wrapper, the extractor it wraps, the trait, its method and what it reads.
+macro_rules! api_extractor {
+    ($(#[$doc:meta])* $wrapper:ident($inner:ident), $trait_:ident, $method:ident, $input:ty, $rejection:ty) => {
+        $(#[$doc])*
+        pub struct $wrapper<T>(pub T);
 
-impl<T, S> FromRequest<S> for ApiJson<T>
-where
-    Json<T>: FromRequest<S, Rejection = axum::extract::rejection::JsonRejection>,
-    S: Send + Sync,
-{
-    type Rejection = ApiError;
+        impl<T, S> $trait_<S> for $wrapper<T>
+        where
+            $inner<T>: $trait_<S, Rejection = $rejection>,
+            S: Send + Sync,
+        {
+            type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        Ok(ApiJson(Json::<T>::from_request(req, state).await?.0))
-    }
+            async fn $method(input: $input, state: &S) -> Result<Self, Self::Rejection> {
+                Ok($wrapper($inner::<T>::$method(input, state).await?.0))
+            }
+        }
+    };
 }
 
-/// `Query` whose rejections use the API's error shape (400).
-pub struct ApiQuery<T>(pub T);
-
-impl<T, S> FromRequestParts<S> for ApiQuery<T>
-where
-    Query<T>: FromRequestParts<S, Rejection = axum::extract::rejection::QueryRejection>,
-    S: Send + Sync,
-{
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        Ok(ApiQuery(Query::<T>::from_request_parts(parts, state).await?.0))
-    }
-}
+api_extractor!(
+    /// `Json` whose rejections use the API's error shape and statuses.
+    ApiJson(Json), FromRequest, from_request, Request, axum::extract::rejection::JsonRejection
+);
+api_extractor!(
+    /// `Query` whose rejections use the API's error shape (400).
+    ApiQuery(Query), FromRequestParts, from_request_parts, &mut Parts, axum::extract::rejection::QueryRejection
+);
 
 /// A kind of object addressed by id in a path.
 pub trait Resource: std::str::FromStr + fmt::Display + Copy + Send {

@@ -378,12 +378,18 @@ pub(crate) mod tests {
         assert!(sink.events().is_empty());
     }
 
-    #[tokio::test]
-    async fn a_call_is_journaled_started_and_finished_without_its_payloads() {
+    /// One call of the parrot with `args`, never cancelled: its answer and what it journaled.
+    async fn parrot(args: Value) -> (Result<String, HostError>, Collect) {
         let (r, _) = registry();
         let sink = Collect::default();
+        (r.invoke(call("parrot", args), &sink, std::future::pending()).await, sink)
+    }
+
+    #[tokio::test]
+    async fn a_call_is_journaled_started_and_finished_without_its_payloads() {
         let secret = "x".repeat(2000);
-        let answer = r.invoke(call("parrot", json!({ "text": secret })), &sink, std::future::pending()).await.unwrap();
+        let (answer, sink) = parrot(json!({ "text": secret })).await;
+        let answer = answer.unwrap();
         assert_eq!(serde_json::from_str::<Value>(&answer).unwrap(), json!({ "said": { "text": secret } }));
         let events = sink.events();
         assert_eq!(events.len(), 2);
@@ -399,10 +405,9 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_failure_is_journaled_with_a_bounded_error() {
-        let (r, _) = registry();
-        let sink = Collect::default();
         let why = "é".repeat(1000);
-        let e = r.invoke(call("parrot", json!({ "fail": why })), &sink, std::future::pending()).await.unwrap_err();
+        let (answer, sink) = parrot(json!({ "fail": why })).await;
+        let e = answer.unwrap_err();
         assert_eq!(e, HostError::ToolFailed(why));
         let finished = sink.finished();
         assert_eq!(finished["outcome"], "error");

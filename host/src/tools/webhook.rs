@@ -160,11 +160,14 @@ mod tests {
         Ok(serde_json::from_str(&answer).unwrap())
     }
 
-    /// A call that fails: its error and its `tool_call_finished` payload.
-    async fn failing(r: &ToolRegistry, name: &str) -> (HostError, Value) {
+    /// A call that fails as `tool failed: {why}`, journaled with `outcome`;
+    /// returns its `tool_call_finished` payload.
+    async fn assert_fails(r: &ToolRegistry, name: &str, why: &str, outcome: &str) -> Value {
         let sink = Collect::default();
-        let e = invoke(r, &sink, name).await.unwrap_err();
-        (e, sink.finished())
+        assert_eq!(invoke(r, &sink, name).await.unwrap_err(), HostError::ToolFailed(why.into()));
+        let finished = sink.finished();
+        assert_eq!(finished["outcome"], outcome);
+        finished
     }
 
     #[tokio::test]
@@ -201,9 +204,8 @@ mod tests {
     #[tokio::test]
     async fn a_4xx_or_5xx_answer_names_the_status() {
         let (_, r) = start().await;
-        let (e, finished) = failing(&r, "missing").await;
-        assert_eq!(e, HostError::ToolFailed("webhook \"missing\" answered 404 Not Found: no such city".into()));
-        assert_eq!(finished["outcome"], "error");
+        let why = "webhook \"missing\" answered 404 Not Found: no such city";
+        let finished = assert_fails(&r, "missing", why, "error").await;
         assert_eq!(finished["error"], "tool failed: webhook \"missing\" answered 404 Not Found: no such city");
         let e = invoke(&r, &Collect::default(), "broken").await.unwrap_err();
         assert_eq!(e, HostError::ToolFailed("webhook \"broken\" answered 502 Bad Gateway".into()));
@@ -220,9 +222,7 @@ mod tests {
     #[tokio::test]
     async fn a_receiver_slower_than_the_timeout_ends_the_call() {
         let (receiver, r) = start().await;
-        let (e, finished) = failing(&r, "hang").await;
-        assert_eq!(e, HostError::ToolFailed("tool \"hang\" did not answer within 300 ms".into()));
-        assert_eq!(finished["outcome"], "timeout");
+        assert_fails(&r, "hang", "tool \"hang\" did not answer within 300 ms", "timeout").await;
         assert_eq!(receiver.seen.lock().unwrap().len(), 1);
     }
 
