@@ -79,6 +79,9 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
         e.counter("agent_host_hub_reconnects_total", "LISTEN reconnects.", h.reconnects.load(Relaxed));
         e.counter("agent_host_hub_notifications_total", "Notifications received.", h.notifications.load(Relaxed));
         e.counter("agent_host_hub_dropped_total", "Wakes dropped on full queues.", h.dropped.load(Relaxed));
+        e.gauge("agent_host_hub_subscribers", "In-process subscribers of the hub.", h.subscribers() as f64);
+        e.gauge("agent_host_hub_channels", "Channels the hub LISTENs on.", h.channels() as f64);
+        e.counter("agent_host_hub_pruned_total", "Closed subscribers the hub removed.", h.pruned.load(Relaxed));
     }
     let tails = &state.live_tails;
     e.gauge("agent_host_sse_tails", "Live SSE tails this process serves.", tails.live() as f64);

@@ -109,7 +109,7 @@ pub enum ConfigError {
     HeartbeatNotBelowLease { heartbeat: Duration, lease: Duration },
     #[error("{0} must be greater than zero")]
     Zero(&'static str),
-    #[error("max runs must be between 1 and 10000, not {0}")]
+    #[error("max runs must be between 1 and {max}, the sandbox's instance pool, not {0}", max = crate::sandbox::INSTANCES_MAX)]
     MaxRuns(usize),
     #[error("worker id must be 1-200 bytes")]
     WorkerId,
@@ -133,7 +133,7 @@ impl WorkerConfig {
         if self.heartbeat >= self.lease {
             return Err(ConfigError::HeartbeatNotBelowLease { heartbeat: self.heartbeat, lease: self.lease });
         }
-        if !(1..=10_000).contains(&self.max_runs) {
+        if !(1..=crate::sandbox::INSTANCES_MAX as usize).contains(&self.max_runs) {
             return Err(ConfigError::MaxRuns(self.max_runs));
         }
         if self.tenant_max_running == Some(0) {

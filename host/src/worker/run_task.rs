@@ -91,7 +91,9 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
     };
     // Every agent sees the conversation before this turn.
     let history =
-        match db::conversations::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX).await {
+        match db::conversations::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX)
+            .await
+        {
             Ok(h) => h.into_iter().map(|(role, content)| Message { role, content }).collect(),
             Err(e) => {
                 tracing::error!(error = %e, "reading the conversation's history failed");
@@ -209,12 +211,8 @@ async fn finalize(
         shared.journal_stats.nul_replaced.fetch_add(replaced as u64, Ordering::Relaxed);
     }
     let usage = usage.map(|u| serde_json::to_value(u).expect("usage serializes"));
-    let finish = Finish {
-        status,
-        error: error.as_deref(),
-        assistant: assistant.as_ref().map(|(t, s)| (t.as_str(), *s)),
-        usage,
-    };
+    let finish =
+        Finish { status, error: error.as_deref(), assistant: assistant.as_ref().map(|(t, s)| (t.as_str(), *s)), usage };
     // No more heartbeats for a run that is ending: one landing after our
     // terminal write would find the claim gone and cry wolf.
     shared.held.lock().unwrap().remove(&row.id);
