@@ -240,17 +240,9 @@ async fn idempotent_enqueue_replays_the_first_run_and_refuses_a_different_body()
 
 /// A scrape's samples: metric line (name with labels) to value.
 async fn scrape(host: &support::http::TestHost) -> std::collections::HashMap<String, f64> {
-    let res = host.client.get(format!("{}/metrics", host.base)).send().await.unwrap();
-    assert_eq!(res.status(), StatusCode::OK);
-    assert!(res.headers()[header::CONTENT_TYPE].to_str().unwrap().starts_with("text/plain"));
-    let text = res.text().await.unwrap();
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .map(|l| {
-            let (k, v) = l.rsplit_once(' ').unwrap();
-            (k.to_string(), v.parse().unwrap_or_else(|_| panic!("bad sample {l:?}")))
-        })
-        .collect()
+    let (headers, samples) = host.scrape_with_headers().await;
+    assert!(headers[header::CONTENT_TYPE].to_str().unwrap().starts_with("text/plain"));
+    samples
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -34,10 +34,7 @@ struct Edge {
 impl Edge {
     async fn new() -> Edge {
         let db = TestDb::new().await;
-        let cache = std::env::temp_dir().join(format!("agent-host-cache-{}", std::process::id()));
-        let sandbox = Sandbox::new(db.pool.clone(), Some(cache)).unwrap();
-        let agents = AgentRegistry::with_builtins().with_sandbox(sandbox);
-        let router = api::router(AppState::new(db.pool.clone(), agents, None));
+        let (_, router) = sandboxed_router(&db);
         let alice = tokens::create(&db.pool, "alice", "acme", true).await.unwrap();
         let bob = tokens::create(&db.pool, "bob", "acme", false).await.unwrap();
         Edge { db, router, alice, bob }
@@ -83,8 +80,7 @@ fn frames_in(body: &str) -> Vec<&str> {
 #[tokio::test]
 async fn a_completed_run_has_one_ending_for_every_reader() {
     let db = TestDb::new().await;
-    let host =
-        TestHost::start(&db, Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), fast_config("w")).await;
+    let host = TestHost::builtins(&db).await;
     let (code, v) = host.call("POST", "/v1/runs", Some(json!({ "content": "hi", "plugin": "echo" }))).await;
     assert_eq!(code, StatusCode::ACCEPTED, "{v}");
     let run: RunId = v["run_id"].as_str().unwrap().parse().unwrap();
@@ -131,8 +127,7 @@ async fn a_completed_run_has_one_ending_for_every_reader() {
 #[tokio::test]
 async fn the_cli_tail_from_the_ending_reports_the_status() {
     let db = TestDb::new().await;
-    let host =
-        TestHost::start(&db, Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), fast_config("w")).await;
+    let host = TestHost::builtins(&db).await;
     let e = enqueue(&db.pool, None, "echo", json!({})).await;
     wait_status(&db.pool, e.run_id, "completed", LONG).await;
     let complete = assert_journal_sound(&db.pool, e.run_id).await.last().unwrap().0;
@@ -156,19 +151,9 @@ async fn the_cli_tail_from_the_ending_reports_the_status() {
 #[tokio::test]
 async fn a_synthesized_ending_is_given_once() {
     let db = TestDb::new().await;
-    let host = TestHost::start(
-        &db,
-        Some(Hub::start(db.url.clone())),
-        AgentRegistry::with_builtins(),
-        WorkerConfig { dispatch: false, ..fast_config("w") },
-    )
-    .await;
+    let host = TestHost::undispatched(&db, |_| {}).await;
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
-    sqlx::query("UPDATE agent_run SET status = 'cancelled', finished_at = now() WHERE id = $1")
-        .bind(e.run_id)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    update_run(&db.pool, e.run_id, "status = 'cancelled', finished_at = now()").await;
     let page = host.events_page(e.run_id, 0).await;
     assert_eq!(page["terminal"], true);
     let events = page["events"].as_array().unwrap();
@@ -245,14 +230,8 @@ async fn text_postgres_cannot_store_is_refused_with_422_naming_the_field() {
 #[tokio::test]
 async fn a_database_error_shows_no_driver_text() {
     let edge = Edge::new().await;
-    sqlx::raw_sql(
-        "CREATE FUNCTION edge_refuse() RETURNS trigger LANGUAGE plpgsql AS
-             $$ BEGIN RAISE EXCEPTION 'secret-server-detail in relation message'; END $$;
-         CREATE TRIGGER edge_refuse BEFORE INSERT ON message FOR EACH ROW EXECUTE FUNCTION edge_refuse();",
-    )
-    .execute(&edge.db.pool)
-    .await
-    .unwrap();
+    fail_inserts(&edge.db.pool, "edge_refuse", "edge_refuse", "message", "secret-server-detail in relation message")
+        .await;
     let a = edge.post_json("/v1/runs", r#"{"content":"hi","plugin":"echo"}"#).await;
     assert_eq!(a.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(a.json(), json!({ "error": { "code": "internal", "message": "internal error" } }));
@@ -441,17 +420,11 @@ async fn the_openapi_document_describes_paging_and_the_stream_bound() {
 #[tokio::test]
 async fn live_sse_tails_are_bounded_per_process() {
     let db = TestDb::new().await;
-    let host = TestHost::start_with(
-        &db,
-        Some(Hub::start(db.url.clone())),
-        AgentRegistry::with_builtins(),
-        WorkerConfig { dispatch: false, ..fast_config("w") },
-        |state| {
-            state.live_tails = LiveTails::new(2);
-            // The server notices a client that left on its next write.
-            state.keepalive = Duration::from_millis(50);
-        },
-    )
+    let host = TestHost::undispatched(&db, |state| {
+        state.live_tails = LiveTails::new(2);
+        // The server notices a client that left on its next write.
+        state.keepalive = Duration::from_millis(50);
+    })
     .await;
     // Queued and never claimed: their tails stay live.
     let a = enqueue(&db.pool, None, "noop", json!({})).await;

@@ -57,14 +57,7 @@ async fn enqueue_commits_message_run_journal_and_wake_together() {
 async fn failed_enqueue_leaves_nothing_and_wakes_nobody() {
     let db = TestDb::new().await;
     // Make the last insert of the enqueue transaction fail.
-    sqlx::raw_sql(
-        "CREATE FUNCTION fail_insert() RETURNS trigger LANGUAGE plpgsql AS
-           $$ BEGIN RAISE EXCEPTION 'injected failure'; END $$;
-         CREATE TRIGGER fail_journal BEFORE INSERT ON run_event FOR EACH ROW EXECUTE FUNCTION fail_insert();",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    fail_inserts(&db.pool, "fail_insert", "fail_journal", "run_event", "injected failure").await;
     let mut listener = PgListener::connect(&db.url).await.unwrap();
     listener.listen(RUN_ENQUEUED).await.unwrap();
 
@@ -104,8 +97,12 @@ async fn terminal_states_are_sticky_in_the_schema() {
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
     let claimed = lifecycle::claim(&db.pool, &claim_args("w", 1, true)).await.unwrap();
     assert_eq!(claimed.len(), 1);
-    let finish =
-        Finish { status: RunStatus::Completed, error: None, assistant: Some(("done", MessageStatus::Complete)), usage: None };
+    let finish = Finish {
+        status: RunStatus::Completed,
+        error: None,
+        assistant: Some(("done", MessageStatus::Complete)),
+        usage: None,
+    };
     assert!(lifecycle::finish(&db.pool, e.run_id, claimed[0].claim_token, &finish).await.unwrap());
     for to in ["running", "queued", "failed", "cancelled"] {
         let r = sqlx::query("UPDATE agent_run SET status = $2 WHERE id = $1")
@@ -314,13 +311,7 @@ async fn heartbeat_between_reaper_read_and_write_keeps_the_run() {
     let db = TestDb::new().await;
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
     // A lease of zero: expired the moment it is written.
-    let c = lifecycle::claim(
-        &db.pool,
-        &Claim { limit: 1, lease: Duration::ZERO, worker_id: "slow", prefilter: true, tenant_max_running: None },
-    )
-    .await
-    .unwrap()
-    .remove(0);
+    let c = claim_one(&db.pool, "slow", Duration::ZERO).await;
     let expired = lifecycle::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
     assert_eq!(expired.iter().map(|x| x.id).collect::<Vec<_>>(), vec![e.run_id]);
 
@@ -331,7 +322,12 @@ async fn heartbeat_between_reaper_read_and_write_keeps_the_run() {
     // The reap built on the stale read is a no-op.
     assert!(!lifecycle::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
     assert_eq!(status(&db.pool, e.run_id).await, "running");
-    let finish = Finish { status: RunStatus::Completed, error: None, assistant: Some(("ok", MessageStatus::Complete)), usage: None };
+    let finish = Finish {
+        status: RunStatus::Completed,
+        error: None,
+        assistant: Some(("ok", MessageStatus::Complete)),
+        usage: None,
+    };
     assert!(lifecycle::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
     assert_eq!(journal(&db.pool, e.run_id).await.iter().filter(|(_, t)| t == "complete").count(), 1);
 }
@@ -342,28 +338,43 @@ async fn heartbeat_between_reaper_read_and_write_keeps_the_run() {
 async fn reaped_worker_writes_change_nothing() {
     let db = TestDb::new().await;
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
-    let c = lifecycle::claim(
+    let c = claim_one(&db.pool, "zombie", Duration::ZERO).await;
+    assert!(journal::append_events(
         &db.pool,
-        &Claim { limit: 1, lease: Duration::ZERO, worker_id: "zombie", prefilter: true, tenant_max_running: None },
+        c.id,
+        c.claim_token,
+        4,
+        &[("content_delta", json!({"delta": "a"}))],
+        None
     )
     .await
-    .unwrap()
-    .remove(0);
-    assert!(journal::append_events(&db.pool, c.id, c.claim_token, 4, &[("content_delta", json!({"delta": "a"}))], None)
-        .await
-        .unwrap());
+    .unwrap());
     let expired = lifecycle::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
     assert!(lifecycle::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
     let after_reap = journal(&db.pool, e.run_id).await;
     assert_eq!(after_reap.last().unwrap(), &(5, "complete".to_string()));
 
     // The zombie resumes.
-    assert!(!journal::append_events(&db.pool, c.id, c.claim_token, 5, &[("content_delta", json!({"delta": "b"}))], None)
+    assert!(!journal::append_events(
+        &db.pool,
+        c.id,
+        c.claim_token,
+        5,
+        &[("content_delta", json!({"delta": "b"}))],
+        None
+    )
+    .await
+    .unwrap());
+    assert!(lifecycle::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30))
         .await
-        .unwrap());
-    assert!(lifecycle::heartbeat(&db.pool, &[(c.id, c.claim_token)], Duration::from_secs(30)).await.unwrap().is_empty());
-    let finish =
-        Finish { status: RunStatus::Completed, error: None, assistant: Some(("late", MessageStatus::Complete)), usage: None };
+        .unwrap()
+        .is_empty());
+    let finish = Finish {
+        status: RunStatus::Completed,
+        error: None,
+        assistant: Some(("late", MessageStatus::Complete)),
+        usage: None,
+    };
     assert!(!lifecycle::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
 
     assert_eq!(status(&db.pool, e.run_id).await, "failed");
@@ -388,21 +399,11 @@ async fn worker_stops_a_run_whose_claim_was_lost() {
 
     // Someone decided the worker was dead: its lease is forced into the past
     // and another process's reaper ends the run.
-    sqlx::query("UPDATE agent_run SET claim_expires_at = now() - interval '1 hour' WHERE id = $1")
-        .bind(e.run_id)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    update_run(&db.pool, e.run_id, "claim_expires_at = now() - interval '1 hour'").await;
     let stats = WorkerStats::default();
     assert_eq!(worker::reap_sweep(&db.pool, Duration::ZERO, &stats).await.unwrap(), 1);
 
-    let ws = w.stats();
-    wait_for("the worker to stand down", LONG, || {
-        let ws = ws.clone();
-        async move { ws.fenced.load(std::sync::atomic::Ordering::Relaxed) == 1 }
-    })
-    .await;
-    assert_eq!(w.in_flight(), 0);
+    wait_fenced(&w, "the worker to stand down").await;
     assert_eq!(status(&db.pool, e.run_id).await, "failed");
     assert_journal_sound(&db.pool, e.run_id).await;
     w.drain().await;

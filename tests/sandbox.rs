@@ -17,6 +17,7 @@ use agent_host::worker::{Worker, WorkerConfig};
 use axum::body::Body;
 use axum::http::{header, StatusCode};
 use serde_json::{json, Value};
+use support::http::multipart;
 use support::*;
 
 struct Env {
@@ -29,10 +30,7 @@ struct Env {
 impl Env {
     async fn new() -> Env {
         let db = TestDb::new().await;
-        let cache = std::env::temp_dir().join(format!("agent-host-cache-{}", std::process::id()));
-        let sandbox = Sandbox::new(db.pool.clone(), Some(cache)).unwrap();
-        let agents = AgentRegistry::with_builtins().with_sandbox(sandbox);
-        let router = api::router(AppState::new(db.pool.clone(), agents.clone(), None));
+        let (agents, router) = sandboxed_router(&db);
         let token = tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
         Env { db, agents, router, token }
     }
@@ -220,39 +218,13 @@ async fn a_guest_that_keeps_going_after_its_claim_was_lost_is_interrupted() {
         async move { journal(&pool, id).await.len() > 5 }
     })
     .await;
-    sqlx::query("UPDATE agent_run SET claim_expires_at = now() - interval '1 hour' WHERE id = $1")
-        .bind(id)
-        .execute(&env.db.pool)
-        .await
-        .unwrap();
+    update_run(&env.db.pool, id, "claim_expires_at = now() - interval '1 hour'").await;
     let expired = lifecycle::find_expired(&env.db.pool, Duration::ZERO, 10).await.unwrap();
     assert!(lifecycle::reap(&env.db.pool, expired[0], Duration::ZERO).await.unwrap());
     let ended = journal(&env.db.pool, id).await;
-    let ws = w.stats();
-    wait_for("the guest to be interrupted", LONG, || {
-        let ws = ws.clone();
-        async move { ws.fenced.load(Ordering::Relaxed) == 1 }
-    })
-    .await;
-    assert_eq!(w.in_flight(), 0);
+    wait_fenced(&w, "the guest to be interrupted").await;
     assert_eq!(journal(&env.db.pool, id).await, ended);
     w.drain().await;
-}
-
-fn multipart(fields: &[(&str, &[u8])]) -> (String, Vec<u8>) {
-    let boundary = "agent-host-test-boundary";
-    let mut body = Vec::new();
-    for (name, value) in fields {
-        body.extend_from_slice(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"").as_bytes());
-        if *name == "component" {
-            body.extend_from_slice(b"; filename=\"plugin.wasm\"\r\nContent-Type: application/wasm");
-        }
-        body.extend_from_slice(b"\r\n\r\n");
-        body.extend_from_slice(value);
-        body.extend_from_slice(b"\r\n");
-    }
-    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
-    (format!("multipart/form-data; boundary={boundary}"), body)
 }
 
 /// `POST /v1/plugins` (admins only) validates before it stores; `GET` lists.

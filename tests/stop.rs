@@ -247,8 +247,7 @@ async fn a_cancel_whose_notify_is_lost_stops_the_run_within_a_heartbeat() {
 async fn cancel_answers_for_queued_terminal_foreign_and_malformed_runs() {
     let db = TestDb::new().await;
     let pool = &db.pool;
-    let host =
-        TestHost::start(&db, Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), fast_config("w")).await;
+    let host = TestHost::builtins(&db).await;
     let conv = conversation(&host).await;
     let a = post_turn(&host, conv, "sleep", "a", json!({ "steps": 10_000, "step_ms": 20 })).await;
     let b = post_turn(&host, conv, "sleep", "b", json!({ "steps": 1 })).await;
@@ -292,8 +291,7 @@ async fn cancel_answers_for_queued_terminal_foreign_and_malformed_runs() {
 async fn a_run_whose_clients_all_disconnect_runs_to_completion() {
     let db = TestDb::new().await;
     let pool = &db.pool;
-    let host =
-        TestHost::start(&db, Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), fast_config("w")).await;
+    let host = TestHost::builtins(&db).await;
     let conv = conversation(&host).await;
     let run = post_turn(&host, conv, "sleep", "watch me", json!({ "steps": 8, "step_ms": 50 })).await;
     for _ in 0..3 {
@@ -373,8 +371,7 @@ async fn guests_stop_cooperatively_or_are_interrupted_after_the_grace() {
 async fn retry_reruns_the_latest_stopped_turn_and_conversation_reads_show_it() {
     let db = TestDb::new().await;
     let pool = &db.pool;
-    let host =
-        TestHost::start(&db, Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), fast_config("w")).await;
+    let host = TestHost::builtins(&db).await;
     let conv = conversation(&host).await;
     let done = post_turn(&host, conv, "echo", "one", json!({})).await;
     assert_eq!(wait_terminal(pool, done, LONG).await, "completed");

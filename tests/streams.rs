@@ -124,21 +124,11 @@ async fn a_fenced_flush_writes_nothing_and_stops_the_run() {
         async move { journal(&pool, e.run_id).await.len() > 5 }
     })
     .await;
-    sqlx::query("UPDATE agent_run SET claim_expires_at = now() - interval '1 hour' WHERE id = $1")
-        .bind(e.run_id)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    update_run(&db.pool, e.run_id, "claim_expires_at = now() - interval '1 hour'").await;
     let expired = lifecycle::find_expired(&db.pool, Duration::ZERO, 10).await.unwrap();
     assert!(lifecycle::reap(&db.pool, expired[0], Duration::ZERO).await.unwrap());
     let ended = journal(&db.pool, e.run_id).await;
-    let ws = w.stats();
-    wait_for("the worker to stand down", LONG, || {
-        let ws = ws.clone();
-        async move { ws.fenced.load(Ordering::Relaxed) == 1 }
-    })
-    .await;
-    assert_eq!(w.in_flight(), 0);
+    wait_fenced(&w, "the worker to stand down").await;
     assert_eq!(journal(&db.pool, e.run_id).await, ended);
     w.drain().await;
 }
@@ -253,11 +243,7 @@ async fn a_missing_complete_is_synthesized_from_the_run_row() {
         client.next(LONG).await.unwrap();
     }
     // The status flips; the complete event never comes.
-    sqlx::query("UPDATE agent_run SET status = 'failed', error = 'finalizer died', finished_at = now() WHERE id = $1")
-        .bind(e.run_id)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    update_run(&db.pool, e.run_id, "status = 'failed', error = 'finalizer died', finished_at = now()").await;
     let last = client.next(LONG).await.unwrap();
     assert_eq!(last.event, "complete");
     assert_eq!((last.data["status"].as_str(), last.data["error"].as_str()), (Some("failed"), Some("finalizer died")));
@@ -274,11 +260,7 @@ async fn retention_trims_events_keeps_the_transcript_and_tails_still_end() {
     let fresh = enqueue(&db.pool, None, "echo", json!({})).await;
     wait_status(&db.pool, old.run_id, "completed", LONG).await;
     wait_status(&db.pool, fresh.run_id, "completed", LONG).await;
-    sqlx::query("UPDATE agent_run SET finished_at = now() - interval '25 hours' WHERE id = $1")
-        .bind(old.run_id)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    update_run(&db.pool, old.run_id, "finished_at = now() - interval '25 hours'").await;
     assert_eq!(journal::trim_terminal(&db.pool, Duration::from_secs(24 * 3600), 100).await.unwrap(), 1);
     assert!(journal(&db.pool, old.run_id).await.is_empty());
     assert!(!journal(&db.pool, fresh.run_id).await.is_empty());

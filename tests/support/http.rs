@@ -13,7 +13,7 @@ use reqwest::StatusCode;
 use serde_json::Value;
 use tower::ServiceExt;
 
-use super::TestDb;
+use super::{fast_config, TestDb};
 
 pub struct TestHost {
     pub base: String,
@@ -26,6 +26,18 @@ pub struct TestHost {
 impl TestHost {
     pub async fn start(db: &TestDb, hub: Option<Hub>, agents: AgentRegistry, config: WorkerConfig) -> TestHost {
         Self::start_with(db, hub, agents, config, |_| {}).await
+    }
+
+    /// The built-in agents with a hub of their own and [`fast_config`]`("w")`.
+    pub async fn builtins(db: &TestDb) -> TestHost {
+        Self::start(db, Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), fast_config("w")).await
+    }
+
+    /// [`TestHost::builtins`] whose worker claims nothing (runs stay queued),
+    /// with the API's state adjusted by `tweak`.
+    pub async fn undispatched(db: &TestDb, tweak: impl FnOnce(&mut AppState)) -> TestHost {
+        let config = WorkerConfig { dispatch: false, ..fast_config("w") };
+        Self::start_with(db, Some(Hub::start(db.url.clone())), AgentRegistry::with_builtins(), config, tweak).await
     }
 
     /// [`TestHost::start`] with the API's state adjusted by `tweak` (a
@@ -100,16 +112,24 @@ impl TestHost {
 
     /// A `/metrics` scrape: each sample line (name with labels) to its value.
     pub async fn scrape(&self) -> std::collections::HashMap<String, f64> {
+        self.scrape_with_headers().await.1
+    }
+
+    /// [`TestHost::scrape`] with the answer's headers.
+    pub async fn scrape_with_headers(&self) -> (axum::http::HeaderMap, std::collections::HashMap<String, f64>) {
         let res = self.client.get(format!("{}/metrics", self.base)).send().await.unwrap();
         assert_eq!(res.status(), StatusCode::OK);
+        let headers = res.headers().clone();
         let text = res.text().await.unwrap();
-        text.lines()
+        let samples = text
+            .lines()
             .filter(|l| !l.starts_with('#') && !l.is_empty())
             .map(|l| {
                 let (k, v) = l.rsplit_once(' ').unwrap();
                 (k.to_string(), v.parse().unwrap_or_else(|_| panic!("bad sample {l:?}")))
             })
-            .collect()
+            .collect();
+        (headers, samples)
     }
 
     pub async fn stop(mut self) {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use agent_host::agent::AgentRegistry;
 use agent_host::db::cluster::{Cluster, ClusterOptions};
 use agent_host::db::enqueue::{self, Enqueued, NewRun, Owner};
-use agent_host::db::{self, ConversationId, RunId};
+use agent_host::db::{self, lifecycle, ConversationId, RunId};
 use agent_host::hub::Hub;
 use agent_host::worker::{Worker, WorkerConfig};
 use serde_json::{json, Value};
@@ -294,4 +294,53 @@ pub fn plugin_wasm(name: &str) -> Vec<u8> {
         });
     }
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Makes every insert into `table` fail with `message`: a plpgsql function
+/// `function` raising it, and a trigger `trigger` before each insert.
+pub async fn fail_inserts(pool: &PgPool, function: &str, trigger: &str, table: &str, message: &str) {
+    sqlx::raw_sql(&format!(
+        "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN RAISE EXCEPTION '{message}'; END $$;
+         CREATE TRIGGER {trigger} BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {function}();"
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Claims one run for `worker_id` with `lease` (and the prefilter on).
+pub async fn claim_one(pool: &PgPool, worker_id: &str, lease: Duration) -> lifecycle::ClaimedRun {
+    lifecycle::claim(pool, &lifecycle::Claim { limit: 1, lease, worker_id, prefilter: true, tenant_max_running: None })
+        .await
+        .unwrap()
+        .remove(0)
+}
+
+/// `UPDATE agent_run SET <set> WHERE id = run`: a row forced into a state
+/// (a lease in the past, a status flipped behind the worker's back).
+pub async fn update_run(pool: &PgPool, run: RunId, set: &str) {
+    sqlx::query(&format!("UPDATE agent_run SET {set} WHERE id = $1")).bind(run).execute(pool).await.unwrap();
+}
+
+/// Waits until `worker` has fenced one run (`what` names the wait), then
+/// checks it runs nothing.
+pub async fn wait_fenced(worker: &Worker, what: &str) {
+    let ws = worker.stats();
+    wait_for(what, LONG, || {
+        let ws = ws.clone();
+        async move { ws.fenced.load(std::sync::atomic::Ordering::Relaxed) == 1 }
+    })
+    .await;
+    assert_eq!(worker.in_flight(), 0);
+}
+
+/// Built-in agents with a sandbox (so plugin names reach the registry), and
+/// the router in-process over them.
+pub fn sandboxed_router(db: &TestDb) -> (AgentRegistry, axum::Router) {
+    let cache = std::env::temp_dir().join(format!("agent-host-cache-{}", std::process::id()));
+    let sandbox = agent_host::sandbox::Sandbox::new(db.pool.clone(), Some(cache)).unwrap();
+    let agents = AgentRegistry::with_builtins().with_sandbox(sandbox);
+    let router = agent_host::api::router(agent_host::api::AppState::new(db.pool.clone(), agents.clone(), None));
+    (agents, router)
 }
