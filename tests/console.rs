@@ -230,7 +230,9 @@ async fn the_console_streams_survives_refresh_and_restart_and_stops() {
             "the first run's detail",
             &format!(
                 "return document.getElementById('run-id').textContent === '{run}'
-                    && document.getElementById('run-status').textContent === 'completed'"
+                    && document.getElementById('run-status').textContent === 'completed'
+                    && document.getElementById('output').textContent.length === {}",
+                first_text.encode_utf16().count()
             ),
         )
         .await;

@@ -7,13 +7,8 @@ mod support;
 
 use std::time::Duration;
 
-use agent_host::agent::AgentRegistry;
-use agent_host::api::{self, AppState};
 use agent_host::db::{plugins, tokens, RunId};
-use agent_host::hub::Hub;
-use agent_host::sandbox::Sandbox;
 use agent_host::stream::tail::LiveTails;
-use agent_host::worker::WorkerConfig;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use support::http::{multipart, oneshot, Answer, TestHost};

@@ -4,15 +4,13 @@
 
 mod support;
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use agent_host::agent::{AgentRegistry, Components};
-use agent_host::api::{self, AppState};
+
 use agent_host::db::{lifecycle, plugins, tokens, RunId};
 use agent_host::hub::Hub;
-use agent_host::sandbox::Sandbox;
 use agent_host::worker::{Worker, WorkerConfig};
 use axum::body::Body;
 use axum::http::{header, StatusCode};
