@@ -15,14 +15,14 @@ use sqlx::PgPool;
 pub use agent_host::agent::{Agent, AgentError, AgentRegistry, Components, RunHost, RunInput};
 pub use agent_host::api::{router, AppState};
 pub use agent_host::config::{DbArgs, ServeArgs};
-pub use agent_host::db::events::{CONTENT_DELTA, ENQUEUE_SEQS, RUN_QUEUED, USER_MESSAGE_CREATED};
-pub use agent_host::db::notify::events_channel;
 pub use agent_host::db::enqueue::Enqueued;
+pub use agent_host::db::events::{CONTENT_DELTA, ENQUEUE_SEQS, RUN_QUEUED, USER_MESSAGE_CREATED};
 pub use agent_host::db::lifecycle::ClaimedRun;
+pub use agent_host::db::notify::events_channel;
 pub use agent_host::db::{MessageStatus, RunId, RunStatus};
+pub use agent_host::error::FailReason;
 pub use agent_host::hub::Hub;
 pub use agent_host::run::journal::FLUSH_DEFAULT as JOURNAL_FLUSH_DEFAULT;
-pub use agent_host::error::FailReason;
 pub use agent_host::sandbox::{Manifest, Sandbox};
 pub use agent_host::server::{connect_and_migrate, open_database, serve};
 pub use agent_host::stream::decode::SseDecoder;
@@ -76,8 +76,12 @@ pub async fn claim(pool: &PgPool, worker_id: &str, limit: usize) -> Result<Vec<C
 /// Ends a claimed run completed with an empty answer, with the worker's
 /// fenced terminal write.
 pub async fn finish_completed(pool: &PgPool, run: &ClaimedRun) -> Result<(), sqlx::Error> {
-    let finish =
-        lifecycle::Finish { status: RunStatus::Completed, error: None, assistant: Some(("", MessageStatus::Complete)), usage: None };
+    let finish = lifecycle::Finish {
+        status: RunStatus::Completed,
+        error: None,
+        assistant: Some(("", MessageStatus::Complete)),
+        usage: None,
+    };
     lifecycle::finish(pool, run.id, run.claim_token, &finish).await?;
     Ok(())
 }

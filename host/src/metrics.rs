@@ -78,7 +78,6 @@ pub fn label_value(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,10 +7,9 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-
 use crate::db::enqueue::Owner;
-use crate::db::runs;
 use crate::db::lifecycle::{self, Cancelled, RetryError};
+use crate::db::runs;
 use crate::db::tokens::Principal;
 use crate::db::{ConversationId, RunId, RunStatus};
 use crate::service::submit::{self, Submission};

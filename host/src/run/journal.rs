@@ -417,8 +417,9 @@ impl Writer {
     /// written, and is not written again.
     async fn write_batch(&mut self, n: usize) -> Result<bool, sqlx::Error> {
         let events: Vec<(&str, Value)> = self.unsent[..n].iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-        let r = db::journal::append_events(&self.pool, self.run, self.token, self.next_seq, &events, Some(&self.channel))
-            .await;
+        let r =
+            db::journal::append_events(&self.pool, self.run, self.token, self.next_seq, &events, Some(&self.channel))
+                .await;
         match r {
             Ok(written) => {
                 if written {

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use serde_json::Value;
 use sqlx::PgPool;
 
-use crate::db::plugins::{self, PluginRow};
 use crate::agent::Components;
+use crate::db::plugins::{self, PluginRow};
 use crate::run::manifest::Manifest;
 
 use super::storable::{self, Unstorable};

@@ -31,8 +31,8 @@ use sqlx::PgPool;
 use tokio::time::Instant;
 
 use crate::db::events::{complete_payload, COMPLETE};
-use crate::db::notify::events_channel;
 use crate::db::journal::{self, Event};
+use crate::db::notify::events_channel;
 use crate::db::RunId;
 use crate::hub::{Hub, Subscription};
 
