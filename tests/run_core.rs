@@ -401,7 +401,16 @@ async fn worker_stops_a_run_whose_claim_was_lost() {
     // and another process's reaper ends the run.
     update_run(&db.pool, e.run_id, "claim_expires_at = now() - interval '1 hour'").await;
     let stats = WorkerStats::default();
-    assert_eq!(worker::reap_sweep(&db.pool, Duration::ZERO, &stats).await.unwrap(), 1);
+    assert_eq!(
+        worker::reap_sweep(
+            &db.pool,
+            &worker::WorkerConfig { reap_grace: Duration::ZERO, ..Default::default() },
+            &stats
+        )
+        .await
+        .unwrap(),
+        1
+    );
 
     wait_fenced(&w, "the worker to stand down").await;
     assert_eq!(status(&db.pool, e.run_id).await, "failed");

@@ -107,13 +107,13 @@ async fn an_event_emitted_while_the_database_is_away_is_written_once_when_it_ret
     let run = claimed(&db).await;
     let stats = Arc::new(JournalStats::default());
     let mut journal = start(journal_pool(&db).await, &run, LONG, &stats);
-    journal.event("probe", json!({ "n": 1 })).await.unwrap();
+    journal.event("probe", json!({ "n": 1 }), None).await.unwrap();
     let mut outage = Outage::new(&db).await;
     outage.begin().await;
 
     let emitter = tokio::spawn(async move {
-        journal.delta(json!({ "delta": "while away" })).await.unwrap();
-        let r = journal.event("probe", json!({ "n": 2 })).await;
+        journal.delta(json!({ "delta": "while away" }), None).await.unwrap();
+        let r = journal.event("probe", json!({ "n": 2 }), None).await;
         (r, journal)
     });
     // The flush failed at least twice (it is being retried) and the emitter
@@ -141,11 +141,11 @@ async fn a_journal_that_gives_up_never_writes_what_it_refused() {
     let stats = Arc::new(JournalStats::default());
     let mut journal = start(journal_pool(&db).await, &run, Duration::from_millis(300), &stats);
     let gave_up = journal.gave_up();
-    journal.event("probe", json!({ "n": 1 })).await.unwrap();
+    journal.event("probe", json!({ "n": 1 }), None).await.unwrap();
     let mut outage = Outage::new(&db).await;
     outage.begin().await;
 
-    let r = tokio::time::timeout(LONG, journal.event("probe", json!({ "n": 2 }))).await.unwrap();
+    let r = tokio::time::timeout(LONG, journal.event("probe", json!({ "n": 2 }), None)).await.unwrap();
     assert!(matches!(r, Err(HostError::Unavailable(_))), "{r:?}");
     assert!(gave_up.is_cancelled(), "the run is told");
     assert_eq!(stats.gave_up.load(Ordering::Relaxed), 1);
@@ -153,7 +153,7 @@ async fn a_journal_that_gives_up_never_writes_what_it_refused() {
     // The database comes back: what was refused stays unwritten, and the
     // journal refuses everything after.
     outage.end().await;
-    let later = journal.event("probe", json!({ "n": 3 })).await;
+    let later = journal.event("probe", json!({ "n": 3 }), None).await;
     assert!(matches!(later, Err(HostError::Unavailable(_))), "{later:?}");
     assert!(matches!(journal.close().await, Err(HostError::Unavailable(_))));
     let kinds: Vec<(String, Value)> = outage.events(run.id).await.into_iter().map(|e| (e.1, e.2)).collect();

@@ -73,7 +73,15 @@ async fn webhook_receiver(log: Log, arrived: mpsc::UnboundedSender<()>) -> Strin
 fn webhook(name: &str, url: String, timeout_ms: u64) -> WebhookConfig {
     let mut headers = std::collections::BTreeMap::new();
     headers.insert("Authorization".to_string(), "Bearer webhook-secret".to_string());
-    WebhookConfig { name: name.into(), url, timeout_ms, max_response_bytes: 64 * 1024, headers, description: None }
+    WebhookConfig {
+        name: name.into(),
+        url,
+        timeout_ms,
+        max_response_bytes: 64 * 1024,
+        headers,
+        description: None,
+        idempotent: false,
+    }
 }
 
 fn offered(name: &str) -> Value {

@@ -63,7 +63,7 @@ pub async fn bulk_enqueue(db: impl PgExecutor<'_>, n: i64, plugin: &str) -> Resu
 
 /// Empties every table the benchmark writes.
 pub async fn reset(db: impl PgExecutor<'_>) -> Result<(), sqlx::Error> {
-    sqlx::query("TRUNCATE run_event, agent_run, message, conversation").execute(db).await?;
+    sqlx::query("TRUNCATE run_call, run_event, agent_run, message, conversation").execute(db).await?;
     Ok(())
 }
 

@@ -92,9 +92,11 @@ pub async fn conversations(args: &ApiArgs, command: ConversationsCommand) -> any
 /// rejoining from the last seq when the connection drops.
 async fn follow(api: &Api, id: &str, from: i64) -> anyhow::Result<()> {
     let mut last = from;
+    // Characters of the answer printed so far (a rollback withdraws some).
+    let mut printed = 0;
     let mut rejoins = 0;
     loop {
-        match stream_once(api, id, &mut last).await {
+        match stream_once(api, id, &mut last, &mut printed).await {
             Ok(Some(status)) => {
                 if status == "completed" {
                     return Ok(());
@@ -135,9 +137,10 @@ async fn ended(api: &Api, id: &str) -> anyhow::Result<Option<String>> {
     Ok(["completed", "failed", "cancelled"].contains(&status).then(|| status.to_string()))
 }
 
-/// One connection: prints events and advances `last`; the run's final status
-/// once `complete` arrives, `None` if the stream ended before it.
-async fn stream_once(api: &Api, id: &str, last: &mut i64) -> anyhow::Result<Option<String>> {
+/// One connection: prints events and advances `last` (and `printed`, the
+/// answer's characters on stdout); the run's final status once `complete`
+/// arrives, `None` if the stream ended before it.
+async fn stream_once(api: &Api, id: &str, last: &mut i64, printed: &mut u64) -> anyhow::Result<Option<String>> {
     let res = api
         .http
         .get(format!("{}/v1/runs/{id}/events", api.url))
@@ -165,9 +168,24 @@ async fn stream_once(api: &Api, id: &str, last: &mut i64) -> anyhow::Result<Opti
             }
             match event["type"].as_str().unwrap_or("") {
                 events::CONTENT_DELTA => {
-                    print!("{}", event["delta"].as_str().unwrap_or(""));
+                    let delta = event["delta"].as_str().unwrap_or("");
+                    *printed += delta.chars().count() as u64;
+                    print!("{delta}");
                     stdout.flush()?;
                 }
+                events::CONTENT_ROLLBACK => {
+                    // Printed text cannot be taken back: say what is withdrawn.
+                    let keep = event["keep_chars"].as_u64().unwrap_or(0);
+                    let dropped = printed.saturating_sub(keep);
+                    *printed = keep.min(*printed);
+                    eprintln!("\n[resumed: the last {dropped} characters above are withdrawn; the answer goes on]");
+                }
+                events::RUN_RESUMED => eprintln!(
+                    "\n[resumed on {}, attempt {}, {} calls replayed]",
+                    event["worker_id"].as_str().unwrap_or("?"),
+                    event["attempt"],
+                    event["replayed_calls"]
+                ),
                 events::COMPLETE => {
                     let status = event["status"].as_str().unwrap_or("?").to_string();
                     match event["error"].as_str() {

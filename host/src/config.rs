@@ -246,6 +246,11 @@ pub struct WorkerArgs {
     /// How long a run may keep going after a stop before it is interrupted.
     #[arg(long, env = "AGENT_HOST_CANCEL_GRACE_MS", default_value_t = 5_000)]
     pub cancel_grace_ms: u64,
+    /// Attempts a resumable run gets (its plugin's manifest says
+    /// `"durability": "resume"`): after this many lost workers or drains out
+    /// of budget it ends failed instead of going back to the queue.
+    #[arg(long, env = "AGENT_HOST_RESUME_ATTEMPTS", default_value_t = crate::db::lifecycle::RESUME_ATTEMPTS_DEFAULT)]
+    pub resume_attempts: u32,
     /// Running runs one tenant may have at most, across all processes (unset: no cap).
     #[arg(long, env = "AGENT_HOST_TENANT_MAX_RUNNING")]
     pub tenant_max_running: Option<u32>,
@@ -279,6 +284,7 @@ impl WorkerArgs {
             cancel_grace: ms(self.cancel_grace_ms),
             tenant_max_running: self.tenant_max_running,
             dispatch: !self.no_dispatch,
+            resume_attempts: self.resume_attempts,
         }
     }
 }
@@ -355,6 +361,12 @@ impl WorkerArgs {
             (self.poll_tick_ms, "--poll-tick-ms", "AGENT_HOST_POLL_TICK_MS", spin),
             (self.journal_flush_ms, "--journal-flush-ms", "AGENT_HOST_JOURNAL_FLUSH_MS", spin),
             (self.retention_interval_ms, "--retention-interval-ms", "AGENT_HOST_RETENTION_INTERVAL_MS", spin),
+            (
+                self.resume_attempts.into(),
+                "--resume-attempts",
+                "AGENT_HOST_RESUME_ATTEMPTS",
+                "a resumable run could never start",
+            ),
         ] {
             non_zero(value, flag, env, why)?;
         }

@@ -53,10 +53,18 @@ pub enum FailReason {
     Interrupted,
     /// The host itself failed (a task panicked, a terminal write failed).
     Host,
+    /// A resumed run's guest made a call other than the one recorded at the
+    /// same position of its call log.
+    Divergence,
+    /// A resumed run reached a call that was in flight when its worker was
+    /// lost, to a tool that is not idempotent: it is not called again.
+    UnknownOutcome,
+    /// A resumable run was handed back more often than the host allows.
+    Attempts,
 }
 
 impl FailReason {
-    pub const ALL: [FailReason; 9] = [
+    pub const ALL: [FailReason; 12] = [
         FailReason::Limit,
         FailReason::Trap,
         FailReason::Plugin,
@@ -66,6 +74,9 @@ impl FailReason {
         FailReason::DrainTimeout,
         FailReason::Interrupted,
         FailReason::Host,
+        FailReason::Divergence,
+        FailReason::UnknownOutcome,
+        FailReason::Attempts,
     ];
 
     pub fn label(self) -> &'static str {
@@ -79,6 +90,9 @@ impl FailReason {
             FailReason::DrainTimeout => "drain timeout",
             FailReason::Interrupted => "interrupted",
             FailReason::Host => "host error",
+            FailReason::Divergence => "replay diverged",
+            FailReason::UnknownOutcome => "unknown outcome",
+            FailReason::Attempts => "attempts exhausted",
         }
     }
 

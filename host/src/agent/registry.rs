@@ -123,8 +123,13 @@ impl AgentRegistry {
                 Ok(Resolved { agent, manifest })
             }
             None => {
-                let (agent, manifest) = self.builtins.get(plugin).ok_or_else(unavailable)?;
-                Ok(Resolved { agent: agent.clone(), manifest: manifest.clone() })
+                let (agent, registered) = self.builtins.get(plugin).ok_or_else(unavailable)?;
+                // A manifest pinned on the run (a resumable built-in's) wins.
+                let manifest = match manifest {
+                    Some(m) => Manifest::parse(m).map_err(|e| AgentError::failed(FailReason::Unavailable, e))?,
+                    None => registered.clone(),
+                };
+                Ok(Resolved { agent: agent.clone(), manifest })
             }
         }
     }

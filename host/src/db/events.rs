@@ -18,6 +18,15 @@ pub const CONTENT_DELTA: &str = "content_delta";
 pub const TOOL_CALL_STARTED: &str = "tool_call_started";
 /// A host tool call ended: `{call_index, name, outcome, duration_ms, result_bytes, error?, usage?}`.
 pub const TOOL_CALL_FINISHED: &str = "tool_call_finished";
+/// A resumed attempt of a resumable run began (after seq 3, at the next seq):
+/// `{attempt, worker_id, replayed_calls}`.
+pub const RUN_RESUMED: &str = "run_resumed";
+/// Drop streamed text: the answer so far is its first `keep_chars` Unicode
+/// scalar values (the text a model call in flight at a crash had streamed;
+/// the call is made again): `{keep_chars, call_index, reason}`. The SSE
+/// stream and the JSON pages carry it as it is; clients (the console, the
+/// CLI) cut their text.
+pub const CONTENT_ROLLBACK: &str = "content_rollback";
 /// The run's one ending: [`complete_payload`].
 pub const COMPLETE: &str = "complete";
 /// Sent on a quiet stream, never stored.
@@ -30,8 +39,17 @@ pub const RUN_STARTED_SEQ: i32 = 3;
 pub const FIRST_RUN_SEQ: i32 = 4;
 
 /// Event kinds only the host writes; guests cannot emit them.
-pub const RESERVED: &[&str] =
-    &[USER_MESSAGE_CREATED, RUN_QUEUED, RUN_STARTED, COMPLETE, TOOL_CALL_STARTED, TOOL_CALL_FINISHED, KEEPALIVE];
+pub const RESERVED: &[&str] = &[
+    USER_MESSAGE_CREATED,
+    RUN_QUEUED,
+    RUN_STARTED,
+    RUN_RESUMED,
+    CONTENT_ROLLBACK,
+    COMPLETE,
+    TOOL_CALL_STARTED,
+    TOOL_CALL_FINISHED,
+    KEEPALIVE,
+];
 
 /// The payload of `complete`: `{status, error?}`, the same whoever ends the
 /// run (worker, backstop, reaper, stop) and whether it is stored or

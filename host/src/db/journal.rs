@@ -41,16 +41,31 @@ pub async fn append_events(
     events: &[(&str, Value)],
     notify: Option<&str>,
 ) -> Result<bool, sqlx::Error> {
+    append_numbered(db, run, token, first_seq, events, &vec![None; events.len()], notify).await
+}
+
+/// [`append_events`] with each event's append number (`run_event.op`: which
+/// host call of the run it followed; see `migrations/0005_durable.sql`).
+pub async fn append_numbered(
+    db: impl PgExecutor<'_>,
+    run: RunId,
+    token: ClaimToken,
+    first_seq: i32,
+    events: &[(&str, Value)],
+    ops: &[Option<i64>],
+    notify: Option<&str>,
+) -> Result<bool, sqlx::Error> {
+    debug_assert_eq!(events.len(), ops.len());
     let types: Vec<&str> = events.iter().map(|e| e.0).collect();
     let payloads: Vec<&Value> = events.iter().map(|e| &e.1).collect();
     let (inserted, _notified): (i64, Option<i32>) = sqlx::query_as(
         "WITH ins AS (
-             INSERT INTO run_event (run_id, seq, type, payload)
-             SELECT $1, $3 + e.ord::int - 1, e.type, e.payload
+             INSERT INTO run_event (run_id, seq, type, payload, op)
+             SELECT $1, $3 + e.ord::int - 1, e.type, e.payload, e.op
              FROM (SELECT 1 FROM agent_run
                    WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
                    FOR SHARE) AS fence,
-                  unnest($4::text[], $5::jsonb[]) WITH ORDINALITY AS e(type, payload, ord)
+                  unnest($4::text[], $5::jsonb[], $7::bigint[]) WITH ORDINALITY AS e(type, payload, op, ord)
              RETURNING seq),
          n AS (SELECT count(*) AS n, max(seq) AS last FROM ins)
          SELECT n.n, CASE WHEN n.n > 0 AND $6::text IS NOT NULL
@@ -63,6 +78,7 @@ pub async fn append_events(
     .bind(types)
     .bind(payloads)
     .bind(notify)
+    .bind(ops)
     .fetch_one(db)
     .await?;
     Ok(inserted as usize == events.len())
@@ -134,6 +150,7 @@ pub async fn trim_terminal(db: impl PgExecutor<'_>, older_than: Duration, batch_
              ORDER BY finished_at LIMIT $2
              FOR UPDATE SKIP LOCKED),
          del AS (DELETE FROM run_event e USING victims v WHERE e.run_id = v.id),
+         calls AS (DELETE FROM run_call c USING victims v WHERE c.run_id = v.id),
          upd AS (UPDATE agent_run r SET request = NULL FROM victims v WHERE r.id = v.id RETURNING r.id)
          SELECT count(*) FROM upd",
     )

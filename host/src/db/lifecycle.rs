@@ -15,14 +15,20 @@
 //! | queued  | cancelled | [`cancel`], [`stop_conversation`] | HTTP cancel, HTTP stop                  |
 //! | running | completed, failed, cancelled | [`finish`] (fenced) | run task                          |
 //! | running | failed    | [`backstop`] (fenced)            | run task, when the run's own task died   |
-//! | running | failed    | [`reap`] (lease lapsed past the grace, re-checked in the write) | reaper, boot reconciler |
+//! | running | failed    | [`reap_or_resume`] (lease lapsed past the grace, re-checked in the write) | reaper, boot reconciler |
+//! | running | queued    | [`reap_or_resume`], [`hand_back`] (fenced): a resumable run with attempts left, `attempt` raised | reaper, boot reconciler; run task at a drain timeout |
 //! | running | (flag)    | [`cancel`], [`stop_conversation`] set `cancel_requested` and NOTIFY; the holder then [`finish`]es `cancelled` | HTTP cancel, HTTP stop |
 //!
 //! completed, failed and cancelled are terminal: the trigger refuses any
-//! change out of them, and nothing re-queues a run that started
-//! (at-most-once: a run whose worker died ends failed; a person's [`retry`]
-//! is a new run). Every terminal write commits the run's one `complete`
-//! event with the status flip.
+//! change out of them. Nothing re-queues a run that started except the
+//! hand-back of a resumable run (its plugin's manifest says `"durability":
+//! "resume"`), which the trigger admits only with `attempt` raised by one and
+//! the lease cleared; every other run is at-most-once: its worker died, it
+//! ends failed, and a person's [`retry`] is a new run. A handed-back run keeps
+//! its `queue_pos`, so it is its conversation's head again and no later turn
+//! can start before it; its next claim rotates the claim token, which fences
+//! the old worker out of every write. Every terminal write commits the run's
+//! one `complete` event with the status flip.
 //!
 //! # The message state machine (see [`MessageStatus`])
 //!
@@ -102,6 +108,10 @@ pub struct ClaimedRun {
     pub content: String,
     /// Seconds from enqueue to this claim (the database's clock).
     pub waited_s: f64,
+    /// 1 for the first claim; more for a resumable run handed back.
+    pub attempt: i32,
+    /// The seed of the guest's random generators, the same for every attempt.
+    pub seed: uuid::Uuid,
 }
 
 const CLAIM_SQL: &str = "
@@ -168,7 +178,8 @@ claimed AS (
         -- The statement clock: after the previous turn's finish, which this
         -- statement's snapshot saw commit (see the module's Clocks).
         started_at        = coalesce(r.started_at, clock_timestamp()),
-        last_heartbeat_at = now()
+        last_heartbeat_at = now(),
+        seed              = coalesce(r.seed, gen_random_uuid())
     WHERE r.id IN (
         SELECT id FROM candidates
         WHERE $5::bigint IS NULL OR load_after <= $5
@@ -177,12 +188,13 @@ claimed AS (
     )
     RETURNING r.id, r.conversation_id, r.claim_token, r.user_message_id, r.owner_id,
               r.tenant_id, r.plugin, r.plugin_digest, r.plugin_manifest, r.config,
-              extract(epoch FROM now() - r.created_at)::float8 AS waited_s
+              extract(epoch FROM now() - r.created_at)::float8 AS waited_s, r.attempt, r.seed
 ),
 started AS (
-    -- seq 3 belongs to the claim: the run_started event ($6) commits with it.
+    -- seq 3 belongs to the first claim: the run_started event ($6) commits
+    -- with it. A resumed run's worker journals run_resumed instead.
     INSERT INTO run_event (run_id, seq, type, payload)
-    SELECT id, 3, $6, jsonb_build_object('worker_id', $3::text) FROM claimed
+    SELECT id, 3, $6, jsonb_build_object('worker_id', $3::text) FROM claimed WHERE attempt = 1
 ),
 msg AS (
     UPDATE message m SET status = 'complete'
@@ -411,17 +423,65 @@ pub async fn find_expired(db: impl PgExecutor<'_>, grace: Duration, limit: i64) 
     .await
 }
 
-/// running -> failed, for the reaper and the boot reconciler: ends a lost
-/// worker's run, if the lease is still lapsed *now*: the liveness check lives
-/// in the write, so a heartbeat that landed after [`find_expired`] makes this
-/// a no-op. Status, `complete` event (seq max+1, safe because the fence now
-/// shuts the worker out) and wake commit together. Returns whether this call
-/// reaped the run.
+/// What [`reap_or_resume`] did with a lapsed run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reaped {
+    /// Ended failed (worker lost; or a resumable run out of attempts).
+    Failed,
+    /// A resumable run, back in the queue as its conversation's head; this
+    /// is the attempt its next claim makes.
+    Requeued { attempt: i32 },
+}
+
+/// running -> failed, for the reaper and the boot reconciler, with the
+/// default attempts of a resumable run. See [`reap_or_resume`].
 pub async fn reap(pool: &PgPool, expired: Expired, grace: Duration) -> Result<bool, sqlx::Error> {
+    Ok(reap_or_resume(pool, expired, grace, RESUME_ATTEMPTS_DEFAULT).await?.is_some())
+}
+
+/// Attempts a resumable run gets by default before it ends failed.
+pub const RESUME_ATTEMPTS_DEFAULT: u32 = 3;
+
+/// For the reaper and the boot reconciler: a lost worker's run, if the lease
+/// is still lapsed *now* (the liveness check lives in the write, so a
+/// heartbeat that landed after [`find_expired`] makes this a no-op). A
+/// resumable run with attempts left (`attempt < attempts_max`) goes running
+/// -> queued with its attempt raised and the wake; any other goes running ->
+/// failed with its `complete` event (seq max+1, safe because the fence now
+/// shuts the worker out) and the wake. `None`: nothing was done.
+pub async fn reap_or_resume(
+    pool: &PgPool,
+    expired: Expired,
+    grace: Duration,
+    attempts_max: u32,
+) -> Result<Option<Reaped>, sqlx::Error> {
     let mut tx = pool.begin().await?;
+    let requeued: Option<(ConversationId, i32)> = sqlx::query_as(
+        "UPDATE agent_run SET status = 'queued', attempt = attempt + 1,
+                claim_expires_at = NULL, last_heartbeat_at = NULL
+         WHERE id = $1 AND claim_token = $2 AND status = 'running'
+           AND claim_expires_at < now() - make_interval(secs => $3)   -- still dead now?
+           AND plugin_manifest ->> 'durability' = 'resume' AND attempt < $4
+         RETURNING conversation_id, attempt",
+    )
+    .bind(expired.id)
+    .bind(expired.claim_token)
+    .bind(grace.as_secs_f64())
+    .bind(attempts_max as i32)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some((conversation_id, attempt)) = requeued {
+        notify(&mut *tx, RUN_ENQUEUED, &conversation_id.to_string()).await?;
+        tx.commit().await?;
+        return Ok(Some(Reaped::Requeued { attempt }));
+    }
     let reaped: Option<(ConversationId, Option<String>)> = sqlx::query_as(
         "UPDATE agent_run SET status = 'failed', finished_at = clock_timestamp(),
-                error = 'worker lost: lease expired without a heartbeat (worker ' || coalesce(worker_id, '?') || ')'
+                error = CASE WHEN plugin_manifest ->> 'durability' = 'resume'
+                    THEN 'attempts exhausted: the run lost its worker on attempt ' || attempt || ' of ' || $4
+                         || ' (worker ' || coalesce(worker_id, '?') || ')'
+                    ELSE 'worker lost: lease expired without a heartbeat (worker ' || coalesce(worker_id, '?') || ')'
+                    END
          WHERE id = $1 AND claim_token = $2 AND status = 'running'
            AND claim_expires_at < now() - make_interval(secs => $3)   -- still dead now?
          RETURNING conversation_id, error",
@@ -429,14 +489,42 @@ pub async fn reap(pool: &PgPool, expired: Expired, grace: Duration) -> Result<bo
     .bind(expired.id)
     .bind(expired.claim_token)
     .bind(grace.as_secs_f64())
+    .bind(attempts_max as i32)
     .fetch_optional(&mut *tx)
     .await?;
     let Some((conversation_id, error)) = reaped else {
-        return Ok(false);
+        return Ok(None);
     };
     write_complete(&mut *tx, expired.id, RunStatus::Failed, error.as_deref()).await?;
     notify(&mut *tx, RUN_ENQUEUED, &conversation_id.to_string()).await?;
     notify(&mut *tx, &events_channel(expired.id), COMPLETE_PAYLOAD).await?;
+    tx.commit().await?;
+    Ok(Some(Reaped::Failed))
+}
+
+/// running -> queued, for the run task of a resumable run that a drain is
+/// aborting: fenced by the claim token, only with attempts left (`attempt <
+/// attempts_max`); raises the attempt, clears the lease and wakes the
+/// claimers, so another process resumes it at once instead of after a lease.
+/// Returns false when fenced or out of attempts (the caller then ends it).
+pub async fn hand_back(pool: &PgPool, run: RunId, token: ClaimToken, attempts_max: u32) -> Result<bool, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let requeued: Option<ConversationId> = sqlx::query_scalar(
+        "UPDATE agent_run SET status = 'queued', attempt = attempt + 1,
+                claim_expires_at = NULL, last_heartbeat_at = NULL
+         WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
+           AND plugin_manifest ->> 'durability' = 'resume' AND attempt < $3
+         RETURNING conversation_id",
+    )
+    .bind(run)
+    .bind(token)
+    .bind(attempts_max as i32)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(conversation_id) = requeued else {
+        return Ok(false);
+    };
+    notify(&mut *tx, RUN_ENQUEUED, &conversation_id.to_string()).await?;
     tx.commit().await?;
     Ok(true)
 }

@@ -10,6 +10,8 @@
 //! - [`lifecycle`]: every change of a run's status (claim, finish, backstop,
 //!   reap, cancel, stop, retry), the lease and the stop flag, with the run and
 //!   message state machines written down beside the trigger they mirror.
+//! - [`calls`]: the recorded call log of resumable runs, fenced like the
+//!   journal, and what an earlier attempt journaled.
 //! - [`journal`]: fenced appends, reads from a cursor, a finalizer's
 //!   `complete`, the terminal state tails synthesize from, retention's trim.
 //! - [`conversations`]: ownership, transcript order, history, conversation reads.
@@ -18,6 +20,7 @@
 //! - [`tokens`]: bearer tokens.
 //! - [`cluster`]: the private PostgreSQL cluster; [`bench`]: the benchmark's SQL.
 
+pub mod calls;
 pub mod cluster;
 pub mod conversations;
 pub mod enqueue;

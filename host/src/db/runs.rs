@@ -22,6 +22,9 @@ pub struct RunView {
     pub started_at: Option<DateTime<Utc>>,
     pub finished_at: Option<DateTime<Utc>>,
     pub last_seq: i32,
+    /// Which attempt of the run this is: 1, or more once a resumable run was
+    /// resumed after losing its worker.
+    pub attempt: i32,
     /// Model calls and tokens, once the run has ended (null without a model call).
     pub usage: Option<Value>,
 }
@@ -32,7 +35,7 @@ pub async fn get_run(db: impl PgExecutor<'_>, id: RunId, owner_id: &str) -> Resu
         "SELECT r.id, r.conversation_id, r.status, r.plugin, r.plugin_digest, r.cancel_requested,
                 r.error, r.created_at, r.started_at, r.finished_at,
                 coalesce((SELECT max(seq) FROM run_event e WHERE e.run_id = r.id), 0) AS last_seq,
-                r.usage
+                r.attempt, r.usage
          FROM agent_run r WHERE r.id = $1 AND r.owner_id = $2",
     )
     .bind(id)

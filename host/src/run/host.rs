@@ -6,8 +6,14 @@
 //!
 //! Every import is fenced: once the claim is lost, they refuse with
 //! [`HostError::Fenced`]. A limit refusal is also recorded as the run's
-//! failure ([`RunHost::limit_failure`]): the run ends failed with reason
-//! `limit` whatever the agent does next.
+//! failure ([`RunHost::failure`]): the run ends failed with reason `limit`
+//! whatever the agent does next.
+//!
+//! A resumable run's host also records every call whose answer it decides
+//! and, on a resumed attempt, answers them from the log ([`crate::run::record`]):
+//! here, behind the one owner of the imports, so every agent gets it.
+//! Every journal append is numbered (`op`), so a resumed attempt knows what is
+//! already journaled and writes only what comes after.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,12 +22,13 @@ use async_trait::async_trait;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
-use crate::db::events::{CONTENT_DELTA, RESERVED};
+use crate::db::events::{CONTENT_DELTA, CONTENT_ROLLBACK, RESERVED, RUN_RESUMED};
 use crate::db::RunId;
-use crate::error::HostError;
+use crate::error::{AgentError, FailReason, HostError};
 use crate::run::journal::Journal;
 use crate::run::manifest::Manifest;
-use crate::tools::{EventSink, ToolCall, ToolRegistry};
+use crate::run::record::{self, Divergence, Next, Recording};
+use crate::tools::{EventSink, ToolCall, ToolRegistry, LLM_TOOL};
 
 /// Length of an event kind.
 pub const EVENT_KIND_BYTES_MAX: usize = 64;
@@ -47,6 +54,8 @@ pub struct RunHostParts {
     pub tools: ToolRegistry,
     /// The plugin's grants and limits, as pinned on the run.
     pub manifest: Manifest,
+    /// The call log of a resumable run (`None`: at-most-once, nothing recorded).
+    pub recording: Option<Recording>,
 }
 
 /// The imports of one run. Cheap to clone (a guest's store holds a clone);
@@ -65,6 +74,10 @@ struct Inner {
     journal: tokio::sync::Mutex<Option<Journal>>,
     tools: ToolRegistry,
     manifest: Manifest,
+    recording: Option<Recording>,
+    /// Fired when the run must end now with its failure (a replay diverged,
+    /// a call's outcome is unknown).
+    abort: CancellationToken,
     state: Mutex<State>,
 }
 
@@ -78,8 +91,12 @@ struct State {
     /// Tool calls made: the next call's ordinal is this plus one.
     tool_calls: u64,
     usage: Usage,
-    /// The limit the run hit, if any: it ends failed with it.
-    limit_hit: Option<String>,
+    /// Journal appends made (the next one's `op` is this plus one),
+    /// including those a resumed attempt did not write again.
+    ops: i64,
+    /// The failure the run must end with, if any (a limit it hit, a replay
+    /// that diverged): it ends failed with it whatever the agent does next.
+    failure: Option<(FailReason, String)>,
 }
 
 impl RunHost {
@@ -93,6 +110,8 @@ impl RunHost {
                 journal: tokio::sync::Mutex::new(Some(parts.journal)),
                 tools: parts.tools,
                 manifest: parts.manifest,
+                recording: parts.recording,
+                abort: CancellationToken::new(),
                 state: Mutex::new(State::default()),
             }),
         }
@@ -113,13 +132,57 @@ impl RunHost {
     /// A limit refusal: the agent gets the typed error, and the run will end
     /// failed with the reason whatever the agent does next.
     fn limit(&self, reason: String) -> HostError {
-        self.state().limit_hit.get_or_insert_with(|| reason.clone());
+        self.state().failure.get_or_insert_with(|| (FailReason::Limit, reason.clone()));
         HostError::Limit(reason)
     }
 
-    /// The limit this run hit, if any (the run must end failed with it).
-    pub fn limit_failure(&self) -> Option<String> {
-        self.state().limit_hit.clone()
+    /// Ends the run now, failed for `reason` (the agent's future is dropped);
+    /// the agent gets `unavailable` meanwhile.
+    fn abort(&self, reason: FailReason, message: String) -> HostError {
+        tracing::warn!(run_id = %self.inner.run_id, %reason, %message, "the run cannot go on");
+        self.state().failure.get_or_insert_with(|| (reason, message.clone()));
+        self.inner.abort.cancel();
+        HostError::Unavailable(reason.message(message))
+    }
+
+    /// The failure this run must end with, if any (a limit it hit, a replay
+    /// that diverged, a call whose outcome is unknown).
+    pub fn failure(&self) -> Option<AgentError> {
+        self.state().failure.clone().map(|(reason, message)| AgentError::failed(reason, message))
+    }
+
+    /// Resolves when the run must end at once with its [`failure`](Self::failure).
+    pub async fn aborted(&self) {
+        self.inner.abort.cancelled().await
+    }
+
+    /// The resumed attempt, if this run is one, with the calls to replay.
+    pub fn resumed(&self) -> Option<(i32, usize)> {
+        let rec = self.inner.recording.as_ref()?;
+        (rec.attempt() > 1).then(|| (rec.attempt(), rec.to_replay()))
+    }
+
+    /// Calls answered from the log so far.
+    pub fn replayed(&self) -> u64 {
+        self.inner.recording.as_ref().map_or(0, |r| r.replayed())
+    }
+
+    /// Journals `run_resumed` (outside the append order: a resumed attempt writes it).
+    pub async fn journal_resumed(&self, worker_id: &str) -> Result<(), HostError> {
+        let Some((attempt, calls)) = self.resumed() else { return Ok(()) };
+        let payload = json!({ "attempt": attempt, "worker_id": worker_id, "replayed_calls": calls });
+        self.append_unnumbered(RUN_RESUMED, payload).await
+    }
+
+    /// Whether the agent is still being answered from the log (or re-making
+    /// what an earlier attempt journaled): live checks such as a stop do
+    /// not apply then, so the replay sees what the first attempt saw.
+    fn replaying(&self) -> bool {
+        self.inner.recording.as_ref().is_some_and(|r| r.replaying() || self.state().ops < r.journaled_op())
+    }
+
+    fn diverged(&self, d: Divergence) -> HostError {
+        self.abort(FailReason::Divergence, d.0)
     }
 
     /// The plugin's `payload_bytes` limit on one host call's arguments or
@@ -175,10 +238,10 @@ impl RunHost {
         if RESERVED.contains(&kind) {
             return Err(HostError::Invalid(format!("event kind {kind:?} is reserved for the host")));
         }
-        if self.check_cancel() {
+        if !self.replaying() && self.stop_requested() {
             return Err(HostError::Cancelled);
         }
-        self.append(kind, payload).await
+        self.append(kind, payload, true).await
     }
 
     /// Streams a piece of the answer (`content_delta`).
@@ -186,16 +249,41 @@ impl RunHost {
         self.emit_event(CONTENT_DELTA, json!({ "delta": delta })).await
     }
 
-    async fn append(&self, kind: &str, payload: Value) -> Result<(), HostError> {
+    /// Appends one event in the run's append order (numbered). What an
+    /// earlier attempt of a resumed run journaled is not written again; the
+    /// readings an agent's event may depend on are recorded before it.
+    async fn append(&self, kind: &str, payload: Value, by_agent: bool) -> Result<(), HostError> {
         let mut journal = self.inner.journal.lock().await;
         let journal = journal.as_mut().ok_or(HostError::Fenced)?;
-        match payload.get("delta").and_then(Value::as_str) {
-            Some(delta) if kind == CONTENT_DELTA => {
-                self.keep_streamed(delta);
-                journal.delta(payload).await
-            }
-            _ => journal.event(kind, payload).await,
+        let op = {
+            let mut s = self.state();
+            s.ops += 1;
+            s.ops
+        };
+        let delta = payload.get("delta").and_then(Value::as_str).filter(|_| kind == CONTENT_DELTA);
+        if let Some(delta) = delta {
+            self.keep_streamed(delta);
         }
+        if let Some(rec) = &self.inner.recording {
+            if op <= rec.journaled_op() {
+                return Ok(());
+            }
+            if by_agent {
+                rec.flush().await?;
+            }
+        }
+        match delta {
+            Some(_) => journal.delta(payload, Some(op)).await,
+            None => journal.event(kind, payload, Some(op)).await,
+        }
+    }
+
+    /// Appends a host event outside the append order (`op` null): one a
+    /// resumed attempt writes that the first did not.
+    async fn append_unnumbered(&self, kind: &str, payload: Value) -> Result<(), HostError> {
+        let mut journal = self.inner.journal.lock().await;
+        let journal = journal.as_mut().ok_or(HostError::Fenced)?;
+        journal.event(kind, payload, None).await
     }
 
     /// Keeps `delta` as part of the partial answer, up to the bound.
@@ -218,7 +306,7 @@ impl RunHost {
     /// `tool_call_finished`, dropped on a stop or past its timeout) and
     /// returns its JSON answer as text.
     pub async fn call_tool(&self, name: &str, args: &str) -> Result<String, HostError> {
-        if self.check_cancel() {
+        if !self.replaying() && self.stop_requested() {
             return Err(HostError::Cancelled);
         }
         self.check_payload_size("tool arguments", "exceed", args.len())?;
@@ -234,10 +322,31 @@ impl RunHost {
         if ordinal > limits.tool_calls_max {
             return Err(self.limit(format!("more than {} tool calls", limits.tool_calls_max)));
         }
+        let args_text = args;
         let args: Value =
             serde_json::from_str(args).map_err(|e| HostError::Invalid(format!("tool arguments are not JSON: {e}")))?;
+        // The log's say: answer from it, re-issue a call in flight at a
+        // crash, or record a live call before it runs.
+        let mut recorded = None;
+        if let Some(rec) = &self.inner.recording {
+            let hash = record::args_hash(args_text);
+            let ops = self.state().ops;
+            match rec.next_tool(name, &hash, ops).map_err(|d| self.diverged(d))? {
+                Err(HostError::Limit(m)) => return Err(self.limit(m)),
+                Err(e) => return Err(e),
+                Ok(Next::Answer(call)) => return self.replay_answer(&call, name),
+                Ok(Next::Unknown(call)) => {
+                    self.reissue(&call, name, ordinal).await?;
+                    recorded = Some((rec, call.position));
+                }
+                Ok(Next::Live(position)) => {
+                    rec.start(position, name, &hash, ops).await?;
+                    recorded = Some((rec, position));
+                }
+            }
+        }
         // With the run id, the ordinal is the webhook's Idempotency-Key:
-        // 1-based, never repeated within a run.
+        // 1-based, never repeated within a run (a re-issued call keeps it).
         let call = ToolCall {
             run_id: self.run_id(),
             call_index: ordinal as u32,
@@ -245,9 +354,67 @@ impl RunHost {
             args,
             timeout_max: Some(Duration::from_millis(limits.tool_timeout_ms)),
         };
-        let text = self.inner.tools.invoke(call, self, self.cancelled()).await?;
+        let answer = self.inner.tools.invoke(call, self, self.cancelled()).await;
+        // Durable before the agent sees it (the call's events are journaled:
+        // `tool_call_finished` is written through).
+        if let Some((rec, position)) = recorded {
+            let ops = self.state().ops;
+            rec.complete(position, ops, &answer).await?;
+        }
+        let text = answer?;
         self.check_payload_size("tool answer", "exceeds", text.len())?;
         Ok(text)
+    }
+
+    /// A recorded call answered again: its journaled text is the partial
+    /// answer's again, its usage counted again, its appends skipped.
+    fn replay_answer(&self, call: &crate::db::calls::Call, name: &str) -> Result<String, HostError> {
+        let rec = self.inner.recording.as_ref().expect("replay needs a recording");
+        let after = call.ops_after.unwrap_or(call.ops_before);
+        self.keep_streamed(&rec.journaled_text(call.ops_before, after));
+        self.state().ops = after;
+        let answer = record::recorded_answer(call);
+        if let (Ok(text), LLM_TOOL) = (&answer, name) {
+            if let Ok(value) = serde_json::from_str::<Value>(text) {
+                let usage = crate::tools::usage_of(&value);
+                let tokens = |k: &str| usage.get(k).and_then(Value::as_u64).unwrap_or(0);
+                self.add_usage(tokens("prompt_tokens"), tokens("completion_tokens"));
+            }
+        }
+        let text = answer?;
+        self.check_payload_size("tool answer", "exceeds", text.len())?;
+        Ok(text)
+    }
+
+    /// A call in flight when the run's worker was lost. An idempotent tool
+    /// is called again (same ordinal, so a webhook gets the same
+    /// Idempotency-Key); clients are told to drop the text it had streamed
+    /// (`content_rollback`), and its new appends follow what was journaled.
+    /// Any other tool is not called twice: the run ends failed.
+    async fn reissue(&self, call: &crate::db::calls::Call, name: &str, ordinal: u64) -> Result<(), HostError> {
+        let rec = self.inner.recording.as_ref().expect("re-issue needs a recording");
+        let idempotent = self.inner.tools.get(name).is_some_and(|t| t.idempotent());
+        if !idempotent {
+            let message = format!(
+                "call {} (tool call {ordinal}, {name:?}) was in flight when the run's worker was lost; \
+                 its outcome is unknown and the tool is not idempotent, so it is not called again",
+                call.position
+            );
+            return Err(self.abort(FailReason::UnknownOutcome, message));
+        }
+        let journaled = rec.journaled_op();
+        let cut = rec.journaled_text(call.ops_before, journaled);
+        {
+            let mut s = self.state();
+            s.ops = s.ops.max(journaled);
+        }
+        if !cut.is_empty() {
+            let keep_chars = rec.journaled_text(0, call.ops_before).chars().count();
+            let payload = json!({ "keep_chars": keep_chars, "call_index": ordinal, "reason": "resumed" });
+            self.append_unnumbered(CONTENT_ROLLBACK, payload).await?;
+        }
+        tracing::info!(run_id = %self.inner.run_id, position = call.position, tool = name, "re-issuing a call whose outcome is unknown");
+        Ok(())
     }
 
     /// Adds one model call's tokens to the run's usage.
@@ -264,9 +431,80 @@ impl RunHost {
         (u.model_calls > 0).then_some(u)
     }
 
-    /// Whether a stop was requested for this run.
-    pub fn check_cancel(&self) -> bool {
+    /// Whether a stop was requested for this run (live, not recorded).
+    pub fn stop_requested(&self) -> bool {
         self.inner.cancel.is_cancelled()
+    }
+
+    /// `check-cancel` as an agent calls it: whether a stop was requested. A
+    /// resumable run records the answer (and a resumed one replays it).
+    pub fn check_cancel(&self) -> bool {
+        let Some(rec) = &self.inner.recording else {
+            return self.stop_requested();
+        };
+        let ops = self.state().ops;
+        match rec.read(record::CHECK_CANCEL, ops, || self.stop_requested().to_string()) {
+            Ok(Ok(answer)) => answer == "true",
+            Ok(Err(HostError::Limit(m))) => {
+                self.limit(m);
+                true
+            }
+            Ok(Err(_)) => true,
+            Err(d) => {
+                self.diverged(d);
+                true
+            }
+        }
+    }
+
+    /// A WASI wall-clock reading (time since the Unix epoch): recorded for a
+    /// resumable run, replayed on a resumed one.
+    pub fn wall_clock(&self, live: Duration) -> Duration {
+        let Some(rec) = &self.inner.recording else {
+            return live;
+        };
+        let ops = self.state().ops;
+        match rec.read(record::WALL_CLOCK, ops, || live.as_nanos().to_string()) {
+            Ok(Ok(ns)) => ns.parse::<u64>().map(Duration::from_nanos).unwrap_or(live),
+            Ok(Err(e)) => {
+                if let HostError::Limit(m) = e {
+                    self.limit(m);
+                }
+                live
+            }
+            Err(d) => {
+                self.diverged(d);
+                live
+            }
+        }
+    }
+
+    /// A WASI monotonic-clock reading in nanoseconds: recorded, replayed, and
+    /// continuing from the replayed value once live.
+    pub fn monotonic_clock(&self, live_ns: u64) -> u64 {
+        let Some(rec) = &self.inner.recording else {
+            return live_ns;
+        };
+        let ops = self.state().ops;
+        match rec.monotonic(ops, live_ns) {
+            Ok(Ok(ns)) => ns,
+            Ok(Err(e)) => {
+                if let HostError::Limit(m) = e {
+                    self.limit(m);
+                }
+                live_ns
+            }
+            Err(d) => {
+                self.diverged(d);
+                live_ns
+            }
+        }
+    }
+
+    /// The seed of the guest's random generators for a resumable run (the
+    /// same on every attempt); `None`: the host's own randomness.
+    pub fn random_seed(&self) -> Option<[u8; 32]> {
+        self.inner.recording.as_ref().map(|r| r.seed())
     }
 
     /// Resolves once a stop is requested: host work in flight for the run
@@ -300,14 +538,14 @@ impl RunHost {
 #[async_trait]
 impl EventSink for RunHost {
     async fn delta(&self, text: &str) -> Result<(), HostError> {
-        if self.check_cancel() {
+        if self.stop_requested() {
             return Err(HostError::Cancelled);
         }
-        self.append(CONTENT_DELTA, json!({ "delta": text })).await
+        self.append(CONTENT_DELTA, json!({ "delta": text }), false).await
     }
 
     async fn event(&self, kind: &str, payload: Value) -> Result<(), HostError> {
-        self.append(kind, payload).await
+        self.append(kind, payload, false).await
     }
 
     fn usage(&self, prompt_tokens: u64, completion_tokens: u64) {

@@ -84,9 +84,14 @@ pub struct JournalStats {
     pub nul_replaced: AtomicU64,
 }
 
+/// An event's append number (`run_event.op`): which host call of the run it
+/// followed, for a resumed run to know what is already journaled. `None` for
+/// events outside that order.
+pub type Op = Option<i64>;
+
 enum Cmd {
-    Delta(Value),
-    Event { kind: String, payload: Value, ack: oneshot::Sender<Result<(), HostError>> },
+    Delta(Value, Op),
+    Event { kind: String, payload: Value, op: Op, ack: oneshot::Sender<Result<(), HostError>> },
     Flush { ack: oneshot::Sender<Result<(), HostError>> },
 }
 
@@ -168,17 +173,18 @@ impl Journal {
         self.refusal().unwrap_or(HostError::Fenced)
     }
 
-    /// A delta: buffered, merged with its neighbours of the same stream.
-    pub async fn delta(&mut self, payload: Value) -> Result<(), HostError> {
-        let sent = self.sender()?.send(Cmd::Delta(payload)).await;
+    /// A delta: buffered, merged with its neighbours of the same stream (the
+    /// merged row carries the last piece's `op`).
+    pub async fn delta(&mut self, payload: Value, op: Op) -> Result<(), HostError> {
+        let sent = self.sender()?.send(Cmd::Delta(payload, op)).await;
         sent.map_err(|_| self.gone())
     }
 
     /// A structural event: flushes the buffer and is written at once. `Ok`
     /// once committed; an error means it is not written and never will be.
-    pub async fn event(&mut self, kind: &str, payload: Value) -> Result<(), HostError> {
+    pub async fn event(&mut self, kind: &str, payload: Value, op: Op) -> Result<(), HostError> {
         let (ack, done) = oneshot::channel();
-        let sent = self.sender()?.send(Cmd::Event { kind: kind.to_string(), payload, ack }).await;
+        let sent = self.sender()?.send(Cmd::Event { kind: kind.to_string(), payload, op, ack }).await;
         sent.map_err(|_| self.gone())?;
         done.await.map_err(|_| self.gone())?
     }
@@ -211,6 +217,7 @@ struct Pending {
     /// The first delta's payload; its `delta` grows as neighbours merge.
     payload: Value,
     text: String,
+    op: Op,
     since: Instant,
 }
 
@@ -223,7 +230,7 @@ struct Writer {
     config: JournalConfig,
     pending: Option<Pending>,
     /// Events not yet written, in order: retried first by every flush.
-    unsent: Vec<(String, Value)>,
+    unsent: Vec<(String, Value, Op)>,
     unsent_bytes: usize,
     /// Emitters waiting for their event (the last in `unsent`) to be written.
     waiting: Vec<oneshot::Sender<Result<(), HostError>>>,
@@ -281,15 +288,17 @@ impl Writer {
                     self.flush().await;
                     return;
                 }
-                Some(Cmd::Delta(payload)) => {
+                Some(Cmd::Delta(payload, op)) => {
                     self.stats.deltas_in.fetch_add(1, Ordering::Relaxed);
                     let text = payload.get("delta").and_then(Value::as_str).unwrap_or_default().to_string();
                     let merge = self.pending.as_ref().is_some_and(|p| same_stream(&p.payload, &payload));
                     if merge {
-                        self.pending.as_mut().unwrap().text.push_str(&text);
+                        let p = self.pending.as_mut().unwrap();
+                        p.text.push_str(&text);
+                        p.op = op.or(p.op);
                     } else {
                         self.take_pending();
-                        self.pending = Some(Pending { payload, text, since: Instant::now() });
+                        self.pending = Some(Pending { payload, text, op, since: Instant::now() });
                     }
                     if self.pending.as_ref().is_some_and(|p| p.text.len() >= PENDING_BYTES_MAX) {
                         self.take_pending();
@@ -299,9 +308,9 @@ impl Writer {
                     }
                     self.check_bounds();
                 }
-                Some(Cmd::Event { kind, payload, ack }) => {
+                Some(Cmd::Event { kind, payload, op, ack }) => {
                     self.take_pending();
-                    self.push(kind, payload);
+                    self.push(kind, payload, op);
                     self.waiting.push(ack);
                     self.check_bounds();
                     // Written through at once; while flushes fail, the
@@ -322,17 +331,17 @@ impl Writer {
         if let Some(p) = self.pending.take() {
             let mut payload = p.payload;
             payload["delta"] = Value::String(p.text);
-            self.push(CONTENT_DELTA.to_string(), payload);
+            self.push(CONTENT_DELTA.to_string(), payload, p.op);
         }
     }
 
-    fn push(&mut self, kind: String, mut payload: Value) {
+    fn push(&mut self, kind: String, mut payload: Value, op: Op) {
         let replaced = text::storable_json(&mut payload) + text::nul_count(&kind);
         if replaced > 0 {
             self.stats.nul_replaced.fetch_add(replaced as u64, Ordering::Relaxed);
         }
         self.unsent_bytes += kind.len() + text::json_bytes(&payload);
-        self.unsent.push((text::storable(&kind).into_owned(), payload));
+        self.unsent.push((text::storable(&kind).into_owned(), payload, op));
     }
 
     fn check_bounds(&mut self) {
@@ -378,7 +387,7 @@ impl Writer {
                     let written: Vec<_> = self.unsent.drain(..n).collect();
                     self.unsent_bytes = self
                         .unsent_bytes
-                        .saturating_sub(written.iter().map(|(k, v)| k.len() + text::json_bytes(v)).sum());
+                        .saturating_sub(written.iter().map(|(k, v, _)| k.len() + text::json_bytes(v)).sum());
                     self.next_seq += n as i32;
                     self.failing_since = None;
                     self.failures = 0;
@@ -416,10 +425,11 @@ impl Writer {
     /// an earlier attempt committed although its answer was lost: the batch is
     /// written, and is not written again.
     async fn write_batch(&mut self, n: usize) -> Result<bool, sqlx::Error> {
-        let events: Vec<(&str, Value)> = self.unsent[..n].iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let events: Vec<(&str, Value)> = self.unsent[..n].iter().map(|(k, v, _)| (k.as_str(), v.clone())).collect();
+        let ops: Vec<Op> = self.unsent[..n].iter().map(|e| e.2).collect();
+        let channel = Some(self.channel.as_str());
         let r =
-            db::journal::append_events(&self.pool, self.run, self.token, self.next_seq, &events, Some(&self.channel))
-                .await;
+            db::journal::append_numbered(&self.pool, self.run, self.token, self.next_seq, &events, &ops, channel).await;
         match r {
             Ok(written) => {
                 if written {

@@ -14,6 +14,22 @@ pub struct Manifest {
     pub tools: Vec<String>,
     #[serde(default)]
     pub limits: Limits,
+    /// What happens to a run whose worker dies: see [`Durability`].
+    #[serde(default)]
+    pub durability: Durability,
+}
+
+/// What happens to a run whose worker dies (or whose drain budget runs out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum Durability {
+    /// The article's stance: the run ends `failed`; a person may retry it.
+    #[default]
+    #[serde(rename = "at-most-once")]
+    AtMostOnce,
+    /// Every host call is recorded; the run goes back to the queue and
+    /// another process replays the log and goes on live.
+    #[serde(rename = "resume")]
+    Resume,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -33,6 +49,9 @@ pub struct Limits {
     pub tool_calls_max: u64,
     /// One tool call, at most (a tool's own timeout may be shorter).
     pub tool_timeout_ms: u64,
+    /// Host calls a resumable run may record (tool calls, cancel checks,
+    /// clock readings); past it the run ends failed with reason `limit`.
+    pub recorded_calls_max: u64,
 }
 
 pub const MEMORY_BYTES_DEFAULT: u64 = 64 << 20;
@@ -45,6 +64,7 @@ pub const PAYLOAD_BYTES_CEILING: u64 = 16 << 20;
 pub const EVENTS_CEILING: u64 = 10_000_000;
 pub const TOOL_CALLS_CEILING: u64 = 100_000;
 pub const TOOL_TIMEOUT_MS_CEILING: u64 = 3_600_000;
+pub const RECORDED_CALLS_CEILING: u64 = 1_000_000;
 /// Tools one manifest may name, and the length of a name.
 pub const TOOLS_MAX: usize = 256;
 pub const TOOL_NAME_BYTES_MAX: usize = 64;
@@ -59,6 +79,7 @@ impl Default for Limits {
             events_max: 100_000,
             tool_calls_max: 1_000,
             tool_timeout_ms: 300_000,
+            recorded_calls_max: 100_000,
         }
     }
 }
@@ -78,6 +99,7 @@ impl Manifest {
             ("events_max", l.events_max, EVENTS_CEILING),
             ("tool_calls_max", l.tool_calls_max, TOOL_CALLS_CEILING),
             ("tool_timeout_ms", l.tool_timeout_ms, TOOL_TIMEOUT_MS_CEILING),
+            ("recorded_calls_max", l.recorded_calls_max, RECORDED_CALLS_CEILING),
         ] {
             if v == 0 || v > ceiling {
                 return Err(format!("manifest: limits.{name} must be 1 to {ceiling}, not {v}"));
@@ -90,6 +112,11 @@ impl Manifest {
             return Err(format!("manifest: tool name {t:?} must be 1-{TOOL_NAME_BYTES_MAX} bytes"));
         }
         Ok(m)
+    }
+
+    /// Whether runs of this plugin are recorded and resumed.
+    pub fn resumable(&self) -> bool {
+        self.durability == Durability::Resume
     }
 
     /// Whether `call-tool` may reach `tool`.
@@ -116,5 +143,10 @@ mod tests {
         let many: Vec<String> = (0..=TOOLS_MAX).map(|i| format!("t{i}")).collect();
         assert!(Manifest::parse(&json!({ "tools": many })).unwrap_err().contains("at most"));
         assert!(Manifest::parse(&json!({ "tools": [""] })).unwrap_err().contains("tool name"));
+        assert!(Manifest::parse(&json!({ "durability": "resume" })).unwrap().resumable());
+        assert!(!Manifest::parse(&json!({ "durability": "at-most-once" })).unwrap().resumable());
+        assert!(!Manifest::parse(&json!({})).unwrap().resumable());
+        let e = Manifest::parse(&json!({ "durability": "sometimes" })).unwrap_err();
+        assert!(e.contains("expected `at-most-once` or `resume`"), "{e}");
     }
 }

@@ -12,4 +12,5 @@ pub use crate::error;
 pub mod host;
 pub mod journal;
 pub mod manifest;
+pub mod record;
 pub mod text;

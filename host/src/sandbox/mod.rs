@@ -14,6 +14,7 @@
 //! to the host at every epoch tick, so dropping its future (claim lost,
 //! drain, a stop past its grace) stops it within a tick.
 
+mod clocks;
 mod engine;
 mod imports;
 mod output;
@@ -194,7 +195,11 @@ impl WasmAgent {
         let stdout = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
         let stderr = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
         // Nothing is granted: no preopens, no environment, no network.
-        let wasi = WasiCtx::builder().stdout(stdout.clone()).stderr(stderr.clone()).build();
+        let mut wasi = WasiCtx::builder();
+        wasi.stdout(stdout.clone()).stderr(stderr.clone());
+        // A resumable run's clocks and random numbers replay on resume.
+        clocks::install(&mut wasi, host);
+        let wasi = wasi.build();
         let guest = Guest {
             wasi,
             table: ResourceTable::new(),
@@ -246,19 +251,19 @@ impl WasmAgent {
         let limit = |what: String| AgentError::failed(FailReason::Limit, what);
         // A limit the guest hit wins over whatever it did next.
         let hit = if data.cpu_exceeded {
-            Some(format!("cpu time budget of {cpu_ms} ms exceeded"))
+            Some(limit(format!("cpu time budget of {cpu_ms} ms exceeded")))
         } else {
-            host.limit_failure()
+            host.failure()
         };
         let result = match outcome {
             Err(_) => Err(limit(format!("wall time of {} ms exceeded", limits.wall_ms))),
             Ok(Err(trap)) => Err(match (hit, data.limiter.denied) {
-                (Some(f), _) => limit(f),
+                (Some(f), _) => f,
                 (None, true) => limit(format!("memory of {} bytes exceeded", limits.memory_bytes)),
                 (None, false) => AgentError::failed(FailReason::Trap, trap.root_cause().to_string()),
             }),
             Ok(Ok(answer)) => match (hit, answer) {
-                (Some(f), _) => Err(limit(f)),
+                (Some(f), _) => Err(f),
                 (None, Ok(text)) => Ok(text),
                 (None, Err(message)) => Err(AgentError::failed(FailReason::Plugin, message)),
             },

@@ -93,6 +93,12 @@ pub struct WebhookConfig {
     pub headers: BTreeMap<String, String>,
     #[serde(default)]
     pub description: Option<String>,
+    /// The receiver honours the `Idempotency-Key`: a resumed run whose call
+    /// to this tool was in flight at a crash sends it again with the same
+    /// key. Otherwise (the default) such a run ends failed rather than call
+    /// it twice.
+    #[serde(default)]
+    pub idempotent: bool,
 }
 
 fn webhook_timeout_ms_default() -> u64 {
@@ -113,6 +119,7 @@ impl fmt::Debug for WebhookConfig {
             .field("max_response_bytes", &self.max_response_bytes)
             .field("headers", &self.headers.keys().collect::<Vec<_>>())
             .field("description", &self.description)
+            .field("idempotent", &self.idempotent)
             .finish()
     }
 }

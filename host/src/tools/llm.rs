@@ -346,6 +346,11 @@ impl Tool for OpenAi {
     fn timeout(&self) -> Duration {
         self.timeout
     }
+
+    /// A model call has no side effect: one whose outcome is unknown is asked again.
+    fn idempotent(&self) -> bool {
+        true
+    }
 }
 
 #[derive(Deserialize)]

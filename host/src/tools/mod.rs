@@ -23,6 +23,7 @@ use crate::db::RunId;
 use crate::error::HostError;
 
 pub use config::{load_tools_file, LlmConfig, WebhookConfig};
+pub(crate) use llm::usage_of;
 
 /// The model tool's name; no webhook may take it.
 pub const LLM_TOOL: &str = "llm";
@@ -63,6 +64,12 @@ pub trait Tool: Send + Sync {
     async fn call(&self, call: &ToolCall<'_>, sink: &dyn EventSink) -> Result<Value, HostError>;
     /// How long one call may take, end to end.
     fn timeout(&self) -> Duration;
+    /// Whether calling it twice with the same arguments (and, for a webhook,
+    /// the same Idempotency-Key) does no more than calling it once: a
+    /// resumed run re-issues such a call when its outcome is unknown.
+    fn idempotent(&self) -> bool {
+        false
+    }
 }
 
 /// The tools of this host, by name.
@@ -463,6 +470,7 @@ pub(crate) mod tests {
             max_response_bytes: 1000,
             headers: Default::default(),
             description: None,
+            idempotent: false,
         };
         let r = ToolRegistry::from_config(&llm, &[hook("a"), hook("b")]).unwrap();
         assert_eq!(r.names(), ["a", "b", "llm"]);

@@ -37,6 +37,11 @@ impl Tool for Offline {
     fn timeout(&self) -> Duration {
         self.timeout
     }
+
+    /// A model call has no side effect: one whose outcome is unknown is asked again.
+    fn idempotent(&self) -> bool {
+        true
+    }
 }
 
 fn words(text: &str) -> u64 {

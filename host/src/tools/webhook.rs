@@ -18,6 +18,7 @@ pub(crate) struct Webhook {
     headers: HeaderMap,
     timeout: Duration,
     max_response_bytes: usize,
+    idempotent: bool,
 }
 
 impl Webhook {
@@ -29,6 +30,7 @@ impl Webhook {
             headers,
             timeout: Duration::from_millis(config.timeout_ms),
             max_response_bytes: usize::try_from(config.max_response_bytes).unwrap_or(usize::MAX),
+            idempotent: config.idempotent,
         }
     }
 }
@@ -73,6 +75,10 @@ impl Tool for Webhook {
 
     fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    fn idempotent(&self) -> bool {
+        self.idempotent
     }
 }
 
@@ -150,6 +156,7 @@ mod tests {
                 max_response_bytes: 4096,
                 headers: [("Authorization".to_string(), "Bearer operator-secret".to_string())].into(),
                 description: None,
+                idempotent: false,
             })
             .collect();
         (receiver, registry(&hooks))
@@ -258,6 +265,7 @@ mod tests {
             max_response_bytes: 10,
             headers: Default::default(),
             description: None,
+            idempotent: false,
         };
         let r = registry(&[hook]);
         let e = invoke(&r, &Collect::default(), "gone").await.unwrap_err();

@@ -72,6 +72,9 @@ pub struct WorkerConfig {
     pub tenant_max_running: Option<u32>,
     /// Run the claim loop (false: this process only reaps and serves).
     pub dispatch: bool,
+    /// Attempts a resumable run gets: after this many lost workers (or
+    /// drains out of budget) it ends failed instead of going back to the queue.
+    pub resume_attempts: u32,
 }
 
 impl Default for WorkerConfig {
@@ -92,6 +95,7 @@ impl Default for WorkerConfig {
             cancel_grace: CANCEL_GRACE_DEFAULT,
             tenant_max_running: None,
             dispatch: true,
+            resume_attempts: crate::db::lifecycle::RESUME_ATTEMPTS_DEFAULT,
         }
     }
 }
@@ -135,6 +139,9 @@ impl WorkerConfig {
         }
         if !(1..=crate::sandbox::INSTANCES_MAX as usize).contains(&self.max_runs) {
             return Err(ConfigError::MaxRuns(self.max_runs));
+        }
+        if self.resume_attempts == 0 {
+            return Err(ConfigError::Zero("resume attempts"));
         }
         if self.tenant_max_running == Some(0) {
             return Err(ConfigError::Zero("tenant max running"));
@@ -191,6 +198,16 @@ pub struct WorkerStats {
     pub reaped: AtomicU64,
     pub claim_conflicts: AtomicU64,
     pub heartbeat_errors: AtomicU64,
+    /// Resumable runs the reaper put back in the queue (their worker was lost).
+    pub requeued: AtomicU64,
+    /// Resumable runs this process handed back at a drain out of budget.
+    pub handed_back: AtomicU64,
+    /// Resumed attempts this process started.
+    pub resumed: AtomicU64,
+    /// Host calls answered from a call log.
+    pub replayed_calls: AtomicU64,
+    /// Resumed runs that ended failed because the replay diverged.
+    pub divergences: AtomicU64,
     /// Runs whose journal retention trimmed.
     pub trimmed: AtomicU64,
     /// Idle waits that ended on the poll tick rather than a wake.
@@ -290,7 +307,7 @@ impl Worker {
         });
         // The boot reconciler: a full-cluster restart leaves orphans no
         // running loop noticed. Errors here are not fatal; the loop retries.
-        if let Err(e) = reaper::sweep(&shared.pool, shared.config.reap_grace, &shared.stats).await {
+        if let Err(e) = reaper::sweep(&shared.pool, &shared.config, &shared.stats).await {
             tracing::warn!(error = %e, "boot reap sweep failed; the reaper loop will retry");
         }
         let mut services = vec![

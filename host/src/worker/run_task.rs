@@ -14,6 +14,7 @@ use crate::agent::{AgentError, FailReason, HostError, Message, Resolved, RunHost
 use crate::db::{self, lifecycle::ClaimedRun, lifecycle::Finish, MessageStatus, RunStatus};
 use crate::run::host::RunHostParts;
 use crate::run::journal::{Journal, JournalConfig, FIRST_RUN_SEQ};
+use crate::run::record::{Recording, RecordingParts};
 use crate::run::text;
 
 use super::{Held, Shared};
@@ -24,6 +25,9 @@ enum Outcome {
     Finalized,
     /// The claim was lost (reaped, or ended by someone else): write nothing.
     Lost,
+    /// A resumable run went back to the queue (a drain ran out of budget):
+    /// another process resumes it.
+    HandedBack,
     /// No ending was written and the claim may still be ours.
     Unfinalized(String),
 }
@@ -61,6 +65,10 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                 Outcome::Lost => {
                     shared.stats.fenced.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!("run lost to the fence; standing down");
+                }
+                Outcome::HandedBack => {
+                    shared.stats.handed_back.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!("drain budget spent; resumable run handed back to the queue");
                 }
                 Outcome::Unfinalized(reason) => {
                     // The backstop: a run never stays running because its task died.
@@ -101,11 +109,25 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
                 return finalize(&shared, &row, Err(e), "", None).await;
             }
         };
+    // A resumable run records its calls; a resumed one also reads what its
+    // earlier attempts recorded and journaled.
+    let recording = match manifest.resumable() {
+        false => None,
+        true => match recording(&shared, &row, &lost, &manifest).await {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::error!(error = %e, "reading the run's call log failed");
+                let e = AgentError::failed(FailReason::Host, "the run's call log could not be read");
+                return finalize(&shared, &row, Err(e), "", None).await;
+            }
+        },
+    };
+    let first_seq = recording.as_ref().map_or(FIRST_RUN_SEQ, |r| r.next_seq().max(FIRST_RUN_SEQ));
     let journal = Journal::start(
         shared.pool.clone(),
         row.id,
         row.claim_token,
-        FIRST_RUN_SEQ,
+        first_seq,
         JournalConfig { flush_every: shared.config.journal_flush, give_up_after: shared.config.journal_give_up },
         lost.clone(),
         shared.journal_stats.clone(),
@@ -116,7 +138,20 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         cancel: cancel.clone(),
         tools: shared.agents.tools().clone(),
         manifest,
+        recording,
     });
+    if let Some((attempt, calls)) = host.resumed() {
+        shared.stats.resumed.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(attempt, calls, "resuming the run: replaying its recorded calls");
+        match host.journal_resumed(&shared.config.worker_id).await {
+            Ok(()) => {}
+            Err(HostError::Fenced) => return Outcome::Lost,
+            Err(e) => {
+                let _ = host.close().await;
+                return finalize(&shared, &row, Err(AgentError::Host(e)), "", None).await;
+            }
+        }
+    }
     let input = RunInput {
         run_id: row.id,
         conversation_id: row.conversation_id,
@@ -140,18 +175,27 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
             Err(AgentError::Interrupted(grace.as_millis() as u64))
         }
         _ = shared.abort_runs.cancelled() => {
+            if host.manifest().resumable() {
+                return hand_back(&shared, &row, &host).await;
+            }
             Err(AgentError::failed(FailReason::DrainTimeout, "the host shut down before the run finished"))
         }
+        _ = host.aborted() => Err(host.failure().expect("an abort has its failure")),
         _ = host.journal_gave_up() => {
             Err(AgentError::failed(FailReason::Host, "the run's journal could not be written: the database was unreachable too long"))
         }
         r = agent.run(&host, input) => r,
     };
-    // A limit the run hit ends it failed, whatever the agent made of the refusal.
-    let result = match (host.limit_failure(), result) {
-        (Some(limit), Ok(_) | Err(AgentError::Host(_))) => Err(AgentError::failed(FailReason::Limit, limit)),
+    shared.stats.replayed_calls.fetch_add(host.replayed(), Ordering::Relaxed);
+    // A limit the run hit (or a replay that diverged) ends it failed,
+    // whatever the agent made of the refusal.
+    let result = match (host.failure(), result) {
+        (Some(failure), Ok(_) | Err(AgentError::Host(_))) => Err(failure),
         (_, r) => r,
     };
+    if matches!(&result, Err(e) if e.reason() == FailReason::Divergence) {
+        shared.stats.divergences.fetch_add(1, Ordering::Relaxed);
+    }
     // Once a stop was requested, the run ends cancelled whatever the agent
     // says (a guest's own error string, a trap at interrupt, or an answer it
     // returned anyway, which is kept as the partial text if nothing streamed).
@@ -227,6 +271,59 @@ async fn finalize(
             // The driver's text goes to the log, not to the run's error: clients read that.
             tracing::error!(error = %e, "terminal write failed");
             Outcome::Unfinalized(FailReason::Host.message("the run's ending could not be written"))
+        }
+    }
+}
+
+/// The recording of a resumable run: its call log and what its earlier
+/// attempts journaled (nothing to read on a first attempt).
+async fn recording(
+    shared: &Shared,
+    row: &ClaimedRun,
+    lost: &CancellationToken,
+    manifest: &crate::run::manifest::Manifest,
+) -> Result<Recording, sqlx::Error> {
+    let (log, journaled) = if row.attempt > 1 {
+        (db::calls::log(&shared.pool, row.id).await?, db::calls::journaled(&shared.pool, row.id).await?)
+    } else {
+        Default::default()
+    };
+    Ok(Recording::new(RecordingParts {
+        pool: shared.pool.clone(),
+        run_id: row.id,
+        token: row.claim_token,
+        attempt: row.attempt,
+        lost: lost.clone(),
+        log,
+        journaled,
+        max: manifest.limits.recorded_calls_max,
+        seed: row.seed,
+    }))
+}
+
+/// A drain out of budget with a resumable run still going: what is
+/// journaled is flushed, then the run goes back to the queue (fenced) for
+/// another process to resume at once. Out of attempts, it ends failed.
+async fn hand_back(shared: &Shared, row: &ClaimedRun, host: &RunHost) -> Outcome {
+    let (streamed, flushed) = host.close().await;
+    if flushed == Err(HostError::Fenced) {
+        return Outcome::Lost;
+    }
+    shared.held.lock().unwrap().remove(&row.id);
+    let attempts = shared.config.resume_attempts;
+    match db::lifecycle::hand_back(&shared.pool, row.id, row.claim_token, attempts).await {
+        Ok(true) => Outcome::HandedBack,
+        Ok(false) if row.attempt as u32 >= attempts => {
+            let e = AgentError::failed(
+                FailReason::Attempts,
+                format!("the host shut down before the run finished, on attempt {} of {attempts}", row.attempt),
+            );
+            finalize(shared, row, Err(e), &streamed, host.usage()).await
+        }
+        Ok(false) => Outcome::Lost,
+        Err(e) => {
+            tracing::error!(error = %e, "handing the run back failed; the reaper will requeue it");
+            Outcome::Lost
         }
     }
 }

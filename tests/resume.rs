@@ -1,0 +1,636 @@
+//! Durable resume with real processes: a resumable run (its plugin's manifest
+//! says `"durability": "resume"`) survives SIGKILL, SIGSTOP and a SIGTERM past
+//! the drain budget by replaying its recorded host calls on another process;
+//! no completed tool or model call is made again, a call in flight at the
+//! crash is re-sent with the same key only when the tool is idempotent, the
+//! client's stream (rejoined across the crash) has no gap and no repeat, and
+//! the attempts are bounded. A replay that diverges ends the run failed.
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
+use agent_host::db::enqueue::{self, NewRun};
+use agent_host::db::{plugins, tokens, RunId};
+use agent_host::stream::decode::SseDecoder;
+use agent_host::tools::{LlmConfig, ToolRegistry};
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::{Json, Router};
+use futures::StreamExt;
+use nix::sys::signal::Signal;
+use serde_json::{json, Value};
+use support::process::{HostProcess, FAST};
+use support::*;
+
+/// What the webhook receiver (outside the hosts) saw: (route, Idempotency-Key), in order.
+#[derive(Default)]
+struct Receiver {
+    seen: Mutex<Vec<(String, String)>>,
+}
+
+impl Receiver {
+    fn keys(&self, route: &str) -> Vec<String> {
+        self.seen.lock().unwrap().iter().filter(|(r, _)| r == route).map(|(_, k)| k.clone()).collect()
+    }
+}
+
+/// `/record` answers at once; `/slow` and `/once` hold their first request
+/// forever (the host dies inside it) and answer later ones.
+async fn receive(State(r): State<Arc<Receiver>>, Path(route): Path<String>, headers: HeaderMap) -> impl IntoResponse {
+    let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).unwrap_or("?").to_string();
+    let first = {
+        let mut seen = r.seen.lock().unwrap();
+        let first = !seen.iter().any(|(x, _)| *x == route);
+        seen.push((route.clone(), key));
+        first
+    };
+    if route != "record" && first {
+        std::future::pending::<()>().await;
+    }
+    Json(json!({ "ok": true, "route": route }))
+}
+
+async fn serve(router: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    base
+}
+
+/// Model requests, in order.
+type ModelLog = Arc<Mutex<Vec<Value>>>;
+
+/// A streaming chat-completions endpoint: without a tool result in the
+/// conversation it asks for the `slow` tool; with one it answers in pieces.
+async fn model(log: ModelLog) -> String {
+    async fn complete(State(log): State<ModelLog>, Json(body): Json<Value>) -> impl IntoResponse {
+        log.lock().unwrap().push(body.clone());
+        let has_result = body["messages"].as_array().unwrap().iter().any(|m| m["role"] == "tool");
+        let chunk = |delta: Value, finish: Value| {
+            format!("data: {}\n\n", json!({ "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }] }))
+        };
+        let mut sse = String::new();
+        if has_result {
+            for piece in ["The slow ", "tool ", "answered."] {
+                sse += &chunk(json!({ "content": piece }), Value::Null);
+            }
+            sse += &chunk(json!({}), json!("stop"));
+        } else {
+            sse += &chunk(json!({ "content": "Let me check. " }), Value::Null);
+            sse += &chunk(
+                json!({ "tool_calls": [{ "index": 0, "id": "call_1", "type": "function",
+                        "function": { "name": "slow", "arguments": "{\"q\": 1}" } }] }),
+                Value::Null,
+            );
+            sse += &chunk(json!({}), json!("tool_calls"));
+        }
+        sse += "data: [DONE]\n\n";
+        ([("content-type", "text/event-stream")], sse)
+    }
+    serve(Router::new().route("/v1/chat/completions", post(complete)).with_state(log)).await
+}
+
+/// A streaming chat-completions endpoint whose first answer stops halfway
+/// (the connection stays open, nothing more comes); later ones complete.
+async fn stalling_model(log: ModelLog) -> String {
+    async fn complete(State(log): State<ModelLog>, Json(body): Json<Value>) -> axum::response::Response {
+        let first = {
+            let mut log = log.lock().unwrap();
+            log.push(body);
+            log.len() == 1
+        };
+        let chunk = |text: &str| {
+            let c = json!({ "choices": [{ "index": 0, "delta": { "content": text }, "finish_reason": null }] });
+            Ok::<_, std::convert::Infallible>(bytes::Bytes::from(format!("data: {c}\n\n")))
+        };
+        let body = if first {
+            let pieces = futures::stream::iter(vec![chunk("Partial answer "), chunk("that will be cut")]);
+            axum::body::Body::from_stream(pieces.chain(futures::stream::pending()))
+        } else {
+            let end = json!({ "choices": [{ "index": 0, "delta": {}, "finish_reason": "stop" }] });
+            let done = Ok(bytes::Bytes::from(format!("data: {end}\n\ndata: [DONE]\n\n")));
+            axum::body::Body::from_stream(futures::stream::iter(vec![chunk("A complete "), chunk("answer."), done]))
+        };
+        ([("content-type", "text/event-stream")], body).into_response()
+    }
+    serve(Router::new().route("/v1/chat/completions", post(complete)).with_state(log)).await
+}
+
+struct Env {
+    db: TestDb,
+    receiver: Arc<Receiver>,
+    token: String,
+    args: Vec<String>,
+    _dir: PathBuf,
+}
+
+impl Env {
+    /// A database with `plugin` registered as a resumable `component` granted
+    /// `tools`, a receiver, and host flags: `FAST` (or a long lease), the
+    /// tools file, a shared compile cache, and `extra`.
+    async fn new(plugin: &str, component: &str, tools: &[&str], fast: bool, extra: &[&str]) -> Env {
+        let db = TestDb::new().await;
+        let receiver = Arc::new(Receiver::default());
+        let base = serve(Router::new().route("/{route}", post(receive)).with_state(receiver.clone())).await;
+        let dir = std::env::temp_dir().join(format!("agent-host-resume-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tools_file = dir.join("tools.toml");
+        std::fs::write(
+            &tools_file,
+            format!(
+                "[[webhook]]\nname = \"record\"\nurl = \"{base}/record\"\nidempotent = true\n\n\
+                 [[webhook]]\nname = \"slow\"\nurl = \"{base}/slow\"\ntimeout_ms = 60000\nidempotent = true\n\n\
+                 [[webhook]]\nname = \"once\"\nurl = \"{base}/once\"\ntimeout_ms = 60000\n"
+            ),
+        )
+        .unwrap();
+        let manifest = json!({ "tools": tools, "durability": "resume" });
+        plugins::put(&db.pool, plugin, &plugin_wasm(component), &manifest).await.unwrap();
+        let token = tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
+        let mut args: Vec<String> = if fast {
+            FAST.iter().map(|s| s.to_string()).collect()
+        } else {
+            // A lease far longer than the test: nothing may wait for it.
+            ["--lease-ms", "60000", "--heartbeat-ms", "1000", "--reap-interval-ms", "100", "--poll-tick-ms", "500"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        };
+        let cache = dir.join("cache");
+        args.extend(["--tools-file".into(), tools_file.display().to_string()]);
+        args.extend(["--cache-dir".into(), cache.display().to_string()]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Env { db, receiver, token, args, _dir: dir }
+    }
+
+    fn spawn(&self, worker: &str) -> HostProcess {
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        HostProcess::spawn(&self.db.url, worker, &args)
+    }
+
+    async fn post(&self, host: &HostProcess, plugin: &str, content: &str, config: Value) -> RunId {
+        let res = reqwest::Client::new()
+            .post(format!("http://{}/v1/runs", host.addr))
+            .bearer_auth(&self.token)
+            .json(&json!({ "plugin": plugin, "content": content, "config": config }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 202);
+        res.json::<Value>().await.unwrap()["run_id"].as_str().unwrap().parse().unwrap()
+    }
+
+    async fn view(&self, host: &HostProcess, run: RunId) -> Value {
+        let url = format!("http://{}/v1/runs/{run}", host.addr);
+        reqwest::Client::new().get(url).bearer_auth(&self.token).send().await.unwrap().json().await.unwrap()
+    }
+
+    async fn completed_tool_calls(&self, run: RunId) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM run_call WHERE run_id = $1 AND import = 'call-tool' AND outcome IS NOT NULL",
+        )
+        .bind(run)
+        .fetch_one(&self.db.pool)
+        .await
+        .unwrap()
+    }
+
+    async fn wait_tool_calls(&self, run: RunId, n: i64) {
+        wait_for("recorded tool calls", LONG, || async move { self.completed_tool_calls(run).await >= n }).await;
+    }
+
+    async fn attempt(&self, run: RunId) -> i32 {
+        sqlx::query_scalar("SELECT attempt FROM agent_run WHERE id = $1")
+            .bind(run)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn assistant(&self, run: RunId) -> String {
+        sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
+            .bind(run)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+}
+
+/// What a client following one run saw, across hosts.
+#[derive(Default, Debug)]
+struct Followed {
+    events: Vec<(i32, String, Value)>,
+    /// The answer as a client builds it: deltas appended, `content_rollback` honoured.
+    text: String,
+    rejoins: usize,
+}
+
+/// Follows a run's stream to its `complete` on whichever host is listed
+/// last, rejoining with Last-Event-ID when a host dies under it. Panics on
+/// a repeated or out-of-order seq.
+async fn follow(hosts: Arc<Mutex<Vec<String>>>, token: String, run: RunId) -> Followed {
+    let http = reqwest::Client::new();
+    let mut f = Followed::default();
+    let deadline = Instant::now() + 2 * LONG;
+    loop {
+        assert!(Instant::now() < deadline, "the client never saw the end of {run}: {f:?}");
+        let host = hosts.lock().unwrap().last().cloned().expect("a live host");
+        let last = f.events.last().map(|e| e.0);
+        let mut req = http.get(format!("http://{host}/v1/runs/{run}/events")).bearer_auth(&token);
+        if let Some(seq) = last {
+            req = req.header("Last-Event-ID", seq.to_string());
+        }
+        let Ok(res) = req.header("Accept", "text/event-stream").send().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let mut body = res.bytes_stream();
+        let mut decoder = SseDecoder::default();
+        while let Ok(Some(Ok(chunk))) = tokio::time::timeout(LONG, body.next()).await {
+            let mut frames = Vec::new();
+            decoder.feed_frames(&chunk, &mut frames).expect("an SSE body");
+            for frame in frames {
+                let (Some(id), Some(kind)) = (frame.id, frame.event) else { continue };
+                let seq: i32 = id.parse().unwrap();
+                let data: Value = serde_json::from_str(&frame.data).unwrap();
+                let prev = f.events.last().map_or(0, |e| e.0);
+                assert_eq!(seq, prev + 1, "a gap or a repeat at seq {seq} after {prev}: {f:?}");
+                match kind.as_str() {
+                    "content_delta" => f.text.push_str(data["delta"].as_str().unwrap()),
+                    "content_rollback" => {
+                        let keep = data["keep_chars"].as_u64().unwrap() as usize;
+                        f.text = f.text.chars().take(keep).collect();
+                    }
+                    _ => {}
+                }
+                let done = kind == "complete";
+                f.events.push((seq, kind, data));
+                if done {
+                    return f;
+                }
+            }
+        }
+        f.rejoins += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn start_following(env: &Env, hosts: &Arc<Mutex<Vec<String>>>, run: RunId) -> tokio::task::JoinHandle<Followed> {
+    tokio::spawn(follow(hosts.clone(), env.token.clone(), run))
+}
+
+/// Every key seen once, except at most one (the call in flight at a crash)
+/// seen twice.
+fn assert_keys_at_most_once_but_the_one_in_flight(keys: &[String], calls: usize, run: RunId) {
+    let mut counts: HashMap<&str, usize> = HashMap::new();
+    for k in keys {
+        *counts.entry(k).or_default() += 1;
+    }
+    let expected: Vec<String> = (1..=calls).map(|i| format!("{run}:{i}")).collect();
+    for k in &expected {
+        assert!(counts.contains_key(k.as_str()), "key {k} never arrived: {keys:?}");
+    }
+    assert_eq!(counts.len(), calls, "keys: {keys:?}");
+    let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.len() <= 1 && twice.iter().all(|(_, n)| **n == 2), "keys repeated: {keys:?}");
+}
+
+fn count(events: &[(i32, String, Value)], kind: &str) -> usize {
+    events.iter().filter(|e| e.1 == kind).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_between_tool_calls_resumes_elsewhere_and_repeats_nothing() {
+    let env = Env::new("durable", "fixtures", &["record"], true, &[]).await;
+    let a = env.spawn("A");
+    let hosts = Arc::new(Mutex::new(vec![a.addr.clone()]));
+    let config = json!({ "mode": "durable", "steps": 6, "step_ms": 400 });
+    let run = env.post(&a, "durable", "go", config).await;
+    let client = start_following(&env, &hosts, run);
+    env.wait_tool_calls(run, 3).await;
+    // Between calls: the third answer is recorded and the guest sleeps before the fourth.
+    a.signal(Signal::SIGKILL);
+    let killed = Instant::now();
+    let b = env.spawn("B");
+    hosts.lock().unwrap().push(b.addr.clone());
+    let followed = client.await.unwrap();
+    eprintln!("SIGKILL to completed: {:?}; client rejoined {} times", killed.elapsed(), followed.rejoins);
+
+    let view = env.view(&b, run).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    assert_eq!(view["attempt"], 2, "{view}");
+    let answer = env.assistant(run).await;
+    assert_eq!(followed.text, answer, "the client's text is the final answer");
+    assert!(answer.starts_with("0 1 2 3 4 5 | wall="), "{answer}");
+    // The clocks and the random number replayed: what attempt 1 journaled
+    // is what attempt 2 answered with.
+    let observed = followed.events.iter().find(|e| e.1 == "observed").expect("observed").2["observed"].clone();
+    assert_eq!(answer.split("| ").nth(1), observed.as_str(), "{answer} vs {observed}");
+    assert_eq!(count(&followed.events, "observed"), 1);
+    assert_eq!(count(&followed.events, "run_resumed"), 1);
+    let resumed = &followed.events.iter().find(|e| e.1 == "run_resumed").unwrap().2;
+    assert_eq!(resumed["attempt"], 2);
+    assert_eq!(resumed["worker_id"], "B");
+    assert!(resumed["replayed_calls"].as_u64().unwrap() >= 5, "{resumed}");
+    assert_eq!(count(&followed.events, "tool_call_finished"), 6, "{:?}", followed.events);
+    assert_keys_at_most_once_but_the_one_in_flight(&env.receiver.keys("record"), 6, run);
+    assert_journal_sound(&env.db.pool, run).await;
+    let metrics = reqwest::get(format!("http://{}/metrics", b.addr)).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("agent_host_resumes_total 1"), "{metrics}");
+    let replayed = metrics.lines().find(|l| l.starts_with("agent_host_replayed_calls_total ")).unwrap();
+    assert!(replayed.split(' ').nth(1).unwrap().parse::<u64>().unwrap() >= 5, "{replayed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_inside_a_slow_webhook_call_of_a_chat_run_resends_it_with_the_same_key() {
+    let models = ModelLog::default();
+    let model = model(models.clone()).await;
+    let llm = format!("{model}/v1");
+    let env = Env::new("chat", "chat", &["llm", "slow"], true, &["--llm-base-url", &llm]).await;
+    let a = env.spawn("A");
+    let hosts = Arc::new(Mutex::new(vec![a.addr.clone()]));
+    let offered = json!([{ "name": "slow", "description": "slow", "parameters": { "type": "object" } }]);
+    let run = env.post(&a, "chat", "use the slow tool", json!({ "tools": offered })).await;
+    let client = start_following(&env, &hosts, run);
+    let receiver = env.receiver.clone();
+    wait_for("the slow call to arrive", LONG, || {
+        let r = receiver.clone();
+        async move { !r.keys("slow").is_empty() }
+    })
+    .await;
+    a.signal(Signal::SIGKILL);
+    let b = env.spawn("B");
+    hosts.lock().unwrap().push(b.addr.clone());
+    let followed = client.await.unwrap();
+
+    let view = env.view(&b, run).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    assert_eq!(view["attempt"], 2);
+    let answer = env.assistant(run).await;
+    assert_eq!(answer, "The slow tool answered.");
+    // The model was asked once per recorded model call: the first answer
+    // came from the log on B.
+    assert_eq!(models.lock().unwrap().len(), 2, "model requests: {:?}", models.lock().unwrap());
+    // The call in flight at the crash went again, with the same key.
+    assert_eq!(env.receiver.keys("slow"), vec![format!("{run}:2"), format!("{run}:2")]);
+    // The client's text has no repeat: the first model call's text, then the
+    // second's. (The chat plugin answers with the last model call's text.)
+    assert_eq!(followed.text, format!("Let me check. {answer}"));
+    assert_eq!(count(&followed.events, "run_resumed"), 1);
+    assert_journal_sound(&env.db.pool, run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_mid_model_stream_withdraws_the_partial_text_and_asks_again() {
+    let models = ModelLog::default();
+    let model = stalling_model(models.clone()).await;
+    let llm = format!("{model}/v1");
+    let env = Env::new("chat", "chat", &["llm"], true, &["--llm-base-url", &llm]).await;
+    let a = env.spawn("A");
+    let hosts = Arc::new(Mutex::new(vec![a.addr.clone()]));
+    let run = env.post(&a, "chat", "answer me", json!({})).await;
+    let client = start_following(&env, &hosts, run);
+    let pool = env.db.pool.clone();
+    wait_for("the partial text to be journaled", LONG, || {
+        let pool = pool.clone();
+        async move { deltas_text(&journal_payloads(&pool, run).await).contains("cut") }
+    })
+    .await;
+    a.signal(Signal::SIGKILL);
+    let b = env.spawn("B");
+    hosts.lock().unwrap().push(b.addr.clone());
+    let followed = client.await.unwrap();
+
+    assert_eq!(env.view(&b, run).await["status"], "completed");
+    let answer = env.assistant(run).await;
+    assert_eq!(answer, "A complete answer.");
+    // The cut call was asked again (it was in flight); nothing else was.
+    assert_eq!(models.lock().unwrap().len(), 2);
+    // The client saw the partial text, then the rollback, then the answer:
+    // honouring the rollback, its text is the answer, with nothing repeated.
+    let rollback = followed.events.iter().find(|e| e.1 == "content_rollback").expect("a rollback").2.clone();
+    assert_eq!(rollback["keep_chars"], 0, "{rollback}");
+    assert_eq!(rollback["call_index"], 1, "{rollback}");
+    assert_eq!(followed.text, answer);
+    assert_eq!(count(&followed.events, "content_rollback"), 1);
+    // The JSON pages carry the same rollback.
+    let page: Value = reqwest::Client::new()
+        .get(format!("http://{}/v1/runs/{run}/events?from=0", b.addr))
+        .bearer_auth(&env.token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(page.to_string().contains("content_rollback"), "{page}");
+    assert_journal_sound(&env.db.pool, run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_idempotent_tool_in_flight_at_the_crash_ends_the_run_failed_naming_it() {
+    let env = Env::new("durable", "fixtures", &["once"], true, &[]).await;
+    let a = env.spawn("A");
+    let run = env.post(&a, "durable", "go", json!({ "mode": "durable", "steps": 1, "tool": "once" })).await;
+    let receiver = env.receiver.clone();
+    wait_for("the call to arrive", LONG, || {
+        let r = receiver.clone();
+        async move { !r.keys("once").is_empty() }
+    })
+    .await;
+    a.signal(Signal::SIGKILL);
+    let b = env.spawn("B");
+    assert_eq!(wait_terminal(&env.db.pool, run, LONG).await, "failed");
+    let error = run_error(&env.db.pool, run).await;
+    assert!(error.starts_with("unknown outcome: call 3 (tool call 1, \"once\")"), "{error}");
+    assert!(error.contains("not idempotent"), "{error}");
+    assert_eq!(env.receiver.keys("once").len(), 1, "the tool was called twice");
+    assert_eq!(env.attempt(run).await, 2);
+    assert_journal_sound(&env.db.pool, run).await;
+    drop(b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_past_the_drain_budget_hands_the_run_back_and_it_completes_elsewhere() {
+    // A 60 s lease: the run must move on without waiting for one.
+    let env = Env::new("durable", "fixtures", &["record"], false, &["--drain-timeout-ms", "300"]).await;
+    let mut a = env.spawn("A");
+    let hosts = Arc::new(Mutex::new(vec![a.addr.clone()]));
+    let run = env.post(&a, "durable", "go", json!({ "mode": "durable", "steps": 6, "step_ms": 400 })).await;
+    let client = start_following(&env, &hosts, run);
+    env.wait_tool_calls(run, 2).await;
+    let b = env.spawn("B");
+    hosts.lock().unwrap().push(b.addr.clone());
+    let started = Instant::now();
+    a.signal(Signal::SIGTERM);
+    let exit = a.wait_exit(LONG).await;
+    assert!(exit.success(), "exit {exit:?}; log:\n{}", a.log());
+    assert!(a.log().contains("handed back"), "{}", a.log());
+    let followed = client.await.unwrap();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(20), "the run waited for something: {took:?}");
+    let view = env.view(&b, run).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    assert_eq!(view["attempt"], 2);
+    assert_eq!(followed.text, env.assistant(run).await);
+    assert_keys_at_most_once_but_the_one_in_flight(&env.receiver.keys("record"), 6, run);
+    assert_journal_sound(&env.db.pool, run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigstop_past_the_lease_resumes_elsewhere_and_the_paused_process_writes_nothing() {
+    let env = Env::new("durable", "fixtures", &["record"], true, &[]).await;
+    let a = env.spawn("A");
+    let run = env.post(&a, "durable", "go", json!({ "mode": "durable", "steps": 6, "step_ms": 300 })).await;
+    env.wait_tool_calls(run, 2).await;
+    a.signal(Signal::SIGSTOP);
+    let b = env.spawn("B");
+    assert_eq!(wait_terminal(&env.db.pool, run, LONG).await, "completed");
+    let ended = journal(&env.db.pool, run).await;
+    let calls: i64 = sqlx::query_scalar("SELECT count(*) FROM run_call WHERE run_id = $1")
+        .bind(run)
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+    a.signal(Signal::SIGCONT);
+    a.wait_log("standing down", LONG).await;
+    assert_eq!(journal(&env.db.pool, run).await, ended, "the paused process wrote to the journal");
+    let after: i64 = sqlx::query_scalar("SELECT count(*) FROM run_call WHERE run_id = $1")
+        .bind(run)
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(after, calls, "the paused process wrote to the call log");
+    assert_eq!(env.attempt(run).await, 2);
+    assert_keys_at_most_once_but_the_one_in_flight(&env.receiver.keys("record"), 6, run);
+    assert_journal_sound(&env.db.pool, run).await;
+    drop(b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_are_bounded_for_a_run_that_loses_its_host_every_time() {
+    let env = Env::new("durable", "fixtures", &["record"], true, &["--resume-attempts", "2"]).await;
+    let mut hosts = Vec::new();
+    let first = env.spawn("H1");
+    let run = env.post(&first, "durable", "go", json!({ "mode": "durable", "steps": 1000, "step_ms": 200 })).await;
+    hosts.push(first);
+    for n in 1..=2 {
+        if n > 1 {
+            hosts.push(env.spawn(&format!("H{n}")));
+        }
+        let worker = format!("H{n}");
+        let pool = env.db.pool.clone();
+        wait_for("the attempt to run", LONG, || {
+            let (pool, worker) = (pool.clone(), worker.clone());
+            async move {
+                let (status, w, attempt): (String, Option<String>, i32) =
+                    sqlx::query_as("SELECT status, worker_id, attempt FROM agent_run WHERE id = $1")
+                        .bind(run)
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap();
+                status == "running" && w.as_deref() == Some(worker.as_str()) && attempt == n
+            }
+        })
+        .await;
+        hosts.last().unwrap().signal(Signal::SIGKILL);
+    }
+    let _reaper = env.spawn("H3");
+    assert_eq!(wait_terminal(&env.db.pool, run, LONG).await, "failed");
+    let error = run_error(&env.db.pool, run).await;
+    assert!(error.starts_with("attempts exhausted: the run lost its worker on attempt 2 of 2"), "{error}");
+    assert_journal_sound(&env.db.pool, run).await;
+}
+
+/// A built-in agent that behaves differently once it has run before: its
+/// first execution asks the model one thing and then waits forever; later
+/// ones ask another.
+struct Fickle(AtomicBool);
+
+#[async_trait::async_trait]
+impl Agent for Fickle {
+    async fn run(&self, host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
+        let again = self.0.swap(true, Ordering::SeqCst);
+        let question = if again { "something else" } else { "first" };
+        let args = json!({ "messages": [{ "role": "user", "content": question }] }).to_string();
+        host.call_tool("llm", &args).await?;
+        if !again {
+            std::future::pending::<()>().await;
+        }
+        Ok("answered".into())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_that_diverges_ends_the_run_failed_naming_both_calls() {
+    let db = TestDb::new().await;
+    let tools = ToolRegistry::from_config(&LlmConfig::default(), &[]).unwrap();
+    let mut agents = AgentRegistry::with_builtins().with_tools(tools);
+    agents.insert("fickle", Arc::new(Fickle(AtomicBool::new(false))));
+    let manifest = json!({ "tools": ["llm"], "durability": "resume" });
+    let (config, request) = (json!({}), json!({}));
+    let run = enqueue::enqueue(
+        &db.pool,
+        &NewRun {
+            owner: &owner(),
+            conversation_id: None,
+            content: "hello",
+            plugin: "fickle",
+            plugin_digest: None,
+            plugin_manifest: Some(&manifest),
+            config: &config,
+            request: &request,
+            idempotency_key: None,
+        },
+    )
+    .await
+    .unwrap()
+    .run_id;
+    let mut config = fast_config("A");
+    config.drain_timeout = Duration::from_millis(50);
+    let a = start_worker_with(&db, agents.clone(), config).await;
+    let pool = db.pool.clone();
+    wait_for("the model call to be recorded", LONG, || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM run_call WHERE run_id = $1 AND outcome IS NOT NULL")
+                .bind(run)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            n == 1
+        }
+    })
+    .await;
+    // The drain runs out of budget: the run is handed back, not failed.
+    let report = a.drain().await;
+    assert_eq!(report.aborted, 1);
+    assert_eq!(status(&db.pool, run).await, "queued");
+    let b = start_worker_with(&db, agents, fast_config("B")).await;
+    assert_eq!(wait_terminal(&db.pool, run, LONG).await, "failed");
+    let error = run_error(&db.pool, run).await;
+    let first = agent_host::run::record::args_hash(
+        &json!({ "messages": [{ "role": "user", "content": "first" }] }).to_string(),
+    );
+    let second = agent_host::run::record::args_hash(
+        &json!({ "messages": [{ "role": "user", "content": "something else" }] }).to_string(),
+    );
+    assert_eq!(
+        error,
+        format!(
+            "replay diverged: at call 1: the log has call-tool \"llm\" (args {first}) after 0 journal appends, \
+             the agent made call-tool \"llm\" (args {second}) after 0 journal appends"
+        )
+    );
+    assert_eq!(b.stats().divergences.load(Ordering::Relaxed), 1);
+    assert_journal_sound(&db.pool, run).await;
+    b.drain().await;
+}
