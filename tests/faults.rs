@@ -135,6 +135,22 @@ async fn wait_all_terminal(pool: &PgPool, n: i64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_system_keeps_its_promises_while_processes_die_pause_and_disconnect() {
+    suite(false).await
+}
+
+/// The same faults with a resumable plugin: every run completes (none
+/// fails), its call is sent again only when it was in flight at a fault
+/// (then with the same key), and every stream equals its journal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumable_runs_all_complete_while_processes_die_pause_and_disconnect() {
+    suite(true).await
+}
+
+/// One suite at a time: each runs three hosts and restarts the cluster.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn suite(resumable: bool) {
+    let _one = ONE_AT_A_TIME.lock().await;
     let db = TestDb::new().await;
     let pool = &db.pool;
     install_audit(pool).await;
@@ -143,13 +159,25 @@ async fn the_system_keeps_its_promises_while_processes_die_pause_and_disconnect(
     let dir = std::env::temp_dir().join(format!("agent-host-faults-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).unwrap();
     let tools = dir.join("tools.toml");
-    std::fs::write(&tools, format!("[[webhook]]\nname = \"record\"\nurl = \"{record_url}/record\"\n")).unwrap();
-    plugins::put(pool, "work", &plugin_wasm("fixtures"), &json!({ "tools": ["record"] })).await.unwrap();
+    // A resumable run re-sends a call in flight at a fault (same key): the
+    // receiver must say it can take that.
+    std::fs::write(
+        &tools,
+        format!("[[webhook]]\nname = \"record\"\nurl = \"{record_url}/record\"\nidempotent = {resumable}\n"),
+    )
+    .unwrap();
+    let manifest = match resumable {
+        true => json!({ "tools": ["record"], "durability": "resume" }),
+        false => json!({ "tools": ["record"] }),
+    };
+    plugins::put(pool, "work", &plugin_wasm("fixtures"), &manifest).await.unwrap();
     let token = tokens::create(pool, "alice", "acme", false).await.unwrap();
 
     let cache = dir.join("cache");
     let mut args: Vec<&str> = FAST.to_vec();
     args.extend(["--max-runs", "4", "--tools-file", tools.to_str().unwrap(), "--cache-dir", cache.to_str().unwrap()]);
+    // A run may meet several of the faults below (each one an attempt).
+    args.extend(["--resume-attempts", "5"]);
     let mut hosts: Vec<HostProcess> = ["A", "B", "C"].iter().map(|id| HostProcess::spawn(&db.url, id, &args)).collect();
     let live: Live = Arc::new(Mutex::new(hosts.iter().map(|h| h.addr.clone()).collect()));
 
@@ -248,6 +276,9 @@ async fn the_system_keeps_its_promises_while_processes_die_pause_and_disconnect(
     assert!(by_status.iter().all(|(s, _)| ["completed", "failed", "cancelled"].contains(&s.as_str())), "{by_status:?}");
     let completed = by_status.iter().find(|(s, _)| s == "completed").map_or(0, |(_, n)| *n);
     assert!(completed > total / 2, "most runs complete despite the faults ({completed} of {total})");
+    if resumable {
+        assert_eq!(completed, total, "every resumable run completes despite the faults: {by_status:?}");
+    }
 
     // At most one complete per run, seq from 1 without gaps, nothing after it.
     for (_, run) in &runs {
@@ -255,10 +286,25 @@ async fn the_system_keeps_its_promises_while_processes_die_pause_and_disconnect(
         assert_eq!(j.last().map(|(_, t)| t.as_str()), Some("complete"), "run {run} has its ending");
     }
 
-    // No guest execution happened twice for one run.
+    // No guest execution happened twice for one run. A resumable run's call
+    // is answered from its log on resume; it reaches the receiver twice only
+    // when it was in flight at a fault, on a run that was resumed.
     let starts = starts.lock().unwrap().clone();
+    let resumed: HashSet<String> = sqlx::query_scalar("SELECT id::text FROM agent_run WHERE attempt > 1")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    eprintln!("runs resumed: {}", resumed.len());
     for (run, n) in &starts {
-        assert_eq!(*n, 1, "run {run} was executed {n} times");
+        match resumable && resumed.contains(run) {
+            true => assert!(*n <= 2, "resumed run {run} sent its call {n} times"),
+            false => assert_eq!(*n, 1, "run {run} was executed {n} times"),
+        }
+    }
+    if !resumable {
+        assert!(resumed.is_empty(), "at-most-once runs are never resumed: {resumed:?}");
     }
     let started: HashSet<RunId> = sqlx::query_scalar("SELECT id FROM agent_run WHERE started_at IS NOT NULL")
         .fetch_all(pool)

@@ -30,6 +30,8 @@ use serde_json::{json, Value};
 use support::process::{HostProcess, FAST};
 use support::*;
 
+type Stamp = chrono::DateTime<chrono::Utc>;
+
 /// What the webhook receiver (outside the hosts) saw: (route, Idempotency-Key), in order.
 #[derive(Default)]
 struct Receiver {
@@ -315,6 +317,20 @@ async fn sigkill_between_tool_calls_resumes_elsewhere_and_repeats_nothing() {
     let config = json!({ "mode": "durable", "steps": 6, "step_ms": 400 });
     let run = env.post(&a, "durable", "go", config).await;
     let client = start_following(&env, &hosts, run);
+    // The conversation's next turn, queued behind it: it must wait for the
+    // resumed run, which is its conversation's head again.
+    let conversation = env.view(&a, run).await["conversation_id"].as_str().unwrap().to_string();
+    let next: Value = reqwest::Client::new()
+        .post(format!("http://{}/v1/conversations/{conversation}/runs", a.addr))
+        .bearer_auth(&env.token)
+        .json(&json!({ "plugin": "durable", "content": "next", "config": { "mode": "durable", "steps": 1 } }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let next: RunId = next["run_id"].as_str().unwrap().parse().unwrap();
     env.wait_tool_calls(run, 3).await;
     // Between calls: the third answer is recorded and the guest sleeps before the fourth.
     a.signal(Signal::SIGKILL);
@@ -343,6 +359,19 @@ async fn sigkill_between_tool_calls_resumes_elsewhere_and_repeats_nothing() {
     assert_eq!(count(&followed.events, "tool_call_finished"), 6, "{:?}", followed.events);
     assert_keys_at_most_once_but_the_one_in_flight(&env.receiver.keys("record"), 6, run);
     assert_journal_sound(&env.db.pool, run).await;
+    assert_eq!(wait_terminal(&env.db.pool, next, LONG).await, "completed");
+    let (first_end, next_start): (Stamp, Stamp) = sqlx::query_as(
+        "SELECT (SELECT finished_at FROM agent_run WHERE id = $1), (SELECT started_at FROM agent_run WHERE id = $2)",
+    )
+    .bind(run)
+    .bind(next)
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert!(
+        next_start > first_end,
+        "the next turn started at {next_start} before the resumed one ended at {first_end}"
+    );
     let metrics = reqwest::get(format!("http://{}/metrics", b.addr)).await.unwrap().text().await.unwrap();
     assert!(metrics.contains("agent_host_resumes_total 1"), "{metrics}");
     let replayed = metrics.lines().find(|l| l.starts_with("agent_host_replayed_calls_total ")).unwrap();
@@ -633,4 +662,48 @@ async fn a_replay_that_diverges_ends_the_run_failed_naming_both_calls() {
     assert_eq!(b.stats().divergences.load(Ordering::Relaxed), 1);
     assert_journal_sound(&db.pool, run).await;
     b.drain().await;
+}
+
+/// A built-in agent that checks for a stop `n` times (config), then answers.
+struct Checker;
+
+#[async_trait::async_trait]
+impl Agent for Checker {
+    async fn run(&self, host: &RunHost, input: RunInput) -> Result<String, AgentError> {
+        let n = input.config["n"].as_u64().unwrap();
+        for _ in 0..n {
+            host.check_cancel();
+        }
+        Ok(format!("checked {n} times"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_call_log_is_bounded_by_the_manifest() {
+    let db = TestDb::new().await;
+    let mut agents = AgentRegistry::with_builtins();
+    agents.insert("checker", Arc::new(Checker));
+    let manifest = json!({ "durability": "resume", "limits": { "recorded_calls_max": 10 } });
+    let request = json!({});
+    let mut runs = Vec::new();
+    for n in [10, 11] {
+        let config = json!({ "n": n });
+        let new = NewRun {
+            owner: &owner(),
+            conversation_id: None,
+            content: "hello",
+            plugin: "checker",
+            plugin_digest: None,
+            plugin_manifest: Some(&manifest),
+            config: &config,
+            request: &request,
+            idempotency_key: None,
+        };
+        runs.push(enqueue::enqueue(&db.pool, &new).await.unwrap().run_id);
+    }
+    let w = start_worker_with(&db, agents, fast_config("W")).await;
+    assert_eq!(wait_terminal(&db.pool, runs[0], LONG).await, "completed");
+    assert_eq!(wait_terminal(&db.pool, runs[1], LONG).await, "failed");
+    assert_eq!(run_error(&db.pool, runs[1]).await, "limit: more than 10 recorded calls");
+    w.drain().await;
 }

@@ -81,7 +81,10 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
         }
         shared.stats.claimed.fetch_add(claimed.len() as u64, Ordering::Relaxed);
         for row in &claimed {
-            shared.stats.pickup.observe(row.waited_s);
+            if row.attempt == 1 {
+                // Enqueue to first claim; a resumed attempt waited for its worker to die.
+                shared.stats.pickup.observe(row.waited_s);
+            }
         }
         // Surplus slots go back before the runs start.
         permits.truncate(claimed.len());
