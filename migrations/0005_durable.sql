@@ -53,7 +53,9 @@ BEGIN
          OR (OLD.status = 'running' AND NEW.status = 'queued'
              AND NEW.attempt = OLD.attempt + 1
              AND NEW.claim_expires_at IS NULL
-             AND OLD.plugin_manifest ->> 'durability' = 'resume')) THEN
+             -- IS NOT DISTINCT FROM: a run without a manifest must be refused,
+             -- not slip through as NULL.
+             AND (OLD.plugin_manifest ->> 'durability') IS NOT DISTINCT FROM 'resume')) THEN
         RAISE EXCEPTION 'agent_run %: illegal status transition % -> %', OLD.id, OLD.status, NEW.status
             USING ERRCODE = 'check_violation', CONSTRAINT = 'agent_run_status_transition';
     END IF;

@@ -707,3 +707,62 @@ async fn the_call_log_is_bounded_by_the_manifest() {
     assert_eq!(run_error(&db.pool, runs[1]).await, "limit: more than 10 recorded calls");
     w.drain().await;
 }
+
+/// Enqueues a built-in run with `manifest` pinned.
+async fn enqueue_pinned(db: &TestDb, plugin: &str, manifest: Option<&Value>, config: Value) -> RunId {
+    let request = json!({});
+    let new = NewRun {
+        owner: &owner(),
+        conversation_id: None,
+        content: "hello",
+        plugin,
+        plugin_digest: None,
+        plugin_manifest: manifest,
+        config: &config,
+        request: &request,
+        idempotency_key: None,
+    };
+    enqueue::enqueue(&db.pool, &new).await.unwrap().run_id
+}
+
+#[tokio::test]
+async fn the_schema_admits_running_to_queued_only_as_the_hand_back_of_a_resumable_run() {
+    let db = TestDb::new().await;
+    let resumable = json!({ "durability": "resume" });
+    let plain = enqueue_pinned(&db, "noop", None, json!({})).await;
+    let durable = enqueue_pinned(&db, "noop", Some(&resumable), json!({})).await;
+    for _ in 0..2 {
+        claim_one(&db.pool, "W", Duration::from_secs(30)).await;
+    }
+    let requeue = |run: RunId, set: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query(&format!("UPDATE agent_run SET status = 'queued', {set} WHERE id = $1"))
+                .bind(run)
+                .execute(&pool)
+                .await
+        }
+    };
+    let refused = |r: Result<sqlx::postgres::PgQueryResult, sqlx::Error>| match r {
+        Err(sqlx::Error::Database(d)) => d.constraint() == Some("agent_run_status_transition"),
+        other => panic!("not refused by the trigger: {other:?}"),
+    };
+    let raise = "attempt = attempt + 1, claim_expires_at = NULL";
+    assert!(refused(requeue(plain, raise).await), "an at-most-once run is never re-queued");
+    assert!(refused(requeue(durable, "claim_expires_at = NULL").await), "the attempt must be raised");
+    assert!(refused(requeue(durable, "attempt = attempt + 1").await), "the lease must be cleared");
+    assert!(refused(requeue(durable, "attempt = attempt + 2, claim_expires_at = NULL").await));
+    requeue(durable, raise).await.unwrap();
+    // A second claim takes it again, rotating the token; seq 3 is not written twice.
+    let again = claim_one(&db.pool, "W2", Duration::from_secs(30)).await;
+    assert_eq!((again.id, again.attempt), (durable, 2));
+    let starts: i64 = sqlx::query_scalar("SELECT count(*) FROM run_event WHERE run_id = $1 AND type = 'run_started'")
+        .bind(durable)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(starts, 1);
+    // Terminal states stay sticky, resumable or not.
+    update_run(&db.pool, durable, "status = 'failed', finished_at = now()").await;
+    assert!(refused(requeue(durable, raise).await), "a terminal run is never re-queued");
+}
