@@ -196,34 +196,34 @@ impl Env {
     }
 
     async fn completed_tool_calls(&self, run: RunId) -> i64 {
-        sqlx::query_scalar(
-            "SELECT count(*) FROM run_call WHERE run_id = $1 AND import = 'call-tool' AND outcome IS NOT NULL",
-        )
-        .bind(run)
-        .fetch_one(&self.db.pool)
-        .await
-        .unwrap()
+        let sql = "SELECT count(*) FROM run_call WHERE run_id = $1 AND import = 'call-tool' AND outcome IS NOT NULL";
+        scalar(&self.db, sql, run).await
     }
 
     async fn wait_tool_calls(&self, run: RunId, n: i64) {
         wait_for("recorded tool calls", LONG, || async move { self.completed_tool_calls(run).await >= n }).await;
     }
 
+    /// Waits until a call reaches the receiver's `route`.
+    async fn wait_arrived(&self, route: &str) {
+        wait_for("a call to arrive", LONG, || async move { !self.receiver.keys(route).is_empty() }).await;
+    }
+
     async fn attempt(&self, run: RunId) -> i32 {
-        sqlx::query_scalar("SELECT attempt FROM agent_run WHERE id = $1")
-            .bind(run)
-            .fetch_one(&self.db.pool)
-            .await
-            .unwrap()
+        scalar(&self.db, "SELECT attempt FROM agent_run WHERE id = $1", run).await
     }
 
     async fn assistant(&self, run: RunId) -> String {
-        sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
-            .bind(run)
-            .fetch_one(&self.db.pool)
-            .await
-            .unwrap()
+        scalar(&self.db, "SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'", run).await
     }
+}
+
+/// One value `sql` reads about `run` (its only parameter).
+async fn scalar<T>(db: &TestDb, sql: &str, run: RunId) -> T
+where
+    T: for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Send + Unpin,
+{
+    sqlx::query_scalar(sql).bind(run).fetch_one(&db.pool).await.unwrap()
 }
 
 /// What a client following one run saw, across hosts.
@@ -389,12 +389,7 @@ async fn sigkill_inside_a_slow_webhook_call_of_a_chat_run_resends_it_with_the_sa
     let offered = json!([{ "name": "slow", "description": "slow", "parameters": { "type": "object" } }]);
     let run = env.post(&a, "chat", "use the slow tool", json!({ "tools": offered })).await;
     let client = start_following(&env, &hosts, run);
-    let receiver = env.receiver.clone();
-    wait_for("the slow call to arrive", LONG, || {
-        let r = receiver.clone();
-        async move { !r.keys("slow").is_empty() }
-    })
-    .await;
+    env.wait_arrived("slow").await;
     a.signal(Signal::SIGKILL);
     let b = env.spawn("B");
     hosts.lock().unwrap().push(b.addr.clone());
@@ -469,12 +464,7 @@ async fn a_non_idempotent_tool_in_flight_at_the_crash_ends_the_run_failed_naming
     let env = Env::new("durable", "fixtures", &["once"], true, &[]).await;
     let a = env.spawn("A");
     let run = env.post(&a, "durable", "go", json!({ "mode": "durable", "steps": 1, "tool": "once" })).await;
-    let receiver = env.receiver.clone();
-    wait_for("the call to arrive", LONG, || {
-        let r = receiver.clone();
-        async move { !r.keys("once").is_empty() }
-    })
-    .await;
+    env.wait_arrived("once").await;
     a.signal(Signal::SIGKILL);
     let b = env.spawn("B");
     assert_eq!(wait_terminal(&env.db.pool, run, LONG).await, "failed");
@@ -524,19 +514,11 @@ async fn sigstop_past_the_lease_resumes_elsewhere_and_the_paused_process_writes_
     let b = env.spawn("B");
     assert_eq!(wait_terminal(&env.db.pool, run, LONG).await, "completed");
     let ended = journal(&env.db.pool, run).await;
-    let calls: i64 = sqlx::query_scalar("SELECT count(*) FROM run_call WHERE run_id = $1")
-        .bind(run)
-        .fetch_one(&env.db.pool)
-        .await
-        .unwrap();
+    let calls: i64 = scalar(&env.db, "SELECT count(*) FROM run_call WHERE run_id = $1", run).await;
     a.signal(Signal::SIGCONT);
     a.wait_log("standing down", LONG).await;
     assert_eq!(journal(&env.db.pool, run).await, ended, "the paused process wrote to the journal");
-    let after: i64 = sqlx::query_scalar("SELECT count(*) FROM run_call WHERE run_id = $1")
-        .bind(run)
-        .fetch_one(&env.db.pool)
-        .await
-        .unwrap();
+    let after: i64 = scalar(&env.db, "SELECT count(*) FROM run_call WHERE run_id = $1", run).await;
     assert_eq!(after, calls, "the paused process wrote to the call log");
     assert_eq!(env.attempt(run).await, 2);
     assert_keys_at_most_once_but_the_one_in_flight(&env.receiver.keys("record"), 6, run);
@@ -605,38 +587,13 @@ async fn a_replay_that_diverges_ends_the_run_failed_naming_both_calls() {
     let mut agents = AgentRegistry::with_builtins().with_tools(tools);
     agents.insert("fickle", Arc::new(Fickle(AtomicBool::new(false))));
     let manifest = json!({ "tools": ["llm"], "durability": "resume" });
-    let (config, request) = (json!({}), json!({}));
-    let run = enqueue::enqueue(
-        &db.pool,
-        &NewRun {
-            owner: &owner(),
-            conversation_id: None,
-            content: "hello",
-            plugin: "fickle",
-            plugin_digest: None,
-            plugin_manifest: Some(&manifest),
-            config: &config,
-            request: &request,
-            idempotency_key: None,
-        },
-    )
-    .await
-    .unwrap()
-    .run_id;
+    let run = enqueue_pinned(&db, "fickle", Some(&manifest), json!({})).await;
     let mut config = fast_config("A");
     config.drain_timeout = Duration::from_millis(50);
     let a = start_worker_with(&db, agents.clone(), config).await;
-    let pool = db.pool.clone();
-    wait_for("the model call to be recorded", LONG, || {
-        let pool = pool.clone();
-        async move {
-            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM run_call WHERE run_id = $1 AND outcome IS NOT NULL")
-                .bind(run)
-                .fetch_one(&pool)
-                .await
-                .unwrap();
-            n == 1
-        }
+    wait_for("the model call to be recorded", LONG, || async {
+        let n: i64 = scalar(&db, "SELECT count(*) FROM run_call WHERE run_id = $1 AND outcome IS NOT NULL", run).await;
+        n == 1
     })
     .await;
     // The drain runs out of budget: the run is handed back, not failed.
@@ -684,22 +641,9 @@ async fn the_call_log_is_bounded_by_the_manifest() {
     let mut agents = AgentRegistry::with_builtins();
     agents.insert("checker", Arc::new(Checker));
     let manifest = json!({ "durability": "resume", "limits": { "recorded_calls_max": 10 } });
-    let request = json!({});
     let mut runs = Vec::new();
     for n in [10, 11] {
-        let config = json!({ "n": n });
-        let new = NewRun {
-            owner: &owner(),
-            conversation_id: None,
-            content: "hello",
-            plugin: "checker",
-            plugin_digest: None,
-            plugin_manifest: Some(&manifest),
-            config: &config,
-            request: &request,
-            idempotency_key: None,
-        };
-        runs.push(enqueue::enqueue(&db.pool, &new).await.unwrap().run_id);
+        runs.push(enqueue_pinned(&db, "checker", Some(&manifest), json!({ "n": n })).await);
     }
     let w = start_worker_with(&db, agents, fast_config("W")).await;
     assert_eq!(wait_terminal(&db.pool, runs[0], LONG).await, "completed");
@@ -756,11 +700,8 @@ async fn the_schema_admits_running_to_queued_only_as_the_hand_back_of_a_resumabl
     // A second claim takes it again, rotating the token; seq 3 is not written twice.
     let again = claim_one(&db.pool, "W2", Duration::from_secs(30)).await;
     assert_eq!((again.id, again.attempt), (durable, 2));
-    let starts: i64 = sqlx::query_scalar("SELECT count(*) FROM run_event WHERE run_id = $1 AND type = 'run_started'")
-        .bind(durable)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let starts: i64 =
+        scalar(&db, "SELECT count(*) FROM run_event WHERE run_id = $1 AND type = 'run_started'", durable).await;
     assert_eq!(starts, 1);
     // Terminal states stay sticky, resumable or not.
     update_run(&db.pool, durable, "status = 'failed', finished_at = now()").await;

@@ -43,27 +43,19 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
         e.counter("agent_host_fence_trips_total", "Runs this process lost to the fence.", w.fenced.load(Relaxed));
         e.counter("agent_host_backstops_total", "Runs ended by the backstop.", w.backstopped.load(Relaxed));
         e.counter("agent_host_claim_conflicts_total", "Claims the index turned away.", w.claim_conflicts.load(Relaxed));
-        e.counter(
-            "agent_host_runs_requeued_total",
-            "Resumable runs the reaper put back in the queue after their worker was lost.",
-            w.requeued.load(Relaxed),
-        );
-        e.counter(
-            "agent_host_runs_handed_back_total",
-            "Resumable runs this process handed back to the queue at a drain out of budget.",
-            w.handed_back.load(Relaxed),
-        );
-        e.counter("agent_host_resumes_total", "Resumed attempts this process started.", w.resumed.load(Relaxed));
-        e.counter(
-            "agent_host_replayed_calls_total",
-            "Host calls answered from a resumed run's call log.",
-            w.replayed_calls.load(Relaxed),
-        );
-        e.counter(
-            "agent_host_replay_divergences_total",
-            "Resumed runs that ended failed because the agent's calls diverged from the log.",
-            w.divergences.load(Relaxed),
-        );
+        for (name, help, value) in [
+            (
+                "runs_requeued",
+                "Resumable runs the reaper put back in the queue after their worker was lost.",
+                &w.requeued,
+            ),
+            ("runs_handed_back", "Resumable runs handed back to the queue at a drain out of budget.", &w.handed_back),
+            ("resumes", "Resumed attempts this process started.", &w.resumed),
+            ("replayed_calls", "Host calls answered from a resumed run's call log.", &w.replayed_calls),
+            ("replay_divergences", "Resumed runs that failed because the agent diverged from the log.", &w.divergences),
+        ] {
+            e.counter(&format!("agent_host_{name}_total"), help, value.load(Relaxed));
+        }
         e.counter("agent_host_heartbeat_errors_total", "Heartbeats that failed.", w.heartbeat_errors.load(Relaxed));
         e.counter(
             "agent_host_poll_fallbacks_total",

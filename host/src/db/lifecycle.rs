@@ -456,22 +456,7 @@ pub async fn reap_or_resume(
     attempts_max: u32,
 ) -> Result<Option<Reaped>, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let requeued: Option<(ConversationId, i32)> = sqlx::query_as(
-        "UPDATE agent_run SET status = 'queued', attempt = attempt + 1,
-                claim_expires_at = NULL, last_heartbeat_at = NULL
-         WHERE id = $1 AND claim_token = $2 AND status = 'running'
-           AND claim_expires_at < now() - make_interval(secs => $3)   -- still dead now?
-           AND plugin_manifest ->> 'durability' = 'resume' AND attempt < $4
-         RETURNING conversation_id, attempt",
-    )
-    .bind(expired.id)
-    .bind(expired.claim_token)
-    .bind(grace.as_secs_f64())
-    .bind(attempts_max as i32)
-    .fetch_optional(&mut *tx)
-    .await?;
-    if let Some((conversation_id, attempt)) = requeued {
-        notify(&mut *tx, RUN_ENQUEUED, &conversation_id.to_string()).await?;
+    if let Some(attempt) = requeue(&mut tx, expired.id, expired.claim_token, Some(grace), attempts_max).await? {
         tx.commit().await?;
         return Ok(Some(Reaped::Requeued { attempt }));
     }
@@ -509,24 +494,44 @@ pub async fn reap_or_resume(
 /// Returns false when fenced or out of attempts (the caller then ends it).
 pub async fn hand_back(pool: &PgPool, run: RunId, token: ClaimToken, attempts_max: u32) -> Result<bool, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let requeued: Option<ConversationId> = sqlx::query_scalar(
+    if requeue(&mut tx, run, token, None, attempts_max).await?.is_none() {
+        return Ok(false);
+    }
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// running -> queued in the caller's transaction, for [`reap_or_resume`]
+/// (`lapsed`: only if the lease lapsed more than this ago, re-checked here)
+/// and [`hand_back`]: fenced by the claim token, only for a resumable run
+/// with attempts left; raises the attempt, clears the lease (the trigger
+/// admits nothing else) and wakes the claimers. Returns the new attempt.
+async fn requeue(
+    tx: &mut Transaction<'_, Postgres>,
+    run: RunId,
+    token: ClaimToken,
+    lapsed: Option<Duration>,
+    attempts_max: u32,
+) -> Result<Option<i32>, sqlx::Error> {
+    let requeued: Option<(ConversationId, i32)> = sqlx::query_as(
         "UPDATE agent_run SET status = 'queued', attempt = attempt + 1,
                 claim_expires_at = NULL, last_heartbeat_at = NULL
          WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
-           AND plugin_manifest ->> 'durability' = 'resume' AND attempt < $3
-         RETURNING conversation_id",
+           AND ($3::float8 IS NULL OR claim_expires_at < now() - make_interval(secs => $3))   -- still dead now?
+           AND plugin_manifest ->> 'durability' = 'resume' AND attempt < $4
+         RETURNING conversation_id, attempt",
     )
     .bind(run)
     .bind(token)
+    .bind(lapsed.map(|d| d.as_secs_f64()))
     .bind(attempts_max as i32)
-    .fetch_optional(&mut *tx)
+    .fetch_optional(&mut **tx)
     .await?;
-    let Some(conversation_id) = requeued else {
-        return Ok(false);
+    let Some((conversation_id, attempt)) = requeued else {
+        return Ok(None);
     };
-    notify(&mut *tx, RUN_ENQUEUED, &conversation_id.to_string()).await?;
-    tx.commit().await?;
-    Ok(true)
+    notify(&mut **tx, RUN_ENQUEUED, &conversation_id.to_string()).await?;
+    Ok(Some(attempt))
 }
 
 // ---------------------------------------------------------------------------

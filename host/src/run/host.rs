@@ -443,18 +443,9 @@ impl RunHost {
             return self.stop_requested();
         };
         let ops = self.state().ops;
-        match rec.read(record::CHECK_CANCEL, ops, || self.stop_requested().to_string()) {
-            Ok(Ok(answer)) => answer == "true",
-            Ok(Err(HostError::Limit(m))) => {
-                self.limit(m);
-                true
-            }
-            Ok(Err(_)) => true,
-            Err(d) => {
-                self.diverged(d);
-                true
-            }
-        }
+        // A run that must end is told to stop.
+        let read = rec.read(record::CHECK_CANCEL, ops, || self.stop_requested().to_string());
+        self.reading(read).is_none_or(|answer| answer == "true")
     }
 
     /// A WASI wall-clock reading (time since the Unix epoch): recorded for a
@@ -464,17 +455,24 @@ impl RunHost {
             return live;
         };
         let ops = self.state().ops;
-        match rec.read(record::WALL_CLOCK, ops, || live.as_nanos().to_string()) {
-            Ok(Ok(ns)) => ns.parse::<u64>().map(Duration::from_nanos).unwrap_or(live),
-            Ok(Err(e)) => {
-                if let HostError::Limit(m) = e {
-                    self.limit(m);
-                }
-                live
+        let read = rec.read(record::WALL_CLOCK, ops, || live.as_nanos().to_string());
+        let ns = self.reading(read.map(|r| r.map(|ns| ns.parse::<u64>().ok())));
+        ns.flatten().map_or(live, Duration::from_nanos)
+    }
+
+    /// A clock reading's answer; `None` when the run must end (a limit, a
+    /// divergence: recorded as its failure), and the live value serves meanwhile.
+    fn reading<T>(&self, read: Result<Result<T, HostError>, Divergence>) -> Option<T> {
+        match read {
+            Ok(Ok(value)) => Some(value),
+            Ok(Err(HostError::Limit(m))) => {
+                self.limit(m);
+                None
             }
+            Ok(Err(_)) => None,
             Err(d) => {
                 self.diverged(d);
-                live
+                None
             }
         }
     }
@@ -486,19 +484,7 @@ impl RunHost {
             return live_ns;
         };
         let ops = self.state().ops;
-        match rec.monotonic(ops, live_ns) {
-            Ok(Ok(ns)) => ns,
-            Ok(Err(e)) => {
-                if let HostError::Limit(m) = e {
-                    self.limit(m);
-                }
-                live_ns
-            }
-            Err(d) => {
-                self.diverged(d);
-                live_ns
-            }
-        }
+        self.reading(rec.monotonic(ops, live_ns)).unwrap_or(live_ns)
     }
 
     /// The seed of the guest's random generators for a resumable run (the
