@@ -126,6 +126,46 @@ async fn stalling_model(log: ModelLog) -> String {
     serve(Router::new().route("/v1/chat/completions", post(complete)).with_state(log)).await
 }
 
+/// A scripted streaming chat-completions endpoint: request n (1-based) gets
+/// `script(n, has_tool_result)`: text pieces, an optional tool call, and
+/// whether the stream then stalls (stays open with nothing more).
+async fn scripted_model(
+    log: ModelLog,
+    script: fn(usize, bool) -> (Vec<&'static str>, Option<&'static str>, bool),
+) -> String {
+    let complete = move |State(log): State<ModelLog>, Json(body): Json<Value>| async move {
+        let has_result = body["messages"].as_array().unwrap().iter().any(|m| m["role"] == "tool");
+        let n = {
+            let mut log = log.lock().unwrap();
+            log.push(body);
+            log.len()
+        };
+        let (pieces, tool, stall) = script(n, has_result);
+        let frame = |c: Value| Ok::<_, std::convert::Infallible>(bytes::Bytes::from(format!("data: {c}\n\n")));
+        let mut frames: Vec<_> = pieces
+            .into_iter()
+            .map(|t| frame(json!({ "choices": [{ "index": 0, "delta": { "content": t }, "finish_reason": null }] })))
+            .collect();
+        if let Some(name) = tool {
+            let call = json!({ "index": 0, "id": "call_1", "type": "function",
+                               "function": { "name": name, "arguments": "{}" } });
+            frames.push(frame(
+                json!({ "choices": [{ "index": 0, "delta": { "tool_calls": [call] }, "finish_reason": null }] }),
+            ));
+        }
+        let body = if stall {
+            axum::body::Body::from_stream(futures::stream::iter(frames).chain(futures::stream::pending()))
+        } else {
+            let finish = if tool.is_some() { "tool_calls" } else { "stop" };
+            frames.push(frame(json!({ "choices": [{ "index": 0, "delta": {}, "finish_reason": finish }] })));
+            frames.push(Ok(bytes::Bytes::from("data: [DONE]\n\n")));
+            axum::body::Body::from_stream(futures::stream::iter(frames))
+        };
+        ([("content-type", "text/event-stream")], body).into_response()
+    };
+    serve(Router::new().route("/v1/chat/completions", post(complete)).with_state(log)).await
+}
+
 struct Env {
     db: TestDb,
     receiver: Arc<Receiver>,
@@ -460,6 +500,63 @@ async fn sigkill_mid_model_stream_withdraws_the_partial_text_and_asks_again() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_crashes_mid_model_stream_each_withdraw_exactly_their_text() {
+    // Request 1 stalls; 2 asks for the `record` tool; 3 (after the tool's
+    // result) stalls; 4 answers.
+    fn script(n: usize, _has_result: bool) -> (Vec<&'static str>, Option<&'static str>, bool) {
+        match n {
+            1 => (vec!["First try ", "cut1"], None, true),
+            2 => (vec!["Let me check. "], Some("record"), false),
+            3 => (vec!["Second try ", "cut2"], None, true),
+            _ => (vec!["The tool ", "answered."], None, false),
+        }
+    }
+    let models = ModelLog::default();
+    let model = scripted_model(models.clone(), script).await;
+    let llm = format!("{model}/v1");
+    let env = Env::new("chat", "chat", &["llm", "record"], true, &["--llm-base-url", &llm]).await;
+    let offered = json!([{ "name": "record", "description": "record", "parameters": { "type": "object" } }]);
+    let a = env.spawn("A");
+    let hosts = Arc::new(Mutex::new(vec![a.addr.clone()]));
+    let run = env.post(&a, "chat", "go", json!({ "tools": offered })).await;
+    let client = start_following(&env, &hosts, run);
+    let journaled = |needle: &'static str| {
+        let pool = env.db.pool.clone();
+        async move {
+            wait_for(needle, LONG, || {
+                let pool = pool.clone();
+                async move { deltas_text(&journal_payloads(&pool, run).await).contains(needle) }
+            })
+            .await
+        }
+    };
+    journaled("cut1").await;
+    a.signal(Signal::SIGKILL);
+    let b = env.spawn("B");
+    hosts.lock().unwrap().push(b.addr.clone());
+    journaled("cut2").await;
+    b.signal(Signal::SIGKILL);
+    let c = env.spawn("C");
+    hosts.lock().unwrap().push(c.addr.clone());
+    let followed = client.await.unwrap();
+
+    assert_eq!(env.view(&c, run).await["status"], "completed");
+    assert_eq!(env.attempt(run).await, 3);
+    assert_eq!(env.assistant(run).await, "The tool answered.");
+    // Each cut call was asked again; the completed ones never.
+    assert_eq!(models.lock().unwrap().len(), 4);
+    assert_eq!(env.receiver.keys("record"), vec![format!("{run}:2")]);
+    let rollbacks: Vec<&Value> = followed.events.iter().filter(|e| e.1 == "content_rollback").map(|e| &e.2).collect();
+    assert_eq!(rollbacks.len(), 2, "{:?}", followed.events);
+    assert_eq!(rollbacks[0]["keep_chars"], 0);
+    // The second keeps what the client holds before the cut call: the first
+    // attempt's withdrawn text is not counted.
+    assert_eq!(rollbacks[1]["keep_chars"], "Let me check. ".chars().count());
+    assert_eq!(followed.text, "Let me check. The tool answered.");
+    assert_journal_sound(&env.db.pool, run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_idempotent_tool_in_flight_at_the_crash_ends_the_run_failed_naming_it() {
     let env = Env::new("durable", "fixtures", &["once"], true, &[]).await;
     let a = env.spawn("A");
@@ -588,18 +685,8 @@ async fn a_replay_that_diverges_ends_the_run_failed_naming_both_calls() {
     agents.insert("fickle", Arc::new(Fickle(AtomicBool::new(false))));
     let manifest = json!({ "tools": ["llm"], "durability": "resume" });
     let run = enqueue_pinned(&db, "fickle", Some(&manifest), json!({})).await;
-    let mut config = fast_config("A");
-    config.drain_timeout = Duration::from_millis(50);
-    let a = start_worker_with(&db, agents.clone(), config).await;
-    wait_for("the model call to be recorded", LONG, || async {
-        let n: i64 = scalar(&db, "SELECT count(*) FROM run_call WHERE run_id = $1 AND outcome IS NOT NULL", run).await;
-        n == 1
-    })
-    .await;
     // The drain runs out of budget: the run is handed back, not failed.
-    let report = a.drain().await;
-    assert_eq!(report.aborted, 1);
-    assert_eq!(status(&db.pool, run).await, "queued");
+    handed_back(&db, &agents, run).await;
     let b = start_worker_with(&db, agents, fast_config("B")).await;
     assert_eq!(wait_terminal(&db.pool, run, LONG).await, "failed");
     let error = run_error(&db.pool, run).await;
@@ -706,4 +793,71 @@ async fn the_schema_admits_running_to_queued_only_as_the_hand_back_of_a_resumabl
     // Terminal states stay sticky, resumable or not.
     update_run(&db.pool, durable, "status = 'failed', finished_at = now()").await;
     assert!(refused(requeue(durable, raise).await), "a terminal run is never re-queued");
+}
+
+/// A built-in agent whose first execution asks the model and then waits
+/// forever; later executions answer at once without asking.
+struct Quitter(AtomicBool);
+
+#[async_trait::async_trait]
+impl Agent for Quitter {
+    async fn run(&self, host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
+        if !self.0.swap(true, Ordering::SeqCst) {
+            host.call_tool("llm", r#"{"messages": [{"role": "user", "content": "hi"}]}"#).await?;
+            std::future::pending::<()>().await;
+        }
+        Ok("done early".into())
+    }
+}
+
+/// Starts worker A on `agents`, lets `run` record one call, and drains A past
+/// its budget: the run is handed back to the queue.
+async fn handed_back(db: &TestDb, agents: &AgentRegistry, run: RunId) {
+    let mut config = fast_config("A");
+    config.drain_timeout = Duration::from_millis(50);
+    let a = start_worker_with(db, agents.clone(), config).await;
+    wait_for("a call to be recorded", LONG, || async {
+        let n: i64 = scalar(db, "SELECT count(*) FROM run_call WHERE run_id = $1 AND outcome IS NOT NULL", run).await;
+        n == 1
+    })
+    .await;
+    assert_eq!(a.drain().await.aborted, 1);
+    assert_eq!(status(&db.pool, run).await, "queued");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_ends_before_its_recorded_calls_diverges() {
+    let db = TestDb::new().await;
+    let tools = ToolRegistry::from_config(&LlmConfig::default(), &[]).unwrap();
+    let mut agents = AgentRegistry::with_builtins().with_tools(tools);
+    agents.insert("quitter", Arc::new(Quitter(AtomicBool::new(false))));
+    let manifest = json!({ "tools": ["llm"], "durability": "resume" });
+    let run = enqueue_pinned(&db, "quitter", Some(&manifest), json!({})).await;
+    handed_back(&db, &agents, run).await;
+    let b = start_worker_with(&db, agents, fast_config("B")).await;
+    assert_eq!(wait_terminal(&db.pool, run, LONG).await, "failed");
+    let error = run_error(&db.pool, run).await;
+    assert!(error.starts_with("replay diverged: at call 1: the log has call-tool \"llm\""), "{error}");
+    assert!(error.ends_with("the agent made no more calls (1 recorded calls were not made)"), "{error}");
+    b.drain().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handed_back_run_cancelled_in_the_queue_keeps_its_message_sent() {
+    let db = TestDb::new().await;
+    let tools = ToolRegistry::from_config(&LlmConfig::default(), &[]).unwrap();
+    let mut agents = AgentRegistry::with_builtins().with_tools(tools);
+    agents.insert("quitter", Arc::new(Quitter(AtomicBool::new(false))));
+    let manifest = json!({ "tools": ["llm"], "durability": "resume" });
+    let run = enqueue_pinned(&db, "quitter", Some(&manifest), json!({})).await;
+    handed_back(&db, &agents, run).await;
+    let cancelled = agent_host::db::lifecycle::cancel(&db.pool, run, "alice").await.unwrap();
+    assert_eq!(cancelled, Some(agent_host::db::lifecycle::Cancelled::Queued));
+    assert_eq!(status(&db.pool, run).await, "cancelled");
+    // It had started: its message is no draft.
+    let message: String =
+        scalar(&db, "SELECT m.status FROM message m JOIN agent_run r ON m.id = r.user_message_id WHERE r.id = $1", run)
+            .await;
+    assert_eq!(message, "complete");
+    assert_journal_sound(&db.pool, run).await;
 }

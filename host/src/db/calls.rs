@@ -88,8 +88,41 @@ pub async fn complete(
     outcome: &str,
     result: &str,
 ) -> Result<bool, sqlx::Error> {
+    // Written, or already written by an earlier try whose answer was lost
+    // (its outcome is there): either way true while the claim is ours.
     let done = sqlx::query(
-        "UPDATE run_call c SET ops_after = $4, outcome = $5, result = $6
+        "WITH fence AS (SELECT 1 FROM agent_run
+                        WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
+                        FOR SHARE),
+         upd AS (UPDATE run_call c SET ops_after = $4, outcome = $5, result = $6
+                 FROM fence WHERE c.run_id = $1 AND c.position = $3 AND c.outcome IS NULL
+                 RETURNING 1)
+         SELECT 1 FROM fence
+         WHERE EXISTS (SELECT 1 FROM upd)
+            OR EXISTS (SELECT 1 FROM run_call WHERE run_id = $1 AND position = $3 AND outcome IS NOT NULL)",
+    )
+    .bind(run)
+    .bind(token)
+    .bind(position)
+    .bind(ops_after)
+    .bind(outcome)
+    .bind(result)
+    .fetch_optional(db)
+    .await?;
+    Ok(done.is_some())
+}
+
+/// Takes a call whose outcome is unknown for this attempt before it is made
+/// again, fenced: a stale process resuming the same run cannot re-send it.
+pub async fn retake(
+    db: impl PgExecutor<'_>,
+    run: RunId,
+    token: ClaimToken,
+    position: i32,
+    attempt: i32,
+) -> Result<bool, sqlx::Error> {
+    let taken = sqlx::query(
+        "UPDATE run_call c SET attempt = $4
          FROM (SELECT 1 FROM agent_run
                WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
                FOR SHARE) AS fence
@@ -98,17 +131,16 @@ pub async fn complete(
     .bind(run)
     .bind(token)
     .bind(position)
-    .bind(ops_after)
-    .bind(outcome)
-    .bind(result)
+    .bind(attempt)
     .execute(db)
     .await?;
-    Ok(done.rows_affected() == 1)
+    Ok(taken.rows_affected() == 1)
 }
 
 /// What an earlier attempt journaled, for the attempt that resumes it: the
-/// next seq, the last append number journaled, and every streamed piece of
-/// text with the append number it ended at (in order).
+/// next seq, the last append number journaled, and the streamed text as a
+/// client holds it (every `content_rollback` applied), piece by piece with
+/// the append number each piece ended at, in order.
 #[derive(Debug, Clone, Default)]
 pub struct Journaled {
     pub next_seq: i32,
@@ -119,14 +151,53 @@ pub struct Journaled {
 pub async fn journaled(db: impl PgExecutor<'_> + Copy, run: RunId) -> Result<Journaled, sqlx::Error> {
     let (max_seq, last_op): (Option<i32>, Option<i64>) =
         sqlx::query_as("SELECT max(seq), max(op) FROM run_event WHERE run_id = $1").bind(run).fetch_one(db).await?;
-    let deltas: Vec<(i64, String)> = sqlx::query_as(
-        "SELECT op, payload ->> 'delta' FROM run_event
-         WHERE run_id = $1 AND type = $2 AND op IS NOT NULL AND payload ? 'delta'
+    // Deltas (with their op) and rollbacks (with the characters they keep), in seq order.
+    let rows: Vec<(String, Option<i64>, Option<String>, Option<i64>)> = sqlx::query_as(
+        "SELECT type, op, payload ->> 'delta', (payload ->> 'keep_chars')::bigint FROM run_event
+         WHERE run_id = $1 AND ((type = $2 AND op IS NOT NULL AND payload ? 'delta') OR type = $3)
          ORDER BY seq",
     )
     .bind(run)
     .bind(super::events::CONTENT_DELTA)
+    .bind(super::events::CONTENT_ROLLBACK)
     .fetch_all(db)
     .await?;
+    let mut deltas: Vec<(i64, String)> = Vec::new();
+    for (kind, op, delta, keep) in rows {
+        match (op, delta) {
+            (Some(op), Some(text)) if kind == super::events::CONTENT_DELTA => deltas.push((op, text)),
+            _ => rollback(&mut deltas, keep.unwrap_or(0).max(0) as usize),
+        }
+    }
     Ok(Journaled { next_seq: max_seq.unwrap_or(0) + 1, last_op: last_op.unwrap_or(0), deltas })
+}
+
+/// Cuts the pieces to their first `keep` characters, as a client does.
+fn rollback(pieces: &mut Vec<(i64, String)>, keep: usize) {
+    let mut left = keep;
+    let mut n = 0;
+    for (_, text) in pieces.iter_mut() {
+        let chars = text.chars().count();
+        if chars > left {
+            *text = text.chars().take(left).collect();
+            n += 1;
+            break;
+        }
+        left -= chars;
+        n += 1;
+    }
+    pieces.truncate(n);
+    pieces.retain(|(_, t)| !t.is_empty());
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_rollback_cuts_the_pieces_as_a_client_cuts_its_text() {
+        let mut pieces = vec![(3, "Hello ".to_string()), (4, "wörld".to_string()), (5, "!".to_string())];
+        super::rollback(&mut pieces, 8);
+        assert_eq!(pieces, vec![(3, "Hello ".to_string()), (4, "wö".to_string())]);
+        super::rollback(&mut pieces, 0);
+        assert!(pieces.is_empty());
+    }
 }

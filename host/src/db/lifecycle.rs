@@ -426,15 +426,17 @@ pub async fn find_expired(db: impl PgExecutor<'_>, grace: Duration, limit: i64) 
 /// What [`reap_or_resume`] did with a lapsed run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reaped {
-    /// Ended failed (worker lost; or a resumable run out of attempts).
-    Failed,
+    /// Ended: failed (worker lost), failed with its attempts exhausted, or
+    /// (a resumable run whose stop was requested) cancelled.
+    Ended(RunStatus, crate::error::FailReason),
     /// A resumable run, back in the queue as its conversation's head; this
     /// is the attempt its next claim makes.
     Requeued { attempt: i32 },
 }
 
-/// running -> failed, for the reaper and the boot reconciler, with the
-/// default attempts of a resumable run. See [`reap_or_resume`].
+/// running -> failed (or, for a resumable run, back to queued), for the
+/// reaper and the boot reconciler, with the default attempts of a resumable
+/// run. See [`reap_or_resume`].
 pub async fn reap(pool: &PgPool, expired: Expired, grace: Duration) -> Result<bool, sqlx::Error> {
     Ok(reap_or_resume(pool, expired, grace, RESUME_ATTEMPTS_DEFAULT).await?.is_some())
 }
@@ -447,8 +449,9 @@ pub const RESUME_ATTEMPTS_DEFAULT: u32 = 3;
 /// heartbeat that landed after [`find_expired`] makes this a no-op). A
 /// resumable run with attempts left (`attempt < attempts_max`) goes running
 /// -> queued with its attempt raised and the wake; any other goes running ->
-/// failed with its `complete` event (seq max+1, safe because the fence now
-/// shuts the worker out) and the wake. `None`: nothing was done.
+/// failed (a resumable run whose stop was requested: cancelled) with its
+/// `complete` event (seq max+1, safe because the fence now shuts the worker
+/// out) and the wake. `None`: nothing was done.
 pub async fn reap_or_resume(
     pool: &PgPool,
     expired: Expired,
@@ -460,16 +463,23 @@ pub async fn reap_or_resume(
         tx.commit().await?;
         return Ok(Some(Reaped::Requeued { attempt }));
     }
-    let reaped: Option<(ConversationId, Option<String>)> = sqlx::query_as(
-        "UPDATE agent_run SET status = 'failed', finished_at = clock_timestamp(),
-                error = CASE WHEN plugin_manifest ->> 'durability' = 'resume'
-                    THEN 'attempts exhausted: the run lost its worker on attempt ' || attempt || ' of ' || $4
-                         || ' (worker ' || coalesce(worker_id, '?') || ')'
-                    ELSE 'worker lost: lease expired without a heartbeat (worker ' || coalesce(worker_id, '?') || ')'
+    let reaped: Option<(ConversationId, RunStatus, Option<String>, bool)> = sqlx::query_as(
+        "WITH r AS (SELECT id, (plugin_manifest ->> 'durability') IS NOT DISTINCT FROM 'resume' AS resumable
+                    FROM agent_run WHERE id = $1)
+         UPDATE agent_run a SET
+                status = CASE WHEN r.resumable AND a.cancel_requested THEN 'cancelled' ELSE 'failed' END,
+                finished_at = clock_timestamp(),
+                error = CASE
+                    WHEN r.resumable AND a.cancel_requested THEN NULL
+                    WHEN r.resumable
+                    THEN 'attempts exhausted: the run lost its worker on attempt ' || a.attempt || ' of ' || $4
+                         || ' (worker ' || coalesce(a.worker_id, '?') || ')'
+                    ELSE 'worker lost: lease expired without a heartbeat (worker ' || coalesce(a.worker_id, '?') || ')'
                     END
-         WHERE id = $1 AND claim_token = $2 AND status = 'running'
-           AND claim_expires_at < now() - make_interval(secs => $3)   -- still dead now?
-         RETURNING conversation_id, error",
+         FROM r
+         WHERE a.id = r.id AND a.claim_token = $2 AND a.status = 'running'
+           AND a.claim_expires_at < now() - make_interval(secs => $3)   -- still dead now?
+         RETURNING a.conversation_id, a.status, a.error, r.resumable",
     )
     .bind(expired.id)
     .bind(expired.claim_token)
@@ -477,14 +487,18 @@ pub async fn reap_or_resume(
     .bind(attempts_max as i32)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((conversation_id, error)) = reaped else {
+    let Some((conversation_id, status, error, resumable)) = reaped else {
         return Ok(None);
     };
-    write_complete(&mut *tx, expired.id, RunStatus::Failed, error.as_deref()).await?;
+    write_complete(&mut *tx, expired.id, status, error.as_deref()).await?;
     notify(&mut *tx, RUN_ENQUEUED, &conversation_id.to_string()).await?;
     notify(&mut *tx, &events_channel(expired.id), COMPLETE_PAYLOAD).await?;
     tx.commit().await?;
-    Ok(Some(Reaped::Failed))
+    let reason = match resumable {
+        true => crate::error::FailReason::Attempts,
+        false => crate::error::FailReason::WorkerLost,
+    };
+    Ok(Some(Reaped::Ended(status, reason)))
 }
 
 /// running -> queued, for the run task of a resumable run that a drain is
@@ -519,6 +533,7 @@ async fn requeue(
          WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
            AND ($3::float8 IS NULL OR claim_expires_at < now() - make_interval(secs => $3))   -- still dead now?
            AND plugin_manifest ->> 'durability' = 'resume' AND attempt < $4
+           AND NOT cancel_requested   -- a stopped run is ended, not resumed
          RETURNING conversation_id, attempt",
     )
     .bind(run)
@@ -668,16 +683,18 @@ async fn cancel_queued(tx: &mut Transaction<'_, Postgres>, runs: &[RunId]) -> Re
         "WITH r AS (
              UPDATE agent_run SET status = 'cancelled', cancel_requested = true, finished_at = clock_timestamp()
              WHERE id = ANY($1) AND status = 'queued'
-             RETURNING id, user_message_id, queue_pos
+             RETURNING id, user_message_id, queue_pos, attempt
          ),
          ev AS (
              INSERT INTO run_event (run_id, seq, type, payload)
              SELECT r.id, (SELECT coalesce(max(seq), 0) + 1 FROM run_event e WHERE e.run_id = r.id), $2, $3
              FROM r
          ),
+         -- A handed-back run (attempt > 1) had started: its message stays
+         -- complete and is no draft.
          m AS (
              UPDATE message SET status = $4 FROM r
-             WHERE message.id = r.user_message_id
+             WHERE message.id = r.user_message_id AND r.attempt = 1
              RETURNING message.id, message.content, r.queue_pos
          )
          SELECT id, content FROM m ORDER BY queue_pos",

@@ -185,6 +185,23 @@ impl RunHost {
         self.abort(FailReason::Divergence, d.0)
     }
 
+    /// Once the run must end (an abort), every import refuses: the agent is
+    /// about to be dropped and may make no call meanwhile.
+    fn ended(&self) -> Result<(), HostError> {
+        match self.inner.abort.is_cancelled() {
+            true => Err(HostError::Fenced),
+            false => Ok(()),
+        }
+    }
+
+    /// When the agent has ended with calls of a resumed run's log not made
+    /// again: the run ends failed, a divergence.
+    pub fn check_replayed(&self) -> Option<AgentError> {
+        let d = self.inner.recording.as_ref()?.left_unreplayed()?;
+        self.diverged(d);
+        self.failure()
+    }
+
     /// The plugin's `payload_bytes` limit on one host call's arguments or
     /// answer; `what` names them, `verb` agrees with it.
     fn check_payload_size(&self, what: &str, verb: &str, bytes: usize) -> Result<(), HostError> {
@@ -238,6 +255,7 @@ impl RunHost {
         if RESERVED.contains(&kind) {
             return Err(HostError::Invalid(format!("event kind {kind:?} is reserved for the host")));
         }
+        self.ended()?;
         if !self.replaying() && self.stop_requested() {
             return Err(HostError::Cancelled);
         }
@@ -306,6 +324,7 @@ impl RunHost {
     /// `tool_call_finished`, dropped on a stop or past its timeout) and
     /// returns its JSON answer as text.
     pub async fn call_tool(&self, name: &str, args: &str) -> Result<String, HostError> {
+        self.ended()?;
         if !self.replaying() && self.stop_requested() {
             return Err(HostError::Cancelled);
         }
@@ -402,6 +421,8 @@ impl RunHost {
             );
             return Err(self.abort(FailReason::UnknownOutcome, message));
         }
+        // Ours alone from here: a stale process resuming too is fenced out.
+        rec.retake(call.position).await?;
         let journaled = rec.journaled_op();
         let cut = rec.journaled_text(call.ops_before, journaled);
         {
@@ -442,6 +463,9 @@ impl RunHost {
         let Some(rec) = &self.inner.recording else {
             return self.stop_requested();
         };
+        if self.ended().is_err() {
+            return true;
+        }
         let ops = self.state().ops;
         // A run that must end is told to stop.
         let read = rec.read(record::CHECK_CANCEL, ops, || self.stop_requested().to_string());

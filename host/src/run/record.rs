@@ -106,6 +106,14 @@ struct State {
 impl Recording {
     pub fn new(parts: RecordingParts) -> Recording {
         let next_position = parts.log.last().map_or(1, |c| c.position + 1);
+        // Live monotonic readings go on from the last recorded one.
+        let monotonic_floor = parts
+            .log
+            .iter()
+            .filter(|c| c.import == MONOTONIC_CLOCK)
+            .filter_map(|c| c.result.as_deref()?.parse::<u64>().ok())
+            .max()
+            .unwrap_or(0);
         Recording {
             pool: parts.pool,
             run_id: parts.run_id,
@@ -120,7 +128,7 @@ impl Recording {
                 replayed: 0,
                 next_position,
                 pending: Vec::new(),
-                monotonic_floor: 0,
+                monotonic_floor,
                 monotonic_offset: None,
             }),
         }
@@ -144,9 +152,17 @@ impl Recording {
         self.state().replayed
     }
 
-    /// Calls of the log still to be replayed.
+    /// Calls of the log with a recorded outcome: what the resumed attempt replays.
     pub fn to_replay(&self) -> usize {
-        self.state().replay.len()
+        self.state().replay.iter().filter(|c| c.outcome.is_some()).count()
+    }
+
+    /// When the agent ended with calls of the log not replayed: what the
+    /// first of them was (the agent ended early: a divergence).
+    pub fn left_unreplayed(&self) -> Option<Divergence> {
+        let s = self.state();
+        let first = s.replay.front()?;
+        Some(divergence(first, &format!("no more calls ({} recorded calls were not made)", s.replay.len())))
     }
 
     /// Whether calls of the log remain to be answered from it.
@@ -200,7 +216,8 @@ impl Recording {
     }
 
     /// A reading (check-cancel, a clock): the recorded answer on replay,
-    /// else `live()`, buffered for the next durable write.
+    /// else `live()` (run without the state's lock), buffered for the next
+    /// durable write.
     pub fn read(
         &self,
         import: &'static str,
@@ -209,7 +226,7 @@ impl Recording {
     ) -> Result<Result<String, HostError>, Divergence> {
         let mut s = self.state();
         if let Some(call) = s.replay.pop_front() {
-            if call.import != import {
+            if call.import != import || call.ops_before != ops {
                 return Err(divergence(&call, &format!("{import} after {ops} journal appends")));
             }
             s.replayed += 1;
@@ -220,7 +237,9 @@ impl Recording {
             return Ok(Err(e));
         }
         s.next_position += 1;
+        drop(s);
         let value = live();
+        let mut s = self.state();
         s.pending.push(Call {
             position,
             import: import.to_string(),
@@ -237,22 +256,19 @@ impl Recording {
     /// A monotonic reading: recorded ones on replay; live ones continue from
     /// the last replayed value and never go back.
     pub fn monotonic(&self, ops: i64, live_ns: u64) -> Result<Result<u64, HostError>, Divergence> {
-        let offset = self.state().monotonic_offset;
-        let live = move |floor: u64| -> u64 {
-            let v = (live_ns as i128 + offset.unwrap_or(0)).max(0) as u64;
-            v.max(floor)
+        let live = || {
+            // The first live reading fixes the offset that continues the
+            // clock from the last recorded value (0 on a first attempt).
+            let mut s = self.state();
+            let floor = s.monotonic_floor;
+            let offset = *s.monotonic_offset.get_or_insert((floor as i128 - live_ns as i128).max(0));
+            ((live_ns as i128 + offset).max(0) as u64).max(floor).to_string()
         };
-        let floor = self.state().monotonic_floor;
-        let was_replaying = self.replaying();
-        let r = self.read(MONOTONIC_CLOCK, ops, || live(floor).to_string())?;
-        let r = r.map(|text| text.parse::<u64>().unwrap_or(floor));
+        let r = self.read(MONOTONIC_CLOCK, ops, live)?;
+        let r = r.map(|text| text.parse::<u64>().unwrap_or(0));
         if let Ok(v) = r {
             let mut s = self.state();
             s.monotonic_floor = s.monotonic_floor.max(v);
-            if was_replaying && s.replay.is_empty() && s.monotonic_offset.is_none() {
-                // Live from here: continue from the last recorded reading.
-                s.monotonic_offset = Some(s.monotonic_floor as i128 - live_ns as i128);
-            }
         }
         Ok(r)
     }
@@ -281,6 +297,13 @@ impl Recording {
             result: None,
         });
         self.write(&calls).await
+    }
+
+    /// Takes a call whose outcome is unknown before it is made again (fenced):
+    /// a stale process resuming the same run is shut out before it re-sends.
+    pub async fn retake(&self, position: i32) -> Result<(), HostError> {
+        let (pool, run, token, attempt) = (&self.pool, self.run_id, self.token, self.attempt);
+        self.retrying(|| calls::retake(pool, run, token, position, attempt)).await
     }
 
     /// Records a call's outcome, before the agent sees it.

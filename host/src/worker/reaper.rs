@@ -34,10 +34,11 @@ pub async fn sweep(pool: &PgPool, config: &WorkerConfig, stats: &WorkerStats) ->
                 tracing::warn!(run_id = %expired.id, attempt, "worker lost: resumable run back in the queue");
                 stats.requeued.fetch_add(1, Ordering::Relaxed);
             }
-            Some(Reaped::Failed) => {
-                tracing::warn!(run_id = %expired.id, "reaped: worker lost, run ended failed");
+            Some(Reaped::Ended(status, reason)) => {
+                tracing::warn!(run_id = %expired.id, %status, %reason, "reaped: worker lost, run ended");
                 stats.reaped.fetch_add(1, Ordering::Relaxed);
-                stats.record_end(crate::db::RunStatus::Failed, Some(crate::error::FailReason::WorkerLost));
+                let failed = status == crate::db::RunStatus::Failed;
+                stats.record_end(status, failed.then_some(reason));
             }
         }
         reaped += 1;

@@ -168,23 +168,32 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         tokio::time::sleep(grace).await;
     };
     let result = tokio::select! {
+        biased;
         // The fence tripped (heartbeat or journal found the claim gone): stop at once.
         _ = lost.cancelled() => return Outcome::Lost,
+        _ = host.aborted() => Err(host.failure().expect("an abort has its failure")),
         _ = forced => {
             tracing::warn!(grace_ms = grace.as_millis() as u64, "run ignored its stop past the grace; interrupted");
             Err(AgentError::Interrupted(grace.as_millis() as u64))
         }
         _ = shared.abort_runs.cancelled() => {
-            if host.manifest().resumable() {
+            if host.manifest().resumable() && !cancel.is_cancelled() {
                 return hand_back(&shared, &row, &host).await;
             }
             Err(AgentError::failed(FailReason::DrainTimeout, "the host shut down before the run finished"))
         }
-        _ = host.aborted() => Err(host.failure().expect("an abort has its failure")),
         _ = host.journal_gave_up() => {
             Err(AgentError::failed(FailReason::Host, "the run's journal could not be written: the database was unreachable too long"))
         }
-        r = agent.run(&host, input) => r,
+        r = agent.run(&host, input) => match r {
+            // An agent of a resumed run that ends before making every
+            // recorded call again behaves otherwise than it did.
+            Ok(_) | Err(AgentError::Failed { .. }) if !cancel.is_cancelled() => match host.check_replayed() {
+                Some(diverged) => Err(diverged),
+                None => r,
+            },
+            r => r,
+        },
     };
     shared.stats.replayed_calls.fetch_add(host.replayed(), Ordering::Relaxed);
     // A limit the run hit (or a replay that diverged) ends it failed,
@@ -311,16 +320,21 @@ async fn hand_back(shared: &Shared, row: &ClaimedRun, host: &RunHost) -> Outcome
     }
     shared.held.lock().unwrap().remove(&row.id);
     let attempts = shared.config.resume_attempts;
+    shared.stats.replayed_calls.fetch_add(host.replayed(), Ordering::Relaxed);
     match db::lifecycle::hand_back(&shared.pool, row.id, row.claim_token, attempts).await {
         Ok(true) => Outcome::HandedBack,
-        Ok(false) if row.attempt as u32 >= attempts => {
-            let e = AgentError::failed(
-                FailReason::Attempts,
-                format!("the host shut down before the run finished, on attempt {} of {attempts}", row.attempt),
-            );
+        // Out of attempts, a stop requested meanwhile, or no longer ours
+        // (the fenced finish then writes nothing).
+        Ok(false) => {
+            let e = match row.attempt as u32 >= attempts {
+                true => AgentError::failed(
+                    FailReason::Attempts,
+                    format!("the host shut down before the run finished, on attempt {} of {attempts}", row.attempt),
+                ),
+                false => AgentError::failed(FailReason::DrainTimeout, "the host shut down before the run finished"),
+            };
             finalize(shared, row, Err(e), &streamed, host.usage()).await
         }
-        Ok(false) => Outcome::Lost,
         Err(e) => {
             tracing::error!(error = %e, "handing the run back failed; the reaper will requeue it");
             Outcome::Lost
