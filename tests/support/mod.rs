@@ -2,6 +2,7 @@
 //! server in DATABASE_URL), a migrated template, and a fresh database per test.
 #![allow(dead_code)]
 
+pub mod durable;
 pub mod http;
 pub mod process;
 pub mod sse;

@@ -13,9 +13,10 @@ use crate::metrics::{label_value, Exposition};
 use super::{ApiError, AppState};
 
 pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
-    let (queued, running, oldest): (i64, i64, f64) = sqlx::query_as(
+    let (queued, running, waiting, oldest): (i64, i64, i64, f64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM agent_run WHERE status = 'queued'),
                 (SELECT count(*) FROM agent_run WHERE status = 'running'),
+                (SELECT count(*) FROM agent_run WHERE status = 'waiting'),
                 coalesce(extract(epoch FROM now() - (SELECT created_at FROM agent_run WHERE status = 'queued'
                                                      ORDER BY queue_pos LIMIT 1)), 0)::float8",
     )
@@ -24,6 +25,7 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
     let mut e = Exposition::default();
     e.gauge("agent_host_queue_depth", "Runs queued, all processes.", queued as f64);
     e.gauge("agent_host_runs_running", "Runs running, all processes.", running as f64);
+    e.gauge("agent_host_runs_waiting", "Runs waiting for a decision or a time, all processes.", waiting as f64);
     e.gauge("agent_host_oldest_queued_age_seconds", "Age of the oldest queued run.", oldest);
     if let Some(stats) = &state.stats {
         let w = &stats.worker;
@@ -53,6 +55,8 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
             ("resumes", "Resumed attempts this process started.", &w.resumed),
             ("replayed_calls", "Host calls answered from a resumed run's call log.", &w.replayed_calls),
             ("replay_divergences", "Resumed runs that failed because the agent diverged from the log.", &w.divergences),
+            ("runs_suspended", "Runs this process suspended (waiting for approval or a time).", &w.suspended),
+            ("suspensions_woken", "Waiting runs this process's scheduler woke (timeouts, waits).", &w.woken),
         ] {
             e.counter(&format!("agent_host_{name}_total"), help, value.load(Relaxed));
         }

@@ -4,6 +4,7 @@
 //! (`service::submit`, `service::plugins`, `stream::tail`) or a `db` read,
 //! and encode; errors are one type with one enum of codes (`error`).
 
+mod approvals;
 mod conversations;
 mod error;
 mod events;

@@ -5,7 +5,7 @@ use axum::routing::{get, post, MethodRouter};
 use serde_json::{json, Map, Value};
 
 use super::paging::LIMIT_MAX;
-use super::{conversations, events, metrics, plugins, runs, AppState, ErrorCode};
+use super::{approvals, conversations, events, metrics, plugins, runs, AppState, ErrorCode};
 
 /// Builds a JSON schema.
 pub type Schema = fn() -> Value;
@@ -46,6 +46,13 @@ fn run_body() -> Value {
         "config": { "type": "object", "description": "at most 16 KiB of JSON" } } })
 }
 
+fn decision_body() -> Value {
+    json!({ "type": "object", "required": ["decision"], "additionalProperties": false, "properties": {
+        "decision": { "type": "string", "enum": ["approve", "reject", "edit"] },
+        "args": { "type": "object", "description": "edit only: the arguments the call runs with" },
+        "reason": { "type": "string", "maxLength": 2000, "description": "told to the agent on a reject" } } })
+}
+
 fn turn_body() -> Value {
     let mut b = run_body();
     b["properties"].as_object_mut().unwrap().remove("conversation_id");
@@ -82,7 +89,7 @@ pub const ROUTES: &[Route] = &[
         ok: (
             200,
             "{id, conversation_id, status, plugin, plugin_digest, cancel_requested, error, created_at, started_at, \
-             finished_at, last_seq, usage}",
+             finished_at, last_seq, attempt, pending_approval, usage}",
         ),
         errors: &[400, 404],
         query: &[],
@@ -115,6 +122,36 @@ pub const ROUTES: &[Route] = &[
         query: &[],
         body: None,
         handler: || post(runs::cancel_run),
+    },
+    Route {
+        method: "get",
+        path: "/v1/approvals",
+        summary: "The caller's pending approvals (tool calls a waiting run asks a person to decide), oldest first",
+        auth: true,
+        ok: (
+            200,
+            "{approvals: [{run_id, conversation_id, call_id, tool, args, requested_at, expires_at}], next_cursor}",
+        ),
+        errors: &[400],
+        query: &[
+            ("limit", "integer", "1-1000 (default 1000)"),
+            ("after", "string", "the next_cursor of the previous page"),
+        ],
+        body: None,
+        handler: || get(approvals::list_approvals),
+    },
+    Route {
+        method: "post",
+        path: "/v1/runs/{id}/approvals/{call_id}",
+        summary: "Decide a waiting run's tool call: approve, reject (the agent gets denied with the reason) or edit \
+                  (approve with other args); recorded once with the run re-queued; a second decision answers 409 \
+                  with the first",
+        auth: true,
+        ok: (200, "{run_id, status: queued, decision: {call_id, decision, args?, reason?, decided_at}}"),
+        errors: &[400, 404, 409, 422],
+        query: &[],
+        body: Some(("application/json", decision_body)),
+        handler: || post(approvals::decide),
     },
     Route {
         method: "post",

@@ -97,7 +97,7 @@ pub async fn cancel_run(
 ) -> Result<impl IntoResponse, ApiError> {
     let done = lifecycle::cancel(&state.pool, id.0, &p.user_id).await?.or_not_found(id)?;
     let (code, status, cancel_requested) = match done {
-        Cancelled::Queued => {
+        Cancelled::Queued | Cancelled::Waiting => {
             state.record_ended(1);
             (StatusCode::ACCEPTED, RunStatus::Cancelled, true)
         }

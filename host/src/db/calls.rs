@@ -148,9 +148,12 @@ pub struct Journaled {
     pub deltas: Vec<(i64, String)>,
 }
 
-pub async fn journaled(db: impl PgExecutor<'_> + Copy, run: RunId) -> Result<Journaled, sqlx::Error> {
+pub async fn journaled(db: &mut sqlx::PgConnection, run: RunId) -> Result<Journaled, sqlx::Error> {
     let (max_seq, last_op): (Option<i32>, Option<i64>) =
-        sqlx::query_as("SELECT max(seq), max(op) FROM run_event WHERE run_id = $1").bind(run).fetch_one(db).await?;
+        sqlx::query_as("SELECT max(seq), max(op) FROM run_event WHERE run_id = $1")
+            .bind(run)
+            .fetch_one(&mut *db)
+            .await?;
     // Deltas (with their op) and rollbacks (with the characters they keep), in seq order.
     let rows: Vec<(String, Option<i64>, Option<String>, Option<i64>)> = sqlx::query_as(
         "SELECT type, op, payload ->> 'delta', (payload ->> 'keep_chars')::bigint FROM run_event
@@ -160,7 +163,7 @@ pub async fn journaled(db: impl PgExecutor<'_> + Copy, run: RunId) -> Result<Jou
     .bind(run)
     .bind(super::events::CONTENT_DELTA)
     .bind(super::events::CONTENT_ROLLBACK)
-    .fetch_all(db)
+    .fetch_all(&mut *db)
     .await?;
     let mut deltas: Vec<(i64, String)> = Vec::new();
     for (kind, op, delta, keep) in rows {

@@ -86,7 +86,7 @@ pub async fn get(
 ) -> Result<Option<ConversationView>, sqlx::Error> {
     let row: Option<(DateTime<Utc>, Option<RunId>, Vec<uuid::Uuid>)> = sqlx::query_as(
         "SELECT c.created_at,
-                (SELECT r.id FROM agent_run r WHERE r.conversation_id = c.id AND r.status = 'running'),
+                (SELECT r.id FROM agent_run r WHERE r.conversation_id = c.id AND r.status IN ('running', 'waiting')),
                 coalesce((SELECT array_agg(r.id ORDER BY r.queue_pos) FROM agent_run r
                           WHERE r.conversation_id = c.id AND r.status = 'queued'), '{}')
          FROM conversation c WHERE c.id = $1 AND c.owner_id = $2",

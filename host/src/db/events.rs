@@ -27,6 +27,17 @@ pub const RUN_RESUMED: &str = "run_resumed";
 /// stream and the JSON pages carry it as it is; clients (the console, the
 /// CLI) cut their text.
 pub const CONTENT_ROLLBACK: &str = "content_rollback";
+/// A call that needs a person's approval; the run is waiting: `{call_id,
+/// tool, args, requested_at, expires_at}` (the arguments are shown: the
+/// approver must see them).
+pub const APPROVAL_REQUESTED: &str = "approval_requested";
+/// The decision on it (a person's, or the timeout's rejection): `{call_id,
+/// decision: approve|reject|edit, args?, reason?, decided_at}`.
+pub const APPROVAL_DECIDED: &str = "approval_decided";
+/// The run waits (the `wait` tool) with nothing held: `{call_id, until}`.
+pub const WAIT_STARTED: &str = "wait_started";
+/// Its time came: `{call_id, decision: "elapsed", decided_at}`.
+pub const WAIT_ELAPSED: &str = "wait_elapsed";
 /// The run's one ending: [`complete_payload`].
 pub const COMPLETE: &str = "complete";
 /// Sent on a quiet stream, never stored.
@@ -45,6 +56,10 @@ pub const RESERVED: &[&str] = &[
     RUN_STARTED,
     RUN_RESUMED,
     CONTENT_ROLLBACK,
+    APPROVAL_REQUESTED,
+    APPROVAL_DECIDED,
+    WAIT_STARTED,
+    WAIT_ELAPSED,
     COMPLETE,
     TOOL_CALL_STARTED,
     TOOL_CALL_FINISHED,

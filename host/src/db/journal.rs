@@ -110,13 +110,25 @@ pub(crate) async fn write_complete(
     status: RunStatus,
     error: Option<&str>,
 ) -> Result<(), sqlx::Error> {
+    write_event(db, run, COMPLETE, &complete_payload(status, error)).await
+}
+
+/// One event at max(seq)+1, for a writer other than a claim holder (a
+/// finalizer, a decision on a waiting run): only while no holder can
+/// append, i.e. with the run row locked and not running.
+pub(crate) async fn write_event(
+    db: impl PgExecutor<'_>,
+    run: RunId,
+    kind: &str,
+    payload: &Value,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO run_event (run_id, seq, type, payload)
          SELECT $1, coalesce(max(seq), 0) + 1, $2, $3 FROM run_event WHERE run_id = $1",
     )
     .bind(run)
-    .bind(COMPLETE)
-    .bind(complete_payload(status, error))
+    .bind(kind)
+    .bind(payload)
     .execute(db)
     .await?;
     Ok(())
@@ -151,6 +163,7 @@ pub async fn trim_terminal(db: impl PgExecutor<'_>, older_than: Duration, batch_
              FOR UPDATE SKIP LOCKED),
          del AS (DELETE FROM run_event e USING victims v WHERE e.run_id = v.id),
          calls AS (DELETE FROM run_call c USING victims v WHERE c.run_id = v.id),
+         susp AS (DELETE FROM run_suspension s USING victims v WHERE s.run_id = v.id),
          upd AS (UPDATE agent_run r SET request = NULL FROM victims v WHERE r.id = v.id RETURNING r.id)
          SELECT count(*) FROM upd",
     )

@@ -17,6 +17,9 @@
 //! | running | failed    | [`backstop`] (fenced)            | run task, when the run's own task died   |
 //! | running | failed    | [`reap_or_resume`] (lease lapsed past the grace, re-checked in the write) | reaper, boot reconciler |
 //! | running | queued    | [`reap_or_resume`], [`hand_back`] (fenced): a resumable run with attempts left, `attempt` raised | reaper, boot reconciler; run task at a drain timeout |
+//! | running | waiting   | [`super::suspensions::suspend`] (fenced): a resumable run's call needs approval, or waits | run task (the run host) |
+//! | waiting | queued    | [`super::suspensions::decide`], [`super::suspensions::wake_due`]: `attempt` raised | HTTP decision; the scheduler (reaper loop) |
+//! | waiting | cancelled | [`cancel`], [`stop_conversation`] | HTTP cancel, HTTP stop |
 //! | running | (flag)    | [`cancel`], [`stop_conversation`] set `cancel_requested` and NOTIFY; the holder then [`finish`]es `cancelled` | HTTP cancel, HTTP stop |
 //!
 //! completed, failed and cancelled are terminal: the trigger refuses any
@@ -108,8 +111,11 @@ pub struct ClaimedRun {
     pub content: String,
     /// Seconds from enqueue to this claim (the database's clock).
     pub waited_s: f64,
-    /// 1 for the first claim; more for a resumable run handed back.
+    /// 1 for the first claim; more for a resumable run handed back, or
+    /// resumed after waiting.
     pub attempt: i32,
+    /// How often the run waited (resumes after a wait are not lost workers).
+    pub waits: i32,
     /// The seed of the guest's random generators, the same for every attempt.
     pub seed: uuid::Uuid,
 }
@@ -158,7 +164,7 @@ heads AS (
                 AND e.status = 'queued' AND e.queue_pos < q.queue_pos)
           AND ($4 = false OR NOT EXISTS (      -- the pre-filter (an optimisation)
               SELECT 1 FROM agent_run b
-              WHERE b.conversation_id = q.conversation_id AND b.status = 'running'))
+              WHERE b.conversation_id = q.conversation_id AND b.status IN ('running', 'waiting')))
         ORDER BY q.queue_pos
         LIMIT $1
         FOR UPDATE SKIP LOCKED                 -- contended rows turn invisible
@@ -188,7 +194,7 @@ claimed AS (
     )
     RETURNING r.id, r.conversation_id, r.claim_token, r.user_message_id, r.owner_id,
               r.tenant_id, r.plugin, r.plugin_digest, r.plugin_manifest, r.config,
-              extract(epoch FROM now() - r.created_at)::float8 AS waited_s, r.attempt, r.seed
+              extract(epoch FROM now() - r.created_at)::float8 AS waited_s, r.attempt, r.waits, r.seed
 ),
 started AS (
     -- seq 3 belongs to the first claim: the run_started event ($6) commits
@@ -472,7 +478,7 @@ pub async fn reap_or_resume(
                 error = CASE
                     WHEN r.resumable AND a.cancel_requested THEN NULL
                     WHEN r.resumable
-                    THEN 'attempts exhausted: the run lost its worker on attempt ' || a.attempt || ' of ' || $4
+                    THEN 'attempts exhausted: the run lost its worker on attempt ' || (a.attempt - a.waits) || ' of ' || $4
                          || ' (worker ' || coalesce(a.worker_id, '?') || ')'
                     ELSE 'worker lost: lease expired without a heartbeat (worker ' || coalesce(a.worker_id, '?') || ')'
                     END
@@ -532,7 +538,7 @@ async fn requeue(
                 claim_expires_at = NULL, last_heartbeat_at = NULL
          WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
            AND ($3::float8 IS NULL OR claim_expires_at < now() - make_interval(secs => $3))   -- still dead now?
-           AND plugin_manifest ->> 'durability' = 'resume' AND attempt < $4
+           AND plugin_manifest ->> 'durability' = 'resume' AND attempt - waits < $4
            AND NOT cancel_requested   -- a stopped run is ended, not resumed
          RETURNING conversation_id, attempt",
     )
@@ -559,6 +565,8 @@ pub enum Cancelled {
     Queued,
     /// Running: flagged and woken; the holder finalizes it `cancelled`.
     Flagged,
+    /// Waiting: cancelled outright, its streamed text kept as a partial answer.
+    Waiting,
     /// Already terminal: nothing changed (its status and cancel flag).
     Terminal(RunStatus, bool),
 }
@@ -628,6 +636,11 @@ pub async fn cancel(pool: &PgPool, run: RunId, owner_id: &str) -> Result<Option<
             flag(&mut tx, &[run]).await?;
             Cancelled::Flagged
         }
+        RunStatus::Waiting => {
+            cancel_waiting(&mut tx, run).await?;
+            notify(&mut *tx, RUN_ENQUEUED, &locked.conversation_id.to_string()).await?;
+            Cancelled::Waiting
+        }
         terminal => Cancelled::Terminal(terminal, locked.cancel_requested),
     };
     tx.commit().await?;
@@ -654,20 +667,24 @@ pub async fn stop_conversation(
     // Rows are locked in the sorted order (LockRows sits above the Sort).
     let active: Vec<(RunId, RunStatus)> = sqlx::query_as(
         "SELECT id, status FROM agent_run
-         WHERE conversation_id = $1 AND status IN ('queued', 'running')
-         ORDER BY status = 'running', queue_pos
+         WHERE conversation_id = $1 AND status IN ('queued', 'running', 'waiting')
+         ORDER BY status <> 'queued', queue_pos
          FOR UPDATE",
     )
     .bind(conversation)
     .fetch_all(&mut *tx)
     .await?;
-    let (queued, running): (Vec<_>, Vec<_>) = active.into_iter().partition(|(_, s)| *s == RunStatus::Queued);
-    let queued: Vec<RunId> = queued.into_iter().map(|(id, _)| id).collect();
-    let running: Vec<RunId> = running.into_iter().map(|(id, _)| id).collect();
+    let of = |status: RunStatus| active.iter().filter(move |(_, s)| *s == status).map(|(id, _)| *id);
+    let (queued, running, waiting): (Vec<RunId>, Vec<RunId>, Vec<RunId>) =
+        (of(RunStatus::Queued).collect(), of(RunStatus::Running).collect(), of(RunStatus::Waiting).collect());
     let drafts = cancel_queued(&mut tx, &queued).await?;
     flag(&mut tx, &running).await?;
+    for run in &waiting {
+        cancel_waiting(&mut tx, *run).await?;
+    }
     tx.commit().await?;
-    Ok(Some(Stopped { cancelled: queued, cancelling: running, drafts }))
+    let cancelled = queued.into_iter().chain(waiting).collect();
+    Ok(Some(Stopped { cancelled, cancelling: running, drafts }))
 }
 
 /// queued -> cancelled, for [`cancel`] and [`stop_conversation`]: status,
@@ -709,6 +726,36 @@ async fn cancel_queued(tx: &mut Transaction<'_, Postgres>, runs: &[RunId]) -> Re
         notify(&mut **tx, &events_channel(*run), COMPLETE_PAYLOAD).await?;
     }
     Ok(drafts.into_iter().map(|(message_id, content)| Draft { message_id, content }).collect())
+}
+
+/// waiting -> cancelled, for [`cancel`] and [`stop_conversation`], in the
+/// caller's transaction (which holds the row's lock; no one holds the run):
+/// status, `finished_at`, the `complete` event, the text it had streamed kept
+/// as a partial answer (as a client holds it, rollbacks applied), tails told.
+async fn cancel_waiting(tx: &mut Transaction<'_, Postgres>, run: RunId) -> Result<(), sqlx::Error> {
+    let text: String = super::calls::journaled(&mut **tx, run).await?.deltas.into_iter().map(|(_, t)| t).collect();
+    let conversation: ConversationId = sqlx::query_scalar(
+        "UPDATE agent_run SET status = 'cancelled', cancel_requested = true, finished_at = clock_timestamp()
+         WHERE id = $1 AND status = 'waiting' RETURNING conversation_id",
+    )
+    .bind(run)
+    .fetch_one(&mut **tx)
+    .await?;
+    if !text.is_empty() {
+        sqlx::query(
+            "INSERT INTO message (id, conversation_id, run_id, role, content, status)
+             VALUES ($1, $2, $3, 'assistant', $4, $5)",
+        )
+        .bind(MessageId::new())
+        .bind(conversation)
+        .bind(run)
+        .bind(&text)
+        .bind(MessageStatus::Partial)
+        .execute(&mut **tx)
+        .await?;
+    }
+    write_complete(&mut **tx, run, RunStatus::Cancelled, None).await?;
+    notify(&mut **tx, &events_channel(run), COMPLETE_PAYLOAD).await
 }
 
 /// The stop flag (no status change): flags running runs and wakes their

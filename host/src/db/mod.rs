@@ -14,6 +14,8 @@
 //!   journal, and what an earlier attempt journaled.
 //! - [`journal`]: fenced appends, reads from a cursor, a finalizer's
 //!   `complete`, the terminal state tails synthesize from, retention's trim.
+//! - [`suspensions`]: waiting runs (approvals, durable waits): suspend,
+//!   decide, the scheduler's wake.
 //! - [`conversations`]: ownership, transcript order, history, conversation reads.
 //! - [`runs`]: run reads as clients see them.
 //! - [`plugins`]: content-addressed components and the names pointing at them.
@@ -31,6 +33,7 @@ pub mod notify;
 pub mod plugins;
 pub mod runs;
 pub mod status;
+pub mod suspensions;
 pub mod tokens;
 
 use std::str::FromStr;

@@ -25,6 +25,9 @@ pub struct RunView {
     /// Which attempt of the run this is: 1, or more once a resumable run was
     /// resumed after losing its worker.
     pub attempt: i32,
+    /// The tool call a waiting run asks a person to decide:
+    /// `{call_id, tool, args, requested_at, expires_at}`, or null.
+    pub pending_approval: Option<Value>,
     /// Model calls and tokens, once the run has ended (null without a model call).
     pub usage: Option<Value>,
 }
@@ -35,7 +38,13 @@ pub async fn get_run(db: impl PgExecutor<'_>, id: RunId, owner_id: &str) -> Resu
         "SELECT r.id, r.conversation_id, r.status, r.plugin, r.plugin_digest, r.cancel_requested,
                 r.error, r.created_at, r.started_at, r.finished_at,
                 coalesce((SELECT max(seq) FROM run_event e WHERE e.run_id = r.id), 0) AS last_seq,
-                r.attempt, r.usage
+                r.attempt,
+                (SELECT jsonb_build_object('call_id', s.call_index, 'tool', s.tool, 'args', s.args,
+                                           'requested_at', s.requested_at, 'expires_at', s.expires_at)
+                 FROM run_suspension s
+                 WHERE s.run_id = r.id AND s.kind = 'approval' AND s.decision IS NULL AND r.status = 'waiting'
+                 LIMIT 1) AS pending_approval,
+                r.usage
          FROM agent_run r WHERE r.id = $1 AND r.owner_id = $2",
     )
     .bind(id)

@@ -80,8 +80,13 @@ pub enum RunStatus {
     Queued,
     /// Written by the claim. Left only by the claim holder's fenced finalize,
     /// by the run task's backstop (fenced), or by the reaper once the lease
-    /// has lapsed past the grace (re-checked in the write).
+    /// has lapsed past the grace (re-checked in the write); a resumable run
+    /// also by the hand-back (-> queued) and a suspension (-> waiting).
     Running,
+    /// A resumable run suspended until a decision or a time: no lease, no
+    /// worker. Left by a decision or the scheduler (-> queued, resumed by
+    /// replay) or a stop (-> cancelled).
+    Waiting,
     /// Terminal, written by the worker's fenced finalize.
     Completed,
     /// Terminal, written by the worker (agent error, drain timeout), the
@@ -94,6 +99,7 @@ pub enum RunStatus {
 text_enum!(RunStatus {
     Queued => "queued",
     Running => "running",
+    Waiting => "waiting",
     Completed => "completed",
     Failed => "failed",
     Cancelled => "cancelled",

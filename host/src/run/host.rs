@@ -23,12 +23,35 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::db::events::{CONTENT_DELTA, CONTENT_ROLLBACK, RESERVED, RUN_RESUMED};
+use crate::db::suspensions::{Kind as SuspendKind, Suspend};
 use crate::db::RunId;
 use crate::error::{AgentError, FailReason, HostError};
 use crate::run::journal::Journal;
 use crate::run::manifest::Manifest;
-use crate::run::record::{self, Divergence, Next, Recording};
-use crate::tools::{EventSink, ToolCall, ToolRegistry, LLM_TOOL};
+use crate::run::record::{self, Decided, Divergence, Next, Recording};
+use crate::tools::{EventSink, ToolCall, ToolRegistry, LLM_TOOL, WAIT_TOOL};
+
+/// The longest durable wait.
+pub const WAIT_MAX: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// How long the `wait` tool's arguments ask to wait: `{seconds}` (a number
+/// above 0) or `{until}` (an RFC 3339 time), at most [`WAIT_MAX`].
+fn wait_for(args: &Value) -> Result<Duration, HostError> {
+    let invalid = || HostError::Invalid("wait takes {\"seconds\": n} or {\"until\": \"<RFC 3339 time>\"}".into());
+    let d = match (args.get("seconds").and_then(Value::as_f64), args.get("until").and_then(Value::as_str)) {
+        (Some(s), None) if s > 0.0 && s.is_finite() => Duration::from_secs_f64(s.min(WAIT_MAX.as_secs_f64())),
+        (None, Some(until)) => {
+            let until = chrono::DateTime::parse_from_rfc3339(until).map_err(|_| invalid())?;
+            let left = until.with_timezone(&chrono::Utc) - chrono::Utc::now();
+            left.to_std().unwrap_or(Duration::ZERO).max(Duration::from_millis(1))
+        }
+        _ => return Err(invalid()),
+    };
+    if d > WAIT_MAX {
+        return Err(HostError::Invalid(format!("wait at most {} days", WAIT_MAX.as_secs() / 86_400)));
+    }
+    Ok(d)
+}
 
 /// Length of an event kind.
 pub const EVENT_KIND_BYTES_MAX: usize = 64;
@@ -56,6 +79,9 @@ pub struct RunHostParts {
     pub manifest: Manifest,
     /// The call log of a resumable run (`None`: at-most-once, nothing recorded).
     pub recording: Option<Recording>,
+    /// Tools whose calls the run's client asked to wait for approval (its
+    /// config's `require_approval`: more than the manifest, never less).
+    pub require_approval: Vec<String>,
 }
 
 /// The imports of one run. Cheap to clone (a guest's store holds a clone);
@@ -75,6 +101,7 @@ struct Inner {
     tools: ToolRegistry,
     manifest: Manifest,
     recording: Option<Recording>,
+    require_approval: Vec<String>,
     /// Fired when the run must end now with its failure (a replay diverged,
     /// a call's outcome is unknown).
     abort: CancellationToken,
@@ -97,6 +124,8 @@ struct State {
     /// The failure the run must end with, if any (a limit it hit, a replay
     /// that diverged): it ends failed with it whatever the agent does next.
     failure: Option<(FailReason, String)>,
+    /// The run was suspended: it waits, and the worker lets it go.
+    suspended: bool,
 }
 
 impl RunHost {
@@ -111,6 +140,7 @@ impl RunHost {
                 tools: parts.tools,
                 manifest: parts.manifest,
                 recording: parts.recording,
+                require_approval: parts.require_approval,
                 abort: CancellationToken::new(),
                 state: Mutex::new(State::default()),
             }),
@@ -342,10 +372,20 @@ impl RunHost {
             return Err(self.limit(format!("more than {} tool calls", limits.tool_calls_max)));
         }
         let args_text = args;
-        let args: Value =
+        let mut args: Value =
             serde_json::from_str(args).map_err(|e| HostError::Invalid(format!("tool arguments are not JSON: {e}")))?;
+        // A call that waits (for a person, or a time) suspends the run: only
+        // a resumable run can be resumed after it.
+        let suspends = self.suspends(name, &args)?;
+        if suspends.is_some() && self.inner.recording.is_none() {
+            return Err(HostError::Denied(format!(
+                "tool {name:?} waits (for approval or a time), which needs a resumable plugin \
+                 (\"durability\": \"resume\" in its manifest)"
+            )));
+        }
         // The log's say: answer from it, re-issue a call in flight at a
-        // crash, or record a live call before it runs.
+        // crash (or apply the decision it waited for), or record a live call
+        // before it runs.
         let mut recorded = None;
         if let Some(rec) = &self.inner.recording {
             let hash = record::args_hash(args_text);
@@ -354,12 +394,38 @@ impl RunHost {
                 Err(HostError::Limit(m)) => return Err(self.limit(m)),
                 Err(e) => return Err(e),
                 Ok(Next::Answer(call)) => return self.replay_answer(&call, name),
+                Ok(Next::Unknown(call)) if suspends.is_some() => {
+                    rec.retake(call.position).await?;
+                    self.state().ops = ops.max(rec.journaled_op());
+                    match rec.decision(ordinal as i32).cloned() {
+                        // Never suspended (the worker died first): ask now.
+                        None => return self.suspend(call.position, ordinal, name, &args, suspends.unwrap()).await,
+                        Some(Decided::Approve) => {}
+                        Some(Decided::Edit(edited)) => args = edited,
+                        Some(Decided::Reject(reason)) => {
+                            let answer = Err(HostError::Denied(reason));
+                            let ops = self.state().ops;
+                            rec.complete(call.position, ops, &answer).await?;
+                            return answer;
+                        }
+                        Some(Decided::Elapsed) => {
+                            let answer = Ok(json!({ "waited": true }).to_string());
+                            let ops = self.state().ops;
+                            rec.complete(call.position, ops, &answer).await?;
+                            return answer;
+                        }
+                    }
+                    recorded = Some((rec, call.position));
+                }
                 Ok(Next::Unknown(call)) => {
                     self.reissue(&call, name, ordinal).await?;
                     recorded = Some((rec, call.position));
                 }
                 Ok(Next::Live(position)) => {
                     rec.start(position, name, &hash, ops).await?;
+                    if let Some(wait) = suspends {
+                        return self.suspend(position, ordinal, name, &args, wait).await;
+                    }
                     recorded = Some((rec, position));
                 }
             }
@@ -383,6 +449,51 @@ impl RunHost {
         let text = answer?;
         self.check_payload_size("tool answer", "exceeds", text.len())?;
         Ok(text)
+    }
+
+    /// Whether a call of `name` waits, and for what: the durable wait until
+    /// its time, or a person's approval (the manifest, the run's config or the
+    /// operator's tools file says so) until the approval timeout.
+    fn suspends(&self, name: &str, args: &Value) -> Result<Option<(SuspendKind, Duration)>, HostError> {
+        if name == WAIT_TOOL {
+            return wait_for(args).map(|d| Some((SuspendKind::Wait, d)));
+        }
+        let needs = self.inner.manifest.needs_approval(name)
+            || self.inner.require_approval.iter().any(|t| t == name)
+            || self.inner.tools.get(name).is_some_and(|t| t.requires_approval());
+        let timeout = Duration::from_millis(self.inner.manifest.limits.approval_timeout_ms);
+        Ok(needs.then_some((SuspendKind::Approval, timeout)))
+    }
+
+    /// Suspends the run at a recorded call: what was journaled lands, the
+    /// journal closes, and the run goes running -> waiting with its event
+    /// (fenced); the agent is then dropped (its imports refuse meanwhile)
+    /// and the worker's slot released. The run resumes by replay once the
+    /// decision (or the time) comes.
+    async fn suspend(
+        &self,
+        position: i32,
+        ordinal: u64,
+        name: &str,
+        args: &Value,
+        (kind, wait): (SuspendKind, Duration),
+    ) -> Result<String, HostError> {
+        let rec = self.inner.recording.as_ref().expect("a suspension needs a recording");
+        let journal = self.inner.journal.lock().await.take();
+        if let Some(journal) = journal {
+            journal.close().await?;
+        }
+        let s = Suspend { call_index: ordinal as i32, position, kind, tool: name, args, for_secs: wait.as_secs_f64() };
+        rec.suspend(&s).await?;
+        tracing::info!(run_id = %self.inner.run_id, call_index = ordinal, tool = name, ?kind, "run suspended: waiting");
+        self.state().suspended = true;
+        self.inner.abort.cancel();
+        Err(HostError::Fenced)
+    }
+
+    /// Whether the run was suspended (it waits; the worker lets it go).
+    pub fn suspended(&self) -> bool {
+        self.state().suspended
     }
 
     /// A recorded call answered again: its journaled text is the partial

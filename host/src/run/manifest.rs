@@ -17,6 +17,19 @@ pub struct Manifest {
     /// What happens to a run whose worker dies: see [`Durability`].
     #[serde(default)]
     pub durability: Durability,
+    /// Tools whose calls wait for a person's approval (`always`) or not
+    /// (`never`, the default). Needs `"durability": "resume"`: the run is
+    /// suspended while it waits and resumed by replay.
+    #[serde(default)]
+    pub approval: std::collections::BTreeMap<String, Approval>,
+}
+
+/// Whether a tool's calls wait for approval.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Approval {
+    Always,
+    Never,
 }
 
 /// What happens to a run whose worker dies (or whose drain budget runs out).
@@ -52,6 +65,8 @@ pub struct Limits {
     /// Host calls a resumable run may record (tool calls, cancel checks,
     /// clock readings); past it the run ends failed with reason `limit`.
     pub recorded_calls_max: u64,
+    /// How long a call waits for its approval before it is rejected.
+    pub approval_timeout_ms: u64,
 }
 
 pub const MEMORY_BYTES_DEFAULT: u64 = 64 << 20;
@@ -65,6 +80,7 @@ pub const EVENTS_CEILING: u64 = 10_000_000;
 pub const TOOL_CALLS_CEILING: u64 = 100_000;
 pub const TOOL_TIMEOUT_MS_CEILING: u64 = 3_600_000;
 pub const RECORDED_CALLS_CEILING: u64 = 1_000_000;
+pub const APPROVAL_TIMEOUT_MS_CEILING: u64 = 30 * 24 * 3_600_000;
 /// Tools one manifest may name, and the length of a name.
 pub const TOOLS_MAX: usize = 256;
 pub const TOOL_NAME_BYTES_MAX: usize = 64;
@@ -80,6 +96,7 @@ impl Default for Limits {
             tool_calls_max: 1_000,
             tool_timeout_ms: 300_000,
             recorded_calls_max: 100_000,
+            approval_timeout_ms: 24 * 3_600_000,
         }
     }
 }
@@ -100,6 +117,7 @@ impl Manifest {
             ("tool_calls_max", l.tool_calls_max, TOOL_CALLS_CEILING),
             ("tool_timeout_ms", l.tool_timeout_ms, TOOL_TIMEOUT_MS_CEILING),
             ("recorded_calls_max", l.recorded_calls_max, RECORDED_CALLS_CEILING),
+            ("approval_timeout_ms", l.approval_timeout_ms, APPROVAL_TIMEOUT_MS_CEILING),
         ] {
             if v == 0 || v > ceiling {
                 return Err(format!("manifest: limits.{name} must be 1 to {ceiling}, not {v}"));
@@ -111,7 +129,20 @@ impl Manifest {
         if let Some(t) = m.tools.iter().find(|t| t.is_empty() || t.len() > TOOL_NAME_BYTES_MAX) {
             return Err(format!("manifest: tool name {t:?} must be 1-{TOOL_NAME_BYTES_MAX} bytes"));
         }
+        if m.approval.len() > TOOLS_MAX {
+            return Err(format!("manifest: at most {TOOLS_MAX} approval entries, not {}", m.approval.len()));
+        }
+        if m.approval.values().any(|a| *a == Approval::Always) && !m.resumable() {
+            return Err(
+                "manifest: approval needs \"durability\": \"resume\" (a waiting run is resumed by replay)".into()
+            );
+        }
         Ok(m)
+    }
+
+    /// Whether the manifest says calls of `tool` wait for approval.
+    pub fn needs_approval(&self, tool: &str) -> bool {
+        self.approval.get(tool) == Some(&Approval::Always)
     }
 
     /// Whether runs of this plugin are recorded and resumed.
@@ -146,6 +177,11 @@ mod tests {
         assert!(Manifest::parse(&json!({ "durability": "resume" })).unwrap().resumable());
         assert!(!Manifest::parse(&json!({ "durability": "at-most-once" })).unwrap().resumable());
         assert!(!Manifest::parse(&json!({})).unwrap().resumable());
+        let m = Manifest::parse(&json!({ "durability": "resume", "approval": { "send": "always", "look": "never" } }));
+        let m = m.unwrap();
+        assert!(m.needs_approval("send") && !m.needs_approval("look") && !m.needs_approval("other"));
+        let e = Manifest::parse(&json!({ "approval": { "send": "always" } })).unwrap_err();
+        assert!(e.contains("approval needs"), "{e}");
         let e = Manifest::parse(&json!({ "durability": "sometimes" })).unwrap_err();
         assert!(e.contains("expected `at-most-once` or `resume`"), "{e}");
     }

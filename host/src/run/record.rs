@@ -28,6 +28,8 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::db::calls::{self, Call, Journaled};
+pub use crate::db::suspensions::Decided;
+use crate::db::suspensions::{self, Suspend};
 use crate::db::{ClaimToken, RunId};
 use crate::error::HostError;
 
@@ -75,6 +77,8 @@ pub struct RecordingParts {
     pub max: u64,
     /// The run's seed (drawn at its first claim).
     pub seed: uuid::Uuid,
+    /// Decisions on suspended calls, by call index.
+    pub decisions: std::collections::HashMap<i32, Decided>,
 }
 
 /// One run's recording (and, when resumed, its replay).
@@ -87,6 +91,7 @@ pub struct Recording {
     max: u64,
     journaled: Journaled,
     seed: uuid::Uuid,
+    decisions: std::collections::HashMap<i32, Decided>,
     state: Mutex<State>,
 }
 
@@ -123,6 +128,7 @@ impl Recording {
             max: parts.max,
             journaled: parts.journaled,
             seed: parts.seed,
+            decisions: parts.decisions,
             state: Mutex::new(State {
                 replay: parts.log.into(),
                 replayed: 0,
@@ -140,6 +146,19 @@ impl Recording {
 
     pub fn attempt(&self) -> i32 {
         self.attempt
+    }
+
+    /// The decision on the suspended call `call_index`, if one was made.
+    pub fn decision(&self, call_index: i32) -> Option<&Decided> {
+        self.decisions.get(&call_index)
+    }
+
+    /// Suspends the run (running -> waiting, fenced) at a recorded call:
+    /// `Ok` once it waits; `Fenced` when the claim is gone or the write
+    /// kept failing (the run stands down and is resumed from its log).
+    pub async fn suspend(&self, s: &Suspend<'_>) -> Result<(), HostError> {
+        let (pool, run, token) = (&self.pool, self.run_id, self.token);
+        self.retrying(|| suspensions::suspend(pool, run, token, s)).await
     }
 
     /// The seed of the guest's random generators, the same on every attempt.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde::Deserialize;
 
-use super::LLM_TOOL;
+use super::{LLM_TOOL, WAIT_TOOL};
 
 /// The model behind the `llm` tool.
 #[derive(Clone)]
@@ -99,6 +99,10 @@ pub struct WebhookConfig {
     /// it twice.
     #[serde(default)]
     pub idempotent: bool,
+    /// `"always"`: every call waits for a person's approval, whatever the
+    /// plugin's manifest says (`"never"`, the default: as the manifest says).
+    #[serde(default)]
+    pub approval: Option<crate::run::manifest::Approval>,
 }
 
 fn webhook_timeout_ms_default() -> u64 {
@@ -120,6 +124,7 @@ impl fmt::Debug for WebhookConfig {
             .field("headers", &self.headers.keys().collect::<Vec<_>>())
             .field("description", &self.description)
             .field("idempotent", &self.idempotent)
+            .field("approval", &self.approval)
             .finish()
     }
 }
@@ -134,6 +139,9 @@ impl WebhookConfig {
         }
         if self.name == LLM_TOOL {
             return Err(format!("name {LLM_TOOL:?} is the host's model tool"));
+        }
+        if self.name == WAIT_TOOL {
+            return Err(format!("name {WAIT_TOOL:?} is the host's durable wait"));
         }
         check_http_url(&self.url).map_err(|e| format!("url: {e}"))?;
         if !(1..=WEBHOOK_TIMEOUT_MS_MAX).contains(&self.timeout_ms) {

@@ -27,6 +27,9 @@ pub(crate) use llm::usage_of;
 
 /// The model tool's name; no webhook may take it.
 pub const LLM_TOOL: &str = "llm";
+/// The durable wait's name (`{seconds}` or `{until}`): the run host suspends
+/// the run until then; the tool itself never runs. No webhook may take it.
+pub const WAIT_TOOL: &str = "wait";
 /// Bytes of an error message kept in `tool_call_finished`.
 const JOURNAL_ERROR_BYTES_MAX: usize = 500;
 /// Bytes of an error answer's body quoted back in a tool error.
@@ -70,6 +73,25 @@ pub trait Tool: Send + Sync {
     fn idempotent(&self) -> bool {
         false
     }
+    /// Whether the operator says every call of it waits for a person's
+    /// approval (whatever the plugin's manifest says).
+    fn requires_approval(&self) -> bool {
+        false
+    }
+}
+
+/// [`WAIT_TOOL`]: only a name here (the run host suspends the run instead).
+struct Wait;
+
+#[async_trait]
+impl Tool for Wait {
+    async fn call(&self, _call: &ToolCall<'_>, _sink: &dyn EventSink) -> Result<Value, HostError> {
+        Err(HostError::ToolFailed("the wait tool needs a resumable run".into()))
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(1)
+    }
 }
 
 /// The tools of this host, by name.
@@ -89,6 +111,7 @@ impl ToolRegistry {
             None => Arc::new(offline::Offline::new(llm.timeout)),
         };
         registry.insert(LLM_TOOL, model);
+        registry.insert(WAIT_TOOL, Arc::new(Wait));
         let client = http_client()?;
         for w in webhooks {
             let headers = w.check().map_err(|e| format!("webhook {:?}: {e}", w.name))?;
@@ -471,6 +494,7 @@ pub(crate) mod tests {
             headers: Default::default(),
             description: None,
             idempotent: false,
+            approval: None,
         };
         let r = ToolRegistry::from_config(&llm, &[hook("a"), hook("b")]).unwrap();
         assert_eq!(r.names(), ["a", "b", "llm"]);

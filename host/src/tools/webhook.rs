@@ -19,6 +19,7 @@ pub(crate) struct Webhook {
     timeout: Duration,
     max_response_bytes: usize,
     idempotent: bool,
+    approval: bool,
 }
 
 impl Webhook {
@@ -31,6 +32,7 @@ impl Webhook {
             timeout: Duration::from_millis(config.timeout_ms),
             max_response_bytes: usize::try_from(config.max_response_bytes).unwrap_or(usize::MAX),
             idempotent: config.idempotent,
+            approval: config.approval == Some(crate::run::manifest::Approval::Always),
         }
     }
 }
@@ -79,6 +81,10 @@ impl Tool for Webhook {
 
     fn idempotent(&self) -> bool {
         self.idempotent
+    }
+
+    fn requires_approval(&self) -> bool {
+        self.approval
     }
 }
 
@@ -157,6 +163,7 @@ mod tests {
                 headers: [("Authorization".to_string(), "Bearer operator-secret".to_string())].into(),
                 description: None,
                 idempotent: false,
+                approval: None,
             })
             .collect();
         (receiver, registry(&hooks))
@@ -266,6 +273,7 @@ mod tests {
             headers: Default::default(),
             description: None,
             idempotent: false,
+            approval: None,
         };
         let r = registry(&[hook]);
         let e = invoke(&r, &Collect::default(), "gone").await.unwrap_err();

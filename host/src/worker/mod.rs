@@ -208,6 +208,10 @@ pub struct WorkerStats {
     pub replayed_calls: AtomicU64,
     /// Resumed runs that ended failed because the replay diverged.
     pub divergences: AtomicU64,
+    /// Runs this process suspended (waiting for a decision or a time).
+    pub suspended: AtomicU64,
+    /// Waiting runs this process's scheduler put back in the queue.
+    pub woken: AtomicU64,
     /// Runs whose journal retention trimmed.
     pub trimmed: AtomicU64,
     /// Idle waits that ended on the poll tick rather than a wake.

@@ -28,6 +28,9 @@ enum Outcome {
     /// A resumable run went back to the queue (a drain ran out of budget):
     /// another process resumes it.
     HandedBack,
+    /// The run waits (an approval, a durable wait): a decision or the
+    /// scheduler puts it back in the queue.
+    Suspended,
     /// No ending was written and the claim may still be ours.
     Unfinalized(String),
 }
@@ -69,6 +72,9 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                 Outcome::HandedBack => {
                     shared.stats.handed_back.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!("drain budget spent; resumable run handed back to the queue");
+                }
+                Outcome::Suspended => {
+                    shared.stats.suspended.fetch_add(1, Ordering::Relaxed);
                 }
                 Outcome::Unfinalized(reason) => {
                     // The backstop: a run never stays running because its task died.
@@ -139,6 +145,7 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         tools: shared.agents.tools().clone(),
         manifest,
         recording,
+        require_approval: require_approval(&row.config),
     });
     if let Some((attempt, calls)) = host.resumed() {
         shared.stats.resumed.fetch_add(1, Ordering::Relaxed);
@@ -171,7 +178,11 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         biased;
         // The fence tripped (heartbeat or journal found the claim gone): stop at once.
         _ = lost.cancelled() => return Outcome::Lost,
-        _ = host.aborted() => Err(host.failure().expect("an abort has its failure")),
+        _ = host.aborted() => match host.suspended() {
+            // It waits with nothing held: the slot and the sandbox go.
+            true => return Outcome::Suspended,
+            false => Err(host.failure().expect("an abort has its failure")),
+        },
         _ = forced => {
             tracing::warn!(grace_ms = grace.as_millis() as u64, "run ignored its stop past the grace; interrupted");
             Err(AgentError::Interrupted(grace.as_millis() as u64))
@@ -292,8 +303,10 @@ async fn recording(
     lost: &CancellationToken,
     manifest: &crate::run::manifest::Manifest,
 ) -> Result<Recording, sqlx::Error> {
-    let (log, journaled) = if row.attempt > 1 {
-        (db::calls::log(&shared.pool, row.id).await?, db::calls::journaled(&shared.pool, row.id).await?)
+    let (log, journaled, decisions) = if row.attempt > 1 {
+        let mut db = shared.pool.acquire().await?;
+        let log = db::calls::log(&mut *db, row.id).await?;
+        (log, db::calls::journaled(&mut db, row.id).await?, db::suspensions::decided(&mut db, row.id).await?)
     } else {
         Default::default()
     };
@@ -307,6 +320,7 @@ async fn recording(
         journaled,
         max: manifest.limits.recorded_calls_max,
         seed: row.seed,
+        decisions: decisions.into_iter().collect(),
     }))
 }
 
@@ -340,4 +354,11 @@ async fn hand_back(shared: &Shared, row: &ClaimedRun, host: &RunHost) -> Outcome
             Outcome::Lost
         }
     }
+}
+
+/// The run config's `require_approval`: tool names whose calls wait for a
+/// person's approval on this run (more than the manifest asks, never less).
+fn require_approval(config: &serde_json::Value) -> Vec<String> {
+    let names = config.get("require_approval").and_then(serde_json::Value::as_array);
+    names.into_iter().flatten().filter_map(|n| n.as_str().map(str::to_string)).take(256).collect()
 }

@@ -1,0 +1,103 @@
+//! Approvals: the caller's pending ones, and a decision on one (which puts
+//! the waiting run back in the queue, once).
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::db::suspensions::{self, DecideError, Decision, PENDING_PAGE_MAX};
+use crate::db::RunId;
+use crate::service::storable;
+
+use super::paging::PageQuery;
+use super::{ApiError, ApiJson, ApiQuery, AppState, Auth};
+
+/// A reason's length, at most.
+const REASON_CHARS_MAX: usize = 2000;
+
+/// `GET /v1/approvals?limit&after`: the caller's pending approvals, oldest first.
+pub async fn list_approvals(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    ApiQuery(q): ApiQuery<PageQuery>,
+) -> Result<impl IntoResponse, ApiError> {
+    let page = q.page(PENDING_PAGE_MAX as usize)?;
+    let after = match page.after_as::<String>()? {
+        None => None,
+        Some(key) => {
+            let bad = || ApiError::bad_request("after must be a next_cursor this list answered");
+            let (run, call) = key.split_once(':').ok_or_else(bad)?;
+            Some((run.parse::<RunId>().map_err(|_| bad())?, call.parse::<i32>().map_err(|_| bad())?))
+        }
+    };
+    let mut rows = suspensions::pending(&state.pool, &p.user_id, page.fetch(), after).await?;
+    let next_cursor = page.finish(&mut rows, |a| format!("{}:{}", a.run_id, a.call_id));
+    Ok(Json(json!({ "approvals": rows, "next_cursor": next_cursor })))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecisionBody {
+    decision: String,
+    #[serde(default)]
+    args: Option<Value>,
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// `POST /v1/runs/{id}/approvals/{call_id}` `{decision: approve|reject|edit,
+/// args?, reason?}`: recorded once, with the run re-queued in the same
+/// transaction; a second decision answers 409 with the first.
+pub async fn decide(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    Path((run, call)): Path<(String, String)>,
+    ApiJson(body): ApiJson<DecisionBody>,
+) -> Result<Response, ApiError> {
+    let run: RunId = run.parse().map_err(|_| ApiError::bad_request(format!("run id {run:?} is not a UUID")))?;
+    let call: i32 = call
+        .parse()
+        .ok()
+        .filter(|c| *c >= 1)
+        .ok_or_else(|| ApiError::bad_request(format!("call id {call:?} is not a tool call's number")))?;
+    match (body.decision.as_str(), &body.args) {
+        ("approve" | "reject", None) => {}
+        ("edit", Some(Value::Object(_))) => {}
+        ("edit", _) => return Err(ApiError::invalid("an edit needs args, a JSON object the call runs with")),
+        ("approve" | "reject", Some(_)) => return Err(ApiError::invalid("only an edit takes args")),
+        (other, _) => {
+            return Err(ApiError::invalid(format!("decision must be approve, reject or edit, not {other:?}")))
+        }
+    }
+    let unstorable = |e: storable::Unstorable| ApiError::invalid(e.to_string());
+    if let Some(args) = &body.args {
+        storable::json("args", args).map_err(unstorable)?;
+    }
+    if let Some(reason) = &body.reason {
+        storable::text("reason", reason).map_err(unstorable)?;
+        if reason.chars().count() > REASON_CHARS_MAX {
+            return Err(ApiError::invalid(format!("reason is at most {REASON_CHARS_MAX} characters")));
+        }
+    }
+    let reason = match (body.decision.as_str(), body.reason.as_deref()) {
+        ("reject", None) => Some("rejected by the approver"),
+        (_, r) => r,
+    };
+    let d = Decision { decision: &body.decision, args: body.args.as_ref(), reason, decided_by: &p.user_id };
+    match suspensions::decide(&state.pool, run, &p.user_id, call, &d).await {
+        Ok(view) => {
+            Ok((StatusCode::OK, Json(json!({ "run_id": run, "status": "queued", "decision": view }))).into_response())
+        }
+        Err(DecideError::NotFound) => Err(ApiError::not_found(format!("approval {call} of run {run}"))),
+        Err(DecideError::Decided(first)) => {
+            let error =
+                json!({ "code": "conflict", "message": format!("approval {call} of run {run} was decided already") });
+            Ok((StatusCode::CONFLICT, Json(json!({ "error": error, "decision": first }))).into_response())
+        }
+        Err(DecideError::NotWaiting(m)) => Err(ApiError::conflict(m)),
+        Err(DecideError::Db(e)) => Err(e.into()),
+    }
+}

@@ -1,0 +1,321 @@
+//! Suspended runs (`run_suspension`): a resumable run whose agent called a
+//! tool that needs approval, or the durable `wait` tool, waits with nothing
+//! held. Every transition here goes through [`super::lifecycle`]'s table:
+//! running -> waiting ([`suspend`], fenced, by the run's holder), waiting ->
+//! queued ([`decide`] by a person, [`wake_due`] by the scheduler), and
+//! waiting -> cancelled (a stop, in `lifecycle`).
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::{json, Value};
+use sqlx::{PgConnection, PgExecutor, PgPool};
+
+use super::events::{APPROVAL_DECIDED, APPROVAL_REQUESTED, WAIT_ELAPSED, WAIT_STARTED};
+use super::journal::write_event;
+use super::notify::{events_channel, notify, RUN_ENQUEUED};
+use super::{ClaimToken, ConversationId, RunId};
+
+/// What a run is suspended for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Approval,
+    Wait,
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Approval => "approval",
+            Kind::Wait => "wait",
+        }
+    }
+}
+
+/// A suspension as the run's holder asks for it.
+#[derive(Debug, Clone)]
+pub struct Suspend<'a> {
+    pub call_index: i32,
+    pub position: i32,
+    pub kind: Kind,
+    pub tool: &'a str,
+    pub args: &'a Value,
+    /// Until the approval times out, or the wait ends.
+    pub for_secs: f64,
+}
+
+/// running -> waiting, for the run's holder (fenced): the suspension, the
+/// status (no lease) and its event (`approval_requested` or `wait_started`,
+/// at max(seq)+1: the holder's journal is closed) in one transaction, and
+/// the tails told. Returns false when fenced.
+pub async fn suspend(pool: &PgPool, run: RunId, token: ClaimToken, s: &Suspend<'_>) -> Result<bool, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let suspended: Option<ConversationId> = sqlx::query_scalar(
+        "UPDATE agent_run SET status = 'waiting', waits = waits + 1, claim_expires_at = NULL, last_heartbeat_at = NULL
+         WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
+         RETURNING conversation_id",
+    )
+    .bind(run)
+    .bind(token)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if suspended.is_none() {
+        return Ok(false);
+    }
+    let (requested_at, expires_at): (DateTime<Utc>, DateTime<Utc>) = sqlx::query_as(
+        "INSERT INTO run_suspension (run_id, call_index, position, kind, tool, args, expires_at)
+         VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7))
+         RETURNING requested_at, expires_at",
+    )
+    .bind(run)
+    .bind(s.call_index)
+    .bind(s.position)
+    .bind(s.kind.as_str())
+    .bind(s.tool)
+    .bind(s.args)
+    .bind(s.for_secs)
+    .fetch_one(&mut *tx)
+    .await?;
+    let (kind, payload) = match s.kind {
+        Kind::Approval => (
+            APPROVAL_REQUESTED,
+            json!({ "call_id": s.call_index, "tool": s.tool, "args": s.args,
+                    "requested_at": requested_at, "expires_at": expires_at }),
+        ),
+        Kind::Wait => (WAIT_STARTED, json!({ "call_id": s.call_index, "until": expires_at })),
+    };
+    write_event(&mut *tx, run, kind, &payload).await?;
+    notify(&mut *tx, &events_channel(run), "suspended").await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// A decision on a suspended call, as the resumed attempt applies it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decided {
+    Approve,
+    /// Approved with other arguments (a JSON object).
+    Edit(Value),
+    Reject(String),
+    /// A wait whose time came.
+    Elapsed,
+}
+
+/// The decided suspensions of a run, by call index.
+pub async fn decided(db: &mut PgConnection, run: RunId) -> Result<Vec<(i32, Decided)>, sqlx::Error> {
+    let rows: Vec<(i32, String, Option<Value>, Option<String>)> = sqlx::query_as(
+        "SELECT call_index, decision, decided_args, reason FROM run_suspension
+         WHERE run_id = $1 AND decision IS NOT NULL",
+    )
+    .bind(run)
+    .fetch_all(db)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(i, decision, args, reason)| {
+            let d = match decision.as_str() {
+                "approve" => Decided::Approve,
+                "edit" => Decided::Edit(args.unwrap_or_else(|| json!({}))),
+                "elapsed" => Decided::Elapsed,
+                _ => Decided::Reject(reason.unwrap_or_else(|| "rejected".into())),
+            };
+            (i, d)
+        })
+        .collect())
+}
+
+/// A pending approval, as the approver sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct Pending {
+    pub run_id: RunId,
+    pub conversation_id: ConversationId,
+    pub call_id: i32,
+    pub tool: String,
+    pub args: Value,
+    pub requested_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+}
+
+/// Pending approvals a page of [`pending`] holds at most.
+pub const PENDING_PAGE_MAX: i64 = 1000;
+
+/// The pending approvals of `owner_id`'s runs, oldest first, after the one
+/// `(run, call)` last seen.
+pub async fn pending(
+    db: impl PgExecutor<'_>,
+    owner_id: &str,
+    limit: i64,
+    after: Option<(RunId, i32)>,
+) -> Result<Vec<Pending>, sqlx::Error> {
+    let (run, call) = after.unzip();
+    sqlx::query_as(
+        "SELECT s.run_id, r.conversation_id, s.call_index AS call_id, s.tool, s.args, s.requested_at, s.expires_at
+         FROM run_suspension s JOIN agent_run r ON r.id = s.run_id
+         WHERE r.owner_id = $1 AND r.status = 'waiting' AND s.kind = 'approval' AND s.decision IS NULL
+           AND ($3::uuid IS NULL OR (s.requested_at, s.run_id, s.call_index) >
+                (SELECT a.requested_at, a.run_id, a.call_index FROM run_suspension a
+                 WHERE a.run_id = $3 AND a.call_index = $4))
+         ORDER BY s.requested_at, s.run_id, s.call_index
+         LIMIT $2",
+    )
+    .bind(owner_id)
+    .bind(limit)
+    .bind(run)
+    .bind(call)
+    .fetch_all(db)
+    .await
+}
+
+/// A person's decision.
+#[derive(Debug, Clone)]
+pub struct Decision<'a> {
+    /// `approve`, `reject` or `edit`.
+    pub decision: &'a str,
+    /// The arguments an `edit` runs the call with (a JSON object).
+    pub args: Option<&'a Value>,
+    pub reason: Option<&'a str>,
+    pub decided_by: &'a str,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DecideError {
+    #[error("not found")]
+    NotFound,
+    /// Decided already: the first decision stands.
+    #[error("already decided")]
+    Decided(Value),
+    /// The run is not waiting for it (ended, or never suspended there).
+    #[error("{0}")]
+    NotWaiting(String),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+/// The decision as clients see it (and as `approval_decided` carries it).
+fn decision_view(call: i32, decision: &str, args: Option<&Value>, reason: Option<&str>, at: DateTime<Utc>) -> Value {
+    let mut v = json!({ "call_id": call, "decision": decision, "decided_at": at });
+    if let Some(args) = args {
+        v["args"] = args.clone();
+    }
+    if let Some(reason) = reason {
+        v["reason"] = json!(reason);
+    }
+    v
+}
+
+/// waiting -> queued, for `POST /v1/runs/{id}/approvals/{call_id}`: records
+/// the decision once (a second answers [`DecideError::Decided`] with the
+/// first) in the transaction that re-queues the run as a new attempt,
+/// journals `approval_decided` and wakes the claimers.
+pub async fn decide(
+    pool: &PgPool,
+    run: RunId,
+    owner_id: &str,
+    call_index: i32,
+    d: &Decision<'_>,
+) -> Result<Value, DecideError> {
+    let mut tx = pool.begin().await?;
+    let locked: Option<(super::RunStatus, ConversationId)> =
+        sqlx::query_as("SELECT status, conversation_id FROM agent_run WHERE id = $1 AND owner_id = $2 FOR UPDATE")
+            .bind(run)
+            .bind(owner_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    let (status, conversation) = locked.ok_or(DecideError::NotFound)?;
+    type Row = (Option<String>, Option<Value>, Option<String>, Option<DateTime<Utc>>, String);
+    let row: Option<Row> = sqlx::query_as(
+        "SELECT decision, decided_args, reason, decided_at, kind FROM run_suspension
+         WHERE run_id = $1 AND call_index = $2 FOR UPDATE",
+    )
+    .bind(run)
+    .bind(call_index)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((first, first_args, first_reason, first_at, kind)) = row else {
+        return Err(DecideError::NotFound);
+    };
+    if kind != "approval" {
+        return Err(DecideError::NotFound);
+    }
+    if let (Some(first), Some(at)) = (first, first_at) {
+        return Err(DecideError::Decided(decision_view(
+            call_index,
+            &first,
+            first_args.as_ref(),
+            first_reason.as_deref(),
+            at,
+        )));
+    }
+    if status != super::RunStatus::Waiting {
+        return Err(DecideError::NotWaiting(format!("run {run} is {status}, not waiting for a decision")));
+    }
+    let at: DateTime<Utc> = sqlx::query_scalar(
+        "UPDATE run_suspension SET decision = $3, decided_args = $4, reason = $5, decided_at = now(), decided_by = $6
+         WHERE run_id = $1 AND call_index = $2 RETURNING decided_at",
+    )
+    .bind(run)
+    .bind(call_index)
+    .bind(d.decision)
+    .bind(d.args)
+    .bind(d.reason)
+    .bind(d.decided_by)
+    .fetch_one(&mut *tx)
+    .await?;
+    requeue_waiting(&mut tx, run, conversation).await?;
+    let view = decision_view(call_index, d.decision, d.args, d.reason, at);
+    write_event(&mut *tx, run, APPROVAL_DECIDED, &view).await?;
+    notify(&mut *tx, &events_channel(run), "decided").await?;
+    tx.commit().await?;
+    Ok(view)
+}
+
+async fn requeue_waiting(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    run: RunId,
+    conversation: ConversationId,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE agent_run SET status = 'queued', attempt = attempt + 1 WHERE id = $1 AND status = 'waiting'")
+        .bind(run)
+        .execute(&mut **tx)
+        .await?;
+    notify(&mut **tx, RUN_ENQUEUED, &conversation.to_string()).await
+}
+
+/// waiting -> queued, for the scheduler (the reaper's periodic loop, on
+/// every process): suspensions whose time came (an approval's timeout
+/// rejects it; a wait has elapsed), at most `limit`, each with its event and
+/// the wake. Rows another process is deciding are skipped. Returns the runs
+/// woken.
+pub async fn wake_due(pool: &PgPool, limit: i64) -> Result<Vec<RunId>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let due: Vec<(RunId, ConversationId, i32, String)> = sqlx::query_as(
+        "SELECT s.run_id, r.conversation_id, s.call_index, s.kind
+         FROM run_suspension s JOIN agent_run r ON r.id = s.run_id
+         WHERE s.decision IS NULL AND s.expires_at <= now() AND r.status = 'waiting'
+         ORDER BY s.expires_at LIMIT $1
+         FOR UPDATE OF s, r SKIP LOCKED",
+    )
+    .bind(limit)
+    .fetch_all(&mut *tx)
+    .await?;
+    for (run, conversation, call, kind) in &due {
+        let (decision, reason, event) = match kind.as_str() {
+            "wait" => ("elapsed", None, WAIT_ELAPSED),
+            _ => ("reject", Some("the approval timed out"), APPROVAL_DECIDED),
+        };
+        let at: DateTime<Utc> = sqlx::query_scalar(
+            "UPDATE run_suspension SET decision = $3, reason = $4, decided_at = now(), decided_by = 'timeout'
+             WHERE run_id = $1 AND call_index = $2 RETURNING decided_at",
+        )
+        .bind(run)
+        .bind(call)
+        .bind(decision)
+        .bind(reason)
+        .fetch_one(&mut *tx)
+        .await?;
+        requeue_waiting(&mut tx, *run, *conversation).await?;
+        write_event(&mut *tx, *run, event, &decision_view(*call, decision, None, reason, at)).await?;
+        notify(&mut *tx, &events_channel(*run), "decided").await?;
+    }
+    tx.commit().await?;
+    Ok(due.into_iter().map(|d| d.0).collect())
+}

@@ -1,0 +1,302 @@
+//! A person in the loop, with real processes: a resumable run whose agent
+//! calls a tool that needs approval waits (status `waiting`) with nothing
+//! held, across restarts of every host; a decision puts it back in the queue
+//! and it resumes by replay; the approved tool runs exactly once (with the
+//! edited arguments when edited), a rejection answers the agent `denied`;
+//! decisions are made once; timeouts reject; a stop cancels at once; the
+//! conversation's next turn waits; the durable `wait` tool suspends the same
+//! way and wakes on time.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use agent_host::db::RunId;
+use nix::sys::signal::Signal;
+use serde_json::{json, Value};
+use support::durable::*;
+use support::process::HostProcess;
+use support::*;
+
+/// The chat plugin over the offline model (which calls the first offered
+/// tool with `{"input": <the message>}`), its `send` tool needing approval.
+async fn chat_env(approval_timeout_ms: u64, extra: &[&str]) -> Env {
+    let manifest = json!({
+        "tools": ["llm", "send"],
+        "durability": "resume",
+        "approval": { "send": "always" },
+        "limits": { "approval_timeout_ms": approval_timeout_ms },
+    });
+    Env::with_manifest("chat", "chat", &manifest, true, extra).await
+}
+
+fn send_offered() -> Value {
+    json!({ "tools": [{ "name": "send", "description": "send it", "parameters": { "type": "object" } }] })
+}
+
+async fn decide(env: &Env, host: &HostProcess, run: RunId, call: i64, body: Value) -> (u16, Value) {
+    let res = reqwest::Client::new()
+        .post(format!("http://{}/v1/runs/{run}/approvals/{call}", host.addr))
+        .bearer_auth(&env.token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    (res.status().as_u16(), res.json().await.unwrap())
+}
+
+async fn wait_waiting(env: &Env, host: &HostProcess, run: RunId) -> Value {
+    wait_status(&env.db.pool, run, "waiting", LONG).await;
+    let view = env.view(host, run).await;
+    assert_eq!(view["status"], "waiting", "{view}");
+    view["pending_approval"].clone()
+}
+
+async fn metric(host: &HostProcess, name: &str) -> f64 {
+    let text = reqwest::get(format!("http://{}/metrics", host.addr)).await.unwrap().text().await.unwrap();
+    let line = text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{name}: {text}"));
+    line.split(' ').nth(1).unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approved_and_edited_calls_run_once_after_every_host_restarted() {
+    let env = chat_env(3_600_000, &[]).await;
+    let a = env.spawn("A");
+    let approve = env.post(&a, "chat", "send the report", send_offered()).await;
+    let edit = env.post(&a, "chat", "send the draft", send_offered()).await;
+    let pending = wait_waiting(&env, &a, approve).await;
+    assert_eq!(pending["tool"], "send");
+    assert_eq!(pending["args"], json!({ "input": "send the report" }));
+    let call = pending["call_id"].as_i64().unwrap();
+    wait_waiting(&env, &a, edit).await;
+    // Nothing is held while they wait.
+    assert_eq!(metric(&a, "agent_host_runs_in_flight").await, 0.0);
+    assert_eq!(metric(&a, "agent_host_sandboxes_live").await, 0.0);
+    assert_eq!(metric(&a, "agent_host_runs_waiting").await, 2.0);
+    let listed: Value = reqwest::Client::new()
+        .get(format!("http://{}/v1/approvals", a.addr))
+        .bearer_auth(&env.token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed["approvals"].as_array().unwrap().len(), 2, "{listed}");
+    assert!(env.receiver.args.lock().unwrap().is_empty(), "nothing was sent before the approval");
+
+    // Every host process goes; new ones come.
+    a.signal(Signal::SIGKILL);
+    drop(a);
+    let b = env.spawn("B");
+    let c = env.spawn("C");
+    let (code, body) = decide(&env, &b, approve, call, json!({ "decision": "approve" })).await;
+    assert_eq!(code, 200, "{body}");
+    let edited = json!({ "input": "send the final version" });
+    let (code, body) = decide(&env, &c, edit, call, json!({ "decision": "edit", "args": edited })).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(wait_terminal(&env.db.pool, approve, LONG).await, "completed");
+    assert_eq!(wait_terminal(&env.db.pool, edit, LONG).await, "completed");
+
+    let sent = env.receiver.args.lock().unwrap().clone();
+    assert_eq!(sent.len(), 2, "each approved call ran exactly once: {sent:?}");
+    assert!(sent.contains(&("send".to_string(), json!({ "input": "send the report" }))), "{sent:?}");
+    assert!(sent.contains(&("send".to_string(), edited.clone())), "{sent:?}");
+    let answer = env.assistant(approve).await;
+    assert!(answer.starts_with("Offline reply to: send the report") && answer.contains("Tool send said"), "{answer}");
+    let view = env.view(&b, approve).await;
+    assert_eq!(view["attempt"], 2);
+    assert_eq!(view["pending_approval"], Value::Null);
+    let kinds: Vec<String> = journal(&env.db.pool, edit).await.into_iter().map(|(_, k)| k).collect();
+    let at = |k: &str| kinds.iter().position(|x| x == k).unwrap_or_else(|| panic!("{k} in {kinds:?}"));
+    assert!(at("approval_requested") < at("approval_decided") && at("approval_decided") < at("run_resumed"));
+    let decided = journal_payloads(&env.db.pool, edit).await.into_iter().find(|e| e.1 == "approval_decided").unwrap().2;
+    assert_eq!((decided["decision"].clone(), decided["args"].clone()), (json!("edit"), edited));
+    assert_journal_sound(&env.db.pool, approve).await;
+    assert_journal_sound(&env.db.pool, edit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_call_answers_denied_and_the_agent_finishes() {
+    let env = chat_env(3_600_000, &[]).await;
+    let a = env.spawn("A");
+    let run = env.post(&a, "chat", "send it", send_offered()).await;
+    let call = wait_waiting(&env, &a, run).await["call_id"].as_i64().unwrap();
+    let (code, body) = decide(&env, &a, run, call, json!({ "decision": "reject", "reason": "not today" })).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(wait_terminal(&env.db.pool, run, LONG).await, "completed");
+    let answer = env.assistant(run).await;
+    assert!(answer.contains("denied") && answer.contains("not today"), "{answer}");
+    assert!(env.receiver.args.lock().unwrap().is_empty(), "a rejected call is never made");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_concurrent_decisions_on_one_call_one_wins_the_other_gets_409_with_it() {
+    let env = chat_env(3_600_000, &[]).await;
+    let a = env.spawn("A");
+    let run = env.post(&a, "chat", "send it", send_offered()).await;
+    let call = wait_waiting(&env, &a, run).await["call_id"].as_i64().unwrap();
+    let (approve, reject) = tokio::join!(
+        decide(&env, &a, run, call, json!({ "decision": "approve" })),
+        decide(&env, &a, run, call, json!({ "decision": "reject", "reason": "no" })),
+    );
+    let mut codes = [approve.0, reject.0];
+    codes.sort();
+    assert_eq!(codes, [200, 409], "{approve:?} {reject:?}");
+    let (won, lost) = if approve.0 == 200 { (approve, reject) } else { (reject, approve) };
+    assert_eq!(lost.1["decision"]["decision"], won.1["decision"]["decision"], "the 409 carries the first: {lost:?}");
+    assert_eq!(lost.1["error"]["code"], "conflict");
+    assert_eq!(wait_terminal(&env.db.pool, run, LONG).await, "completed");
+    // And once more, after the run ended: still the first decision.
+    let (code, again) = decide(&env, &a, run, call, json!({ "decision": "approve" })).await;
+    assert_eq!((code, again["decision"]["decision"].clone()), (409, won.1["decision"]["decision"].clone()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_that_never_comes_times_out_as_a_rejection() {
+    let env = chat_env(500, &[]).await;
+    let a = env.spawn("A");
+    let run = env.post(&a, "chat", "send it", send_offered()).await;
+    assert_eq!(wait_terminal(&env.db.pool, run, LONG).await, "completed");
+    let answer = env.assistant(run).await;
+    assert!(answer.contains("the approval timed out"), "{answer}");
+    let decided = journal_payloads(&env.db.pool, run).await.into_iter().find(|e| e.1 == "approval_decided").unwrap().2;
+    assert_eq!(decided["decision"], "reject");
+    assert!(env.receiver.args.lock().unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_cancels_a_waiting_run_at_once_and_the_next_turn_waits_behind_a_waiting_one() {
+    let env = chat_env(3_600_000, &[]).await;
+    let a = env.spawn("A");
+    let first = env.post(&a, "chat", "send one", send_offered()).await;
+    wait_waiting(&env, &a, first).await;
+    let conversation = env.view(&a, first).await["conversation_id"].as_str().unwrap().to_string();
+    let next: Value = reqwest::Client::new()
+        .post(format!("http://{}/v1/conversations/{conversation}/runs", a.addr))
+        .bearer_auth(&env.token)
+        .json(&json!({ "plugin": "chat", "content": "send two", "config": send_offered() }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let next: RunId = next["run_id"].as_str().unwrap().parse().unwrap();
+    // The waiting turn is the conversation's active one: the next stays queued.
+    let started = Instant::now();
+    wait_for("a few claim rounds", LONG, || async { metric(&a, "agent_host_claim_rounds_total").await >= 3.0 }).await;
+    assert_eq!(status(&env.db.pool, next).await, "queued", "{:?} after the first waited", started.elapsed());
+
+    // Approve the first: it completes, then the next starts (and waits in turn).
+    let call = env.view(&a, first).await["pending_approval"]["call_id"].as_i64().unwrap();
+    decide(&env, &a, first, call, json!({ "decision": "approve" })).await;
+    assert_eq!(wait_terminal(&env.db.pool, first, LONG).await, "completed");
+    wait_waiting(&env, &a, next).await;
+    type Stamp = chrono::DateTime<chrono::Utc>;
+    let (ended, began): (Stamp, Stamp) = sqlx::query_as(
+        "SELECT (SELECT finished_at FROM agent_run WHERE id = $1), (SELECT started_at FROM agent_run WHERE id = $2)",
+    )
+    .bind(first)
+    .bind(next)
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert!(began > ended, "the next turn started at {began}, before the first ended at {ended}");
+
+    // A stop while waiting cancels at once: nobody holds the run.
+    let res = reqwest::Client::new()
+        .post(format!("http://{}/v1/runs/{next}/cancel", a.addr))
+        .bearer_auth(&env.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 202);
+    let body: Value = res.json().await.unwrap();
+    assert_eq!(body["status"], "cancelled", "{body}");
+    assert_eq!(status(&env.db.pool, next).await, "cancelled");
+    assert_eq!(env.view(&a, next).await["pending_approval"], Value::Null);
+    assert_journal_sound(&env.db.pool, next).await;
+    assert!(env.receiver.args.lock().unwrap().len() == 1, "only the approved call ran");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_wait_survives_a_restart_of_every_host_and_wakes_on_time() {
+    let manifest = json!({ "tools": ["wait"], "durability": "resume" });
+    let env = Env::with_manifest("waiter", "fixtures", &manifest, true, &[]).await;
+    let a = env.spawn("A");
+    let run = env.post(&a, "waiter", "wait", json!({ "mode": "wait", "seconds": 2 })).await;
+    wait_status(&env.db.pool, run, "waiting", LONG).await;
+    let until: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT expires_at FROM run_suspension WHERE run_id = $1")
+            .bind(run)
+            .fetch_one(&env.db.pool)
+            .await
+            .unwrap();
+    a.signal(Signal::SIGKILL);
+    drop(a);
+    let b = env.spawn("B");
+    assert_eq!(wait_terminal(&env.db.pool, run, LONG).await, "completed");
+    let (woke, resumed): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) = sqlx::query_as(
+        "SELECT (SELECT decided_at FROM run_suspension WHERE run_id = $1),
+                (SELECT created_at FROM run_event WHERE run_id = $1 AND type = 'run_resumed')",
+    )
+    .bind(run)
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    let late = (woke - until).to_std().expect("woken after its time");
+    eprintln!("woken {late:?} after its time; resumed {:?} after", (resumed - until).to_std().unwrap());
+    // Within the reaper interval (100 ms here), with room for a busy machine.
+    assert!(late < Duration::from_millis(1_000), "woken {late:?} late");
+    let answer = env.assistant(run).await;
+    // The clock readings replayed: the answer's "before" is the first attempt's.
+    let times: Vec<f64> = answer.split(' ').filter_map(|w| w.parse().ok()).collect();
+    assert_eq!(times.len(), 2, "{answer}");
+    assert!(times[1] - times[0] >= 2.0, "{answer}");
+    let kinds: Vec<String> = journal(&env.db.pool, run).await.into_iter().map(|(_, k)| k).collect();
+    assert!(kinds.contains(&"wait_started".to_string()) && kinds.contains(&"wait_elapsed".to_string()), "{kinds:?}");
+    drop(b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_waiting_runs_hold_no_slot_no_sandbox_and_little_memory() {
+    let env = chat_env(3_600_000, &["--max-runs", "32"]).await;
+    let a = env.spawn("A");
+    // Warm up: one run through its wait and its decision.
+    let warm = env.post(&a, "chat", "warm up", send_offered()).await;
+    let call = wait_waiting(&env, &a, warm).await["call_id"].as_i64().unwrap();
+    decide(&env, &a, warm, call, json!({ "decision": "approve" })).await;
+    assert_eq!(wait_terminal(&env.db.pool, warm, LONG).await, "completed");
+    let idle = rss_bytes(&a);
+
+    let mut runs = Vec::new();
+    for i in 0..1000 {
+        runs.push(env.post(&a, "chat", &format!("send {i}"), send_offered()).await);
+    }
+    wait_for("1,000 runs waiting", 2 * LONG, || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'waiting'")
+            .fetch_one(&env.db.pool)
+            .await
+            .unwrap();
+        n == 1000
+    })
+    .await;
+    assert_eq!(metric(&a, "agent_host_runs_in_flight").await, 0.0);
+    assert_eq!(metric(&a, "agent_host_sandboxes_live").await, 0.0);
+    assert_eq!(metric(&a, "agent_host_runs_waiting").await, 1000.0);
+    let waiting = rss_bytes(&a);
+    eprintln!("resident memory: idle {idle} bytes, with 1,000 runs waiting {waiting} bytes");
+    assert!(waiting as f64 <= idle as f64 * 1.10, "idle {idle} bytes, 1,000 waiting {waiting} bytes");
+}
+
+/// A process's resident memory.
+fn rss_bytes(host: &HostProcess) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", host.child.id())).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
