@@ -12,20 +12,22 @@ use anyhow::Context;
 use serde_json::Value;
 use sqlx::PgPool;
 
-pub use agent_host::agent::{Agent, AgentError, AgentRegistry, Components, RunHost, RunInput};
+pub use agent_host::agent::{Agent, AgentError, AgentRegistry, Components, HostError, RunHost, RunInput};
 pub use agent_host::api::{router, AppState};
 pub use agent_host::config::{DbArgs, ServeArgs};
 pub use agent_host::db::enqueue::Enqueued;
-pub use agent_host::db::events::{CONTENT_DELTA, ENQUEUE_SEQS, RUN_QUEUED, USER_MESSAGE_CREATED};
+pub use agent_host::db::events::{CONTENT_DELTA, ENQUEUE_SEQS, RUN_QUEUED, RUN_RESUMED, USER_MESSAGE_CREATED};
 pub use agent_host::db::lifecycle::ClaimedRun;
 pub use agent_host::db::notify::events_channel;
 pub use agent_host::db::{MessageStatus, RunId, RunStatus};
 pub use agent_host::error::FailReason;
 pub use agent_host::hub::Hub;
 pub use agent_host::run::journal::FLUSH_DEFAULT as JOURNAL_FLUSH_DEFAULT;
-pub use agent_host::sandbox::{Manifest, Sandbox};
+pub use agent_host::run::manifest::TOOL_CALLS_CEILING;
+pub use agent_host::sandbox::{Manifest, Sandbox, INSTANCES_MAX};
 pub use agent_host::server::{connect_and_migrate, open_database, serve};
 pub use agent_host::stream::decode::SseDecoder;
+pub use agent_host::tools::{EventSink, Tool, ToolCall, ToolRegistry};
 pub use agent_host::worker::{Worker, WorkerConfig};
 
 use agent_host::db::{self, enqueue, journal, lifecycle, runs};
@@ -46,6 +48,19 @@ pub async fn enqueue(
     plugin_digest: Option<&str>,
     config: &Value,
 ) -> anyhow::Result<Enqueued> {
+    enqueue_pinned(pool, content, plugin, plugin_digest, None, config).await
+}
+
+/// [`enqueue`] with a manifest pinned on the run (a resumable built-in's:
+/// `{"durability": "resume"}`), as the API pins a registered plugin's.
+pub async fn enqueue_pinned(
+    pool: &PgPool,
+    content: &str,
+    plugin: &str,
+    plugin_digest: Option<&str>,
+    plugin_manifest: Option<&Value>,
+    config: &Value,
+) -> anyhow::Result<Enqueued> {
     let owner = owner();
     let new = enqueue::NewRun {
         owner: &owner,
@@ -53,7 +68,7 @@ pub async fn enqueue(
         content,
         plugin,
         plugin_digest,
-        plugin_manifest: None,
+        plugin_manifest,
         config,
         request: config,
         idempotency_key: None,
@@ -106,6 +121,11 @@ pub async fn cancel(pool: &PgPool, run: RunId) -> Result<(), sqlx::Error> {
 /// Journal rows of `kind` in the run's first `limit` events.
 pub async fn journal_rows(pool: &PgPool, run: RunId, kind: &str, limit: i64) -> Result<usize, sqlx::Error> {
     Ok(journal::events_after(pool, run, 0, limit).await?.iter().filter(|e| e.kind == kind).count())
+}
+
+/// Whether the run's journal has a row of `kind` (among its first `limit`).
+pub async fn has_event(pool: &PgPool, run: RunId, kind: &str, limit: i64) -> Result<bool, sqlx::Error> {
+    Ok(journal::events_after(pool, run, 0, limit).await?.iter().any(|e| e.kind == kind))
 }
 
 /// An API token of the benchmark's owner.

@@ -2,13 +2,15 @@
 //! host's binary and library. Prints enqueue latency over HTTP, pickup latency
 //! (enqueue commit to agent start, idle worker), drain throughput of
 //! pre-enqueued no-op runs, the same SQL statements run without the host (the
-//! SQL floor) and their ratio, emit-to-client latency, SIGKILL-to-failed, and
-//! the sandbox's costs. Medians over passes; the machine is shared and noisy,
+//! SQL floor) and their ratio, emit-to-client latency, SIGKILL-to-failed,
+//! durable resume's costs (recording, resumable drain, SIGKILL-to-resumed,
+//! replay) and the sandbox's costs. Medians over passes; the machine is shared and noisy,
 //! so single figures mean little.
 //!
 //! It uses the library's public API only (see `library`), in a throwaway
 //! database beside the one it is given (or in a private cluster).
 
+mod durable;
 mod figures;
 mod library;
 mod queue;
@@ -71,6 +73,15 @@ pub struct BenchArgs {
     /// Host processes killed for the SIGKILL-to-failed measurement.
     #[arg(long, default_value_t = 5)]
     pub kills: usize,
+    /// Runs pre-enqueued for each pass of the resumable-beside-at-most-once drain.
+    #[arg(long, default_value_t = 5_000)]
+    pub resume_runs: usize,
+    /// Resumed runs for the replay measurement (each one sample).
+    #[arg(long, default_value_t = 20)]
+    pub replays: usize,
+    /// Recorded tool calls each replay run makes, then replays.
+    #[arg(long, default_value_t = 1_000)]
+    pub replay_calls: usize,
     /// The throwaway database created (dropped first if it exists) beside the given one.
     #[arg(long, default_value = "agent_host_bench")]
     pub bench_database: String,
@@ -78,7 +89,7 @@ pub struct BenchArgs {
 
 impl BenchArgs {
     /// Guests the sandbox's instance pool can hold; one more is the probe's own run.
-    const PARKED_MAX: usize = agent_host::sandbox::INSTANCES_MAX as usize - 1;
+    const PARKED_MAX: usize = library::INSTANCES_MAX as usize - 1;
 
     fn validate(&self) -> anyhow::Result<()> {
         for (flag, n) in [
@@ -88,6 +99,9 @@ impl BenchArgs {
             ("--samples", self.samples),
             ("--parked", self.parked),
             ("--kills", self.kills),
+            ("--resume-runs", self.resume_runs),
+            ("--replays", self.replays),
+            ("--replay-calls", self.replay_calls),
         ] {
             anyhow::ensure!(n > 0, "{flag} must be greater than 0");
         }
@@ -96,6 +110,18 @@ impl BenchArgs {
             "--parked ({}) exceeds the sandbox's instance pool ({})",
             self.parked,
             Self::PARKED_MAX
+        );
+        anyhow::ensure!(
+            self.replays <= Self::PARKED_MAX,
+            "--replays ({}) exceeds the sandbox's instance pool ({})",
+            self.replays,
+            Self::PARKED_MAX
+        );
+        anyhow::ensure!(
+            self.replay_calls as u64 <= library::TOOL_CALLS_CEILING,
+            "--replay-calls ({}) exceeds a manifest's tool calls ceiling ({})",
+            self.replay_calls,
+            library::TOOL_CALLS_CEILING
         );
         Ok(())
     }
@@ -143,6 +169,7 @@ async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow
     queue::throughput(&pool, &url, args).await?;
     stream::stream_latency(&pool, &url).await?;
     queue::sigkill_to_failed(&pool, &url, db_args, args).await?;
+    durable::durable(&pool, &url, db_args, args).await?;
     sandbox::sandbox(&pool, &url, db_args, args).await?;
 
     pool.close().await;

@@ -142,21 +142,33 @@ pub async fn throughput(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::R
 }
 
 async fn drain_pass(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<f64> {
+    drain_noops(pool, url, args.runs, args.in_flight, None).await
+}
+
+/// Pre-enqueues `runs` no-op runs (with `manifest` pinned on each), then
+/// drains them with a worker of `in_flight` slots: runs/s from the worker's
+/// start to its last terminal write.
+pub async fn drain_noops(
+    pool: &PgPool,
+    url: &str,
+    runs: usize,
+    in_flight: usize,
+    manifest: Option<&str>,
+) -> anyhow::Result<f64> {
     sql::reset(pool).await?;
-    enqueue_all(pool, args.runs).await?;
+    enqueue_noops(pool, runs, manifest).await?;
     let t0 = Instant::now();
     let hub = Some(Hub::start(url.to_string()));
-    let worker =
-        Worker::start(pool.clone(), hub, AgentRegistry::with_builtins(), worker_config(args.in_flight)).await?;
+    let worker = Worker::start(pool.clone(), hub, AgentRegistry::with_builtins(), worker_config(in_flight)).await?;
     let stats = worker.stats();
     let mut tick = tokio::time::interval(Duration::from_millis(2));
-    while stats.finished.load(Ordering::Relaxed) < args.runs as u64 {
+    while stats.finished.load(Ordering::Relaxed) < runs as u64 {
         tick.tick().await;
         anyhow::ensure!(t0.elapsed() < DRAIN_MAX, "drain pass took over {DRAIN_MAX:?}");
     }
     let took = t0.elapsed();
     worker.drain().await;
-    Ok(args.runs as f64 / took.as_secs_f64())
+    Ok(runs as f64 / took.as_secs_f64())
 }
 
 /// The floor: the worker's own statements (claim one, finish it) on
@@ -214,10 +226,15 @@ async fn batched_floor_pass(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<f
 
 /// Pre-enqueues `n` no-op runs in chunks (each chunk one statement).
 async fn enqueue_all(pool: &PgPool, n: usize) -> anyhow::Result<()> {
+    enqueue_noops(pool, n, None).await
+}
+
+/// [`enqueue_all`] with a manifest pinned on each run.
+pub async fn enqueue_noops(pool: &PgPool, n: usize, manifest: Option<&str>) -> anyhow::Result<()> {
     let mut left = n;
     while left > 0 {
         let k = left.min(ENQUEUE_CHUNK);
-        sql::bulk_enqueue(pool, k as i64, "noop").await?;
+        sql::bulk_enqueue(pool, k as i64, "noop", manifest).await?;
         left -= k;
     }
     sql::analyze(pool).await?;
@@ -225,7 +242,7 @@ async fn enqueue_all(pool: &PgPool, n: usize) -> anyhow::Result<()> {
 }
 
 /// Polls the run's status until `done` holds, for at most [`WAIT_MAX`].
-async fn wait_status(
+pub async fn wait_status(
     pool: &PgPool,
     run: library::RunId,
     what: &str,
@@ -242,11 +259,39 @@ async fn wait_status(
     }
 }
 
+/// This binary's hidden `serve` (the host's own serve, in a process of its
+/// own; lease 1 s, heartbeat 0.2 s, reap grace 0.3 s), once it listens.
+pub fn spawn_serve(url: &str, db_args: &DbArgs) -> anyhow::Result<std::process::Child> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["--database-url", url, "--cache-dir"])
+        .arg(&db_args.cache_dir)
+        .args(["serve", "--listen", "127.0.0.1:0", "--worker-id", "bench-victim", "--lease-ms", "1000"])
+        .args(["--heartbeat-ms", "200", "--reap-grace-ms", "300"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().context("child stdout")?;
+    let mut listening = false;
+    for line in std::io::BufReader::new(stdout).lines() {
+        if line?.starts_with("agent-host listening on") {
+            listening = true;
+            break;
+        }
+    }
+    if !listening {
+        let _ = child.kill();
+        let _ = child.wait();
+        anyhow::bail!("the serve child exited before listening");
+    }
+    Ok(child)
+}
+
 /// SIGKILL to failed: a real `serve` child (short lease: 1 s, grace 0.3 s)
 /// holding a run is killed; this process's reaper (every 100 ms) ends the
 /// run. Median over `--kills` kills.
 pub async fn sigkill_to_failed(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {
-    use std::io::BufRead;
     sql::reset(pool).await?;
     let reaper_config = WorkerConfig {
         lease: Duration::from_secs(1),
@@ -261,29 +306,7 @@ pub async fn sigkill_to_failed(pool: &PgPool, url: &str, db_args: &DbArgs, args:
     let config = json!({ "steps": 100_000, "step_ms": 50 });
     let mut samples = Vec::new();
     for _ in 0..args.kills {
-        // This binary's hidden `serve`: the host's own serve, in a process of its own.
-        let mut child = std::process::Command::new(std::env::current_exe()?)
-            .args(["--database-url", url, "--cache-dir"])
-            .arg(&db_args.cache_dir)
-            .args(["serve", "--listen", "127.0.0.1:0", "--worker-id", "bench-victim", "--lease-ms", "1000"])
-            .args(["--heartbeat-ms", "200", "--reap-grace-ms", "300"])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()?;
-        let stdout = child.stdout.take().context("child stdout")?;
-        let mut listening = false;
-        for line in std::io::BufReader::new(stdout).lines() {
-            if line?.starts_with("agent-host listening on") {
-                listening = true;
-                break;
-            }
-        }
-        if !listening {
-            let _ = child.kill();
-            let _ = child.wait();
-            anyhow::bail!("the serve child exited before listening");
-        }
+        let mut child = spawn_serve(url, db_args)?;
         let run = library::enqueue(pool, "bench", "sleep", None, &config).await?;
         if let Err(e) =
             wait_status(pool, run.run_id, "the child never claimed the run", |s| s == RunStatus::Running).await

@@ -5,7 +5,7 @@
 use anyhow::Context;
 use sqlx::{Connection, PgExecutor};
 
-use crate::library::{MessageStatus, ENQUEUE_SEQS, OWNER, RUN_QUEUED, USER_MESSAGE_CREATED};
+use crate::library::{MessageStatus, RunId, ENQUEUE_SEQS, OWNER, RUN_QUEUED, RUN_RESUMED, USER_MESSAGE_CREATED};
 
 /// Bound on a database name (PostgreSQL truncates identifiers at 63 bytes).
 const DATABASE_NAME_BYTES_MAX: usize = 63;
@@ -29,8 +29,14 @@ pub async fn fresh_database(url: &str, name: &str) -> anyhow::Result<String> {
 
 /// Enqueues `n` runs of `plugin`, each in its own conversation, with the same
 /// rows an HTTP enqueue writes (conversation, message, run, and the journal's
-/// enqueue events), in one statement.
-pub async fn bulk_enqueue(db: impl PgExecutor<'_>, n: i64, plugin: &str) -> Result<(), sqlx::Error> {
+/// enqueue events), in one statement. `manifest` is pinned on each run as
+/// enqueue pins it (JSON text; `None`: the built-in's registered one).
+pub async fn bulk_enqueue(
+    db: impl PgExecutor<'_>,
+    n: i64,
+    plugin: &str,
+    manifest: Option<&str>,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
         "WITH c AS (
              INSERT INTO conversation (id, owner_id, tenant_id)
@@ -41,8 +47,9 @@ pub async fn bulk_enqueue(db: impl PgExecutor<'_>, n: i64, plugin: &str) -> Resu
              SELECT gen_random_uuid(), id, 'user', 'bench', $4 FROM c
              RETURNING id, conversation_id),
          r AS (
-             INSERT INTO agent_run (id, conversation_id, owner_id, tenant_id, user_message_id, plugin, request)
-             SELECT gen_random_uuid(), conversation_id, $3, $3, id, $2, '{}' FROM m
+             INSERT INTO agent_run (id, conversation_id, owner_id, tenant_id, user_message_id, plugin, request,
+                                    plugin_manifest)
+             SELECT gen_random_uuid(), conversation_id, $3, $3, id, $2, '{}', $9::text::jsonb FROM m
              RETURNING id)
          INSERT INTO run_event (run_id, seq, type, payload)
          SELECT r.id, s.seq, s.type, '{}' FROM r,
@@ -56,9 +63,27 @@ pub async fn bulk_enqueue(db: impl PgExecutor<'_>, n: i64, plugin: &str) -> Resu
     .bind(RUN_QUEUED)
     .bind(*ENQUEUE_SEQS.start())
     .bind(*ENQUEUE_SEQS.end())
+    .bind(manifest)
     .execute(db)
     .await?;
     Ok(())
+}
+
+/// Seconds from a resumed run's claim (the claim stamps `last_heartbeat_at`
+/// with its statement clock) and from its latest `run_resumed` row to now,
+/// by the database's clock.
+pub async fn since_resume(db: impl PgExecutor<'_>, run: RunId) -> Result<(f64, f64), sqlx::Error> {
+    let (claim, resumed): (Option<f64>, Option<f64>) = sqlx::query_as(
+        "SELECT extract(epoch FROM clock_timestamp() - r.last_heartbeat_at)::float8,
+                (SELECT extract(epoch FROM clock_timestamp() - e.created_at)::float8
+                 FROM run_event e WHERE e.run_id = r.id AND e.type = $2 ORDER BY e.seq DESC LIMIT 1)
+         FROM agent_run r WHERE r.id = $1",
+    )
+    .bind(run)
+    .bind(RUN_RESUMED)
+    .fetch_one(db)
+    .await?;
+    Ok((claim.unwrap_or(f64::NAN), resumed.unwrap_or(f64::NAN)))
 }
 
 /// Empties every table the benchmark writes.

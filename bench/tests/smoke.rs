@@ -15,7 +15,18 @@ fn help_lists_the_benchmark_flags() {
     let out = Command::new(BENCH).arg("--help").output().unwrap();
     assert!(out.status.success(), "{out:?}");
     let help = String::from_utf8(out.stdout).unwrap();
-    for flag in ["--runs", "--in-flight", "--passes", "--samples", "--plugin-dir", "--parked", "--database-url"] {
+    for flag in [
+        "--runs",
+        "--in-flight",
+        "--passes",
+        "--samples",
+        "--plugin-dir",
+        "--parked",
+        "--resume-runs",
+        "--replays",
+        "--replay-calls",
+        "--database-url",
+    ] {
         assert!(help.contains(flag), "--help does not list {flag}:\n{help}");
     }
 }
@@ -34,6 +45,7 @@ fn a_small_run_prints_every_figure() {
     let database = format!("agent_host_bench_smoke_{}", std::process::id());
     let mut cmd = Command::new(BENCH);
     cmd.args(["--runs", "40", "--in-flight", "4", "--passes", "1", "--samples", "3", "--parked", "3", "--kills", "1"])
+        .args(["--resume-runs", "40", "--replays", "2", "--replay-calls", "20"])
         .args(["--bench-database", &database])
         .arg("--plugin-dir")
         .arg(root.join("plugins/target/wasm32-wasip2/release"))
@@ -80,6 +92,15 @@ fn a_small_run_prints_every_figure() {
         "emit to SSE client (a structural event, through journal, NOTIFY and HTTP), 200 events: p50 ",
         "journal rows for 1000 content deltas emitted back to back: ",
         "SIGKILL to failed (lease 1 s, reap grace 0.3 s, reaper every 100 ms), 1 kills: p50 ",
+        "call-tool round trip, no-op tool, at-most-once, 3 calls: p50 ",
+        "call-tool round trip, no-op tool, resumable (recorded), 3 calls: p50 ",
+        "ratio call-tool p50 resumable / at-most-once: ",
+        "  pass 1: at-most-once ",
+        "drain 40 no-op runs, 4 in flight, at-most-once: median ",
+        "ratio drain resumable / at-most-once: ",
+        "SIGKILL to run_resumed by another worker (lease 1 s, reap grace 0.3 s, reaper every 100 ms), 1 kills: p50 ",
+        "replay of 20 recorded calls, resumed attempt's claim to agent live after the last, 2 runs: p50 ",
+        "replay of 20 recorded calls, run_resumed row to agent live after the last, 2 runs: p50 ",
     ];
     if root.join("plugins/target/wasm32-wasip2/release/echo.wasm").exists() {
         expected.extend([
