@@ -302,7 +302,7 @@ async fn every_documented_route_is_served_guarded_and_owner_scoped() {
         for (method, op) in item.as_object().unwrap() {
             operations += 1;
             let id = if path.starts_with("/v1/runs/") { run } else { conv };
-            let uri = path.replace("{id}", id);
+            let uri = path.replace("{id}", id).replace("{call_id}", "1");
             let method = method.to_uppercase();
             let secured = op.get("security").is_some();
             assert_eq!(secured, path.starts_with("/v1/"), "{method} {path}: every /v1 route needs a token");
@@ -314,8 +314,15 @@ async fn every_documented_route_is_served_guarded_and_owner_scoped() {
                 assert_ne!(status, StatusCode::NOT_FOUND, "{method} {path} is documented but not served");
             }
             if path.contains("{id}") {
-                let body = (method == "POST" && path.ends_with("/runs"))
-                    .then_some(("application/json", r#"{"content":"hi","plugin":"echo"}"#));
+                let body = match (method.as_str(), path.as_str()) {
+                    ("POST", p) if p.ends_with("/runs") => {
+                        Some(("application/json", r#"{"content":"hi","plugin":"echo"}"#))
+                    }
+                    ("POST", p) if p.ends_with("/approvals/{call_id}") => {
+                        Some(("application/json", r#"{"decision":"approve"}"#))
+                    }
+                    _ => None,
+                };
                 let (status, v) = api.call(&method, &uri, Some(&api.alice), body).await;
                 assert_eq!(status, StatusCode::NOT_FOUND, "{method} {path} with another user's id: {v}");
                 assert!(!v["error"]["message"].as_str().unwrap().starts_with("route"), "{method} {path} is not routed");

@@ -300,3 +300,44 @@ fn rss_bytes(host: &HostProcess) -> u64 {
         .unwrap();
     kb * 1024
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_lists_approvals_and_approves_and_rejects() {
+    let env = chat_env(3_600_000, &[]).await;
+    let a = env.spawn("A");
+    let url = format!("http://{}", a.addr);
+    let cli = |args: Vec<String>| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+            .env("AGENT_HOST_URL", &url)
+            .env("AGENT_HOST_TOKEN", &env.token)
+            .args(args)
+            .kill_on_drop(true)
+            .output()
+    };
+    let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();
+    let yes = env.post(&a, "chat", "send yes", send_offered()).await;
+    let no = env.post(&a, "chat", "send no", send_offered()).await;
+    wait_waiting(&env, &a, yes).await;
+    let call = wait_waiting(&env, &a, no).await["call_id"].to_string();
+
+    let out = cli(vec!["approvals".into(), "list".into()]).await.unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let listed = text(&out.stdout);
+    assert_eq!(listed.lines().count(), 2, "{listed}");
+    assert!(listed.contains(&format!("{yes}\t{call}\tsend\t{{\"input\":\"send yes\"}}")), "{listed}");
+
+    let out = cli(vec!["runs".into(), "approve".into(), yes.to_string(), call.clone()]).await.unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = cli(vec!["runs".into(), "reject".into(), no.to_string(), call.clone(), "--reason".into(), "nope".into()])
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // Once decided, again is refused with the first decision's word.
+    let out = cli(vec!["runs".into(), "approve".into(), no.to_string(), call]).await.unwrap();
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("decided already"), "{}", text(&out.stderr));
+    assert_eq!(wait_terminal(&env.db.pool, yes, LONG).await, "completed");
+    assert_eq!(wait_terminal(&env.db.pool, no, LONG).await, "completed");
+    assert!(env.assistant(no).await.contains("nope"));
+    assert_eq!(env.receiver.args.lock().unwrap().len(), 1);
+}

@@ -240,3 +240,51 @@ async fn the_console_streams_survives_refresh_and_restart_and_stops() {
     browser.quit().await;
     drop(web);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_shows_a_pending_approval_and_approve_resumes_the_run_on_the_page() {
+    let manifest = json!({ "tools": ["llm", "send"], "durability": "resume", "approval": { "send": "always" } });
+    let env = support::durable::Env::with_manifest("chat", "chat", &manifest, true, &[]).await;
+    let host = env.spawn("A");
+    let browser = Browser::start().await;
+    browser.goto(&format!("http://{}/", host.addr)).await;
+    browser
+        .run(
+            "document.getElementById('token').value = arguments[0]; document.getElementById('signin-button').click()",
+            json!([env.token]),
+        )
+        .await;
+    browser
+        .until("the plugin list", "return [...document.getElementById('plugin').options].some(o => o.value === 'chat')")
+        .await;
+    let config = json!({ "tools": [{ "name": "send", "description": "send it", "parameters": { "type": "object" } }] });
+    browser
+        .run(
+            "document.getElementById('plugin').value = 'chat';
+             document.getElementById('message').value = 'send the memo';
+             document.getElementById('config').value = JSON.stringify(arguments[0]);
+             document.getElementById('send').click();",
+            json!([config]),
+        )
+        .await;
+    browser.until("the pending approval", "return !document.getElementById('approval').hidden").await;
+    assert_eq!(browser.text("run-status").await, "waiting");
+    assert_eq!(browser.text("approval-tool").await, "send");
+    let args: Value = serde_json::from_str(&browser.text("approval-args").await).unwrap();
+    assert_eq!(args, json!({ "input": "send the memo" }), "the approver sees the arguments");
+    let run: RunId = browser.text("run-id").await.parse().unwrap();
+    assert!(env.receiver.args.lock().unwrap().is_empty(), "nothing sent before the approval");
+
+    browser.run("document.getElementById('approve').click()", json!([])).await;
+    browser
+        .until("the run to finish", "return document.getElementById('run-status').textContent === 'completed'")
+        .await;
+    assert!(browser.run("return document.getElementById('approval').hidden", json!([])).await.as_bool().unwrap());
+    let shown = browser.text("output").await;
+    assert_eq!(shown, deltas_of(&env.db.pool, run).await, "the text continued on the same page");
+    assert!(shown.contains("Offline reply to: send the memo"), "{shown}");
+    assert_eq!(env.receiver.args.lock().unwrap().len(), 1, "the approved call ran once");
+    let timeline = browser.text("timeline").await;
+    assert!(timeline.contains("approval_requested") && timeline.contains("approval_decided"), "{timeline}");
+    browser.quit().await;
+}

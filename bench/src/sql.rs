@@ -88,7 +88,7 @@ pub async fn since_resume(db: impl PgExecutor<'_>, run: RunId) -> Result<(f64, f
 
 /// Empties every table the benchmark writes.
 pub async fn reset(db: impl PgExecutor<'_>) -> Result<(), sqlx::Error> {
-    sqlx::query("TRUNCATE run_call, run_event, agent_run, message, conversation").execute(db).await?;
+    sqlx::query("TRUNCATE run_suspension, run_call, run_event, agent_run, message, conversation").execute(db).await?;
     Ok(())
 }
 

@@ -13,7 +13,7 @@ use anyhow::{bail, Context};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-use crate::config::{ApiArgs, ConversationsCommand, RunsCommand};
+use crate::config::{ApiArgs, ApprovalsCommand, ConversationsCommand, RunsCommand};
 use crate::db::events;
 use crate::stream::decode::SseDecoder;
 
@@ -73,6 +73,54 @@ pub async fn runs(args: &ApiArgs, command: RunsCommand) -> anyhow::Result<()> {
             let answer = api.call(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"), None).await?;
             println!("{answer}");
             Ok(())
+        }
+        RunsCommand::Approve { id, call, args } => {
+            let body = match args {
+                None => json!({ "decision": "approve" }),
+                Some(a) => {
+                    json!({ "decision": "edit", "args": serde_json::from_str::<Value>(&a).context("--args is not JSON")? })
+                }
+            };
+            decide(&api, &id, call, body).await
+        }
+        RunsCommand::Reject { id, call, reason } => {
+            decide(&api, &id, call, json!({ "decision": "reject", "reason": reason })).await
+        }
+    }
+}
+
+async fn decide(api: &Api, id: &str, call: u32, body: Value) -> anyhow::Result<()> {
+    let answer = api.call(reqwest::Method::POST, &format!("/v1/runs/{id}/approvals/{call}"), Some(body)).await?;
+    println!("{answer}");
+    Ok(())
+}
+
+pub async fn approvals(args: &ApiArgs, command: ApprovalsCommand) -> anyhow::Result<()> {
+    let api = Api::new(args);
+    match command {
+        ApprovalsCommand::List => {
+            let mut after: Option<String> = None;
+            loop {
+                let path = match &after {
+                    None => "/v1/approvals".to_string(),
+                    Some(c) => format!("/v1/approvals?after={c}"),
+                };
+                let page = api.call(reqwest::Method::GET, &path, None).await?;
+                for a in page["approvals"].as_array().into_iter().flatten() {
+                    println!(
+                        "{}\t{}\t{}\t{}\t{}",
+                        a["run_id"].as_str().unwrap_or("?"),
+                        a["call_id"],
+                        a["tool"].as_str().unwrap_or("?"),
+                        a["args"],
+                        a["expires_at"].as_str().unwrap_or("?")
+                    );
+                }
+                match page["next_cursor"].as_str() {
+                    Some(c) => after = Some(c.to_string()),
+                    None => return Ok(()),
+                }
+            }
         }
     }
 }
@@ -200,6 +248,10 @@ async fn stream_once(api: &Api, id: &str, last: &mut i64, printed: &mut u64) -> 
                 }
                 events::USER_MESSAGE_CREATED | events::RUN_QUEUED => {}
                 events::RUN_STARTED => eprintln!("[started on {}]", event["worker_id"].as_str().unwrap_or("?")),
+                events::APPROVAL_REQUESTED => eprintln!(
+                    "\n[waiting for approval of call {} ({} {}); decide with `agent-host runs approve|reject {id} {}`]",
+                    event["call_id"], event["tool"], event["args"], event["call_id"]
+                ),
                 other => eprintln!("\n[{other}] {}", event_body(&event)),
             }
         }

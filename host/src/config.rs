@@ -65,6 +65,13 @@ pub enum Command {
         #[command(subcommand)]
         command: RunsCommand,
     },
+    /// Tool calls waiting for a person's decision, over the HTTP API.
+    Approvals {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[command(subcommand)]
+        command: ApprovalsCommand,
+    },
     /// Stop conversations over the HTTP API.
     Conversations {
         #[command(flatten)]
@@ -112,6 +119,28 @@ pub enum RunsCommand {
     },
     /// Ask a run to stop.
     Cancel { id: String },
+    /// Approve a waiting run's tool call (with other arguments: --args).
+    Approve {
+        id: String,
+        /// The call's number (`call_id` in `approvals list`).
+        call: u32,
+        /// Run the call with these arguments instead (a JSON object): an edit.
+        #[arg(long)]
+        args: Option<String>,
+    },
+    /// Reject a waiting run's tool call: the agent gets `denied` with the reason.
+    Reject {
+        id: String,
+        call: u32,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ApprovalsCommand {
+    /// The caller's pending approvals: run, call, tool, arguments, deadline.
+    List,
 }
 
 #[derive(Debug, Subcommand)]

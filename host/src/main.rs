@@ -51,5 +51,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Plugins(PluginsCommand::List) => server::plugins_list(&cli.db).await,
         Command::Runs { api, command } => client::runs(&api, command).await,
         Command::Conversations { api, command } => client::conversations(&api, command).await,
+        Command::Approvals { api, command } => client::approvals(&api, command).await,
     }
 }

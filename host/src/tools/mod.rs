@@ -497,14 +497,16 @@ pub(crate) mod tests {
             approval: None,
         };
         let r = ToolRegistry::from_config(&llm, &[hook("a"), hook("b")]).unwrap();
-        assert_eq!(r.names(), ["a", "b", "llm"]);
+        assert_eq!(r.names(), ["a", "b", "llm", "wait"]);
         let e = ToolRegistry::from_config(&llm, &[hook("a"), hook("a")]).err().unwrap();
         assert!(e.contains("taken"), "{e}");
         let e = ToolRegistry::from_config(&llm, &[hook("llm")]).err().unwrap();
         assert!(e.contains("model tool"), "{e}");
+        let e = ToolRegistry::from_config(&llm, &[hook("wait")]).err().unwrap();
+        assert!(e.contains("durable wait"), "{e}");
         let https = LlmConfig { base_url: Some("https://api.example.com/v1".into()), ..llm.clone() };
-        assert_eq!(ToolRegistry::from_config(&https, &[]).unwrap().names(), ["llm"]);
+        assert_eq!(ToolRegistry::from_config(&https, &[]).unwrap().names(), ["llm", "wait"]);
         let http = LlmConfig { base_url: Some("http://127.0.0.1:1/v1".into()), ..llm };
-        assert_eq!(ToolRegistry::from_config(&http, &[]).unwrap().names(), ["llm"]);
+        assert_eq!(ToolRegistry::from_config(&http, &[]).unwrap().names(), ["llm", "wait"]);
     }
 }
