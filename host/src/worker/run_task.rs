@@ -55,12 +55,14 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
             let (id, token, conversation) = (row.id, row.claim_token, row.conversation_id);
             // The run itself runs in its own task, so a panic in it is a
             // JoinError here rather than a lost ending.
-            let outcome =
+            let outcome: Outcome =
                 tokio::spawn(execute(shared.clone(), row, lost, cancel)).in_current_span().await.unwrap_or_else(|e| {
                     tracing::error!(error = %e, "run task died");
                     let what = if e.is_panic() { "the run's task panicked" } else { "the run's task was cancelled" };
                     Outcome::Unfinalized(FailReason::Host.message(what))
                 });
+            // A suspended run did not end: its conversation's next turn waits.
+            let ended = !matches!(outcome, Outcome::Suspended);
             match outcome {
                 Outcome::Finalized => {
                     shared.stats.finished.fetch_add(1, Ordering::Relaxed);
@@ -90,7 +92,9 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
             shared.held.lock().unwrap().remove(&id);
             drop(permit);
             // The wake chain's post-commit half (see `waker`).
-            let _ = shared.ended.send((id, conversation)).await;
+            if ended {
+                let _ = shared.ended.send((id, conversation)).await;
+            }
         }
         .instrument(span),
     );
