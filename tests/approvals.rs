@@ -73,6 +73,8 @@ async fn approved_and_edited_calls_run_once_after_every_host_restarted() {
     assert_eq!(metric(&a, "agent_host_runs_in_flight").await, 0.0);
     assert_eq!(metric(&a, "agent_host_sandboxes_live").await, 0.0);
     assert_eq!(metric(&a, "agent_host_runs_waiting").await, 2.0);
+    assert_eq!(metric(&a, "agent_host_runs_suspended_total").await, 2.0);
+    assert_eq!(metric(&a, "agent_host_fence_trips_total").await, 0.0, "a suspension is not a lost run");
     let listed: Value = reqwest::Client::new()
         .get(format!("http://{}/v1/approvals", a.addr))
         .bearer_auth(&env.token)

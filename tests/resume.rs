@@ -424,6 +424,7 @@ async fn enqueue_pinned(db: &TestDb, plugin: &str, manifest: Option<&Value>, con
         config: &config,
         request: &request,
         idempotency_key: None,
+        webhook: None,
     };
     enqueue::enqueue(&db.pool, &new).await.unwrap().run_id
 }

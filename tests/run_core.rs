@@ -75,6 +75,7 @@ async fn failed_enqueue_leaves_nothing_and_wakes_nobody() {
             config: &config,
             request: &config,
             idempotency_key: None,
+            webhook: None,
         },
     )
     .await;

@@ -72,6 +72,7 @@ pub async fn enqueue_pinned(
         config,
         request: config,
         idempotency_key: None,
+        webhook: None,
     };
     Ok(enqueue::enqueue(pool, &new).await?)
 }

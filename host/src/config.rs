@@ -280,6 +280,26 @@ pub struct WorkerArgs {
     /// of budget it ends failed instead of going back to the queue.
     #[arg(long, env = "AGENT_HOST_RESUME_ATTEMPTS", default_value_t = crate::db::lifecycle::RESUME_ATTEMPTS_DEFAULT)]
     pub resume_attempts: u32,
+    /// URL prefixes a run's completion webhook may start with (repeat the
+    /// flag, or separate with commas); none: runs may not ask for webhooks.
+    #[arg(long, env = "AGENT_HOST_COMPLETION_WEBHOOK_ALLOW", value_delimiter = ',')]
+    pub completion_webhook_allow: Vec<String>,
+    /// The completion webhooks' signing secret (`whsec_<base64>`, or at least
+    /// 16 bytes); required with `--completion-webhook-allow`.
+    #[arg(long, env = "AGENT_HOST_WEBHOOK_SECRET", hide_env_values = true)]
+    pub webhook_secret: Option<String>,
+    /// Attempts per completion webhook before its delivery is `failed`.
+    #[arg(long, env = "AGENT_HOST_WEBHOOK_ATTEMPTS", default_value_t = 8)]
+    pub webhook_attempts: u32,
+    /// The first retry's pause; each next one doubles it (at most 10 min).
+    #[arg(long, env = "AGENT_HOST_WEBHOOK_BACKOFF_MS", default_value_t = 1_000)]
+    pub webhook_backoff_ms: u64,
+    /// How often this process looks for webhook deliveries to send.
+    #[arg(long, env = "AGENT_HOST_WEBHOOK_POLL_MS", default_value_t = 1_000)]
+    pub webhook_poll_ms: u64,
+    /// How often this process fires due schedules.
+    #[arg(long, env = "AGENT_HOST_SCHEDULE_TICK_MS", default_value_t = 1_000)]
+    pub schedule_tick_ms: u64,
     /// Running runs one tenant may have at most, across all processes (unset: no cap).
     #[arg(long, env = "AGENT_HOST_TENANT_MAX_RUNNING")]
     pub tenant_max_running: Option<u32>,
@@ -314,7 +334,22 @@ impl WorkerArgs {
             tenant_max_running: self.tenant_max_running,
             dispatch: !self.no_dispatch,
             resume_attempts: self.resume_attempts,
+            webhooks: self.webhook_secret.as_deref().and_then(|s| crate::worker::webhook_secret_bytes(s).ok()).map(
+                |secret| crate::worker::WebhookConfig {
+                    secret,
+                    attempts_max: self.webhook_attempts,
+                    backoff: ms(self.webhook_backoff_ms),
+                    poll: ms(self.webhook_poll_ms),
+                },
+            ),
+            schedule_tick: ms(self.schedule_tick_ms),
+            policy: std::sync::Arc::new(self.policy()),
         }
+    }
+
+    /// The operator's rules for submissions.
+    pub fn policy(&self) -> crate::service::submit::Policy {
+        crate::service::submit::Policy { webhook_allow: self.completion_webhook_allow.clone() }
     }
 }
 
@@ -333,6 +368,9 @@ pub enum ConfigError {
         "--heartbeat-ms ({heartbeat_ms}) must be below --lease-ms ({lease_ms}), or a healthy worker loses its runs"
     )]
     HeartbeatNotBelowLease { heartbeat_ms: u64, lease_ms: u64 },
+    /// Anything else the host refuses, said whole.
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// Refuses a zero `value` for the flag `flag` (environment `env`), saying why.
@@ -396,8 +434,35 @@ impl WorkerArgs {
                 "AGENT_HOST_RESUME_ATTEMPTS",
                 "a resumable run could never start",
             ),
+            (
+                self.webhook_attempts.into(),
+                "--webhook-attempts",
+                "AGENT_HOST_WEBHOOK_ATTEMPTS",
+                "no webhook would be sent",
+            ),
+            (self.webhook_backoff_ms, "--webhook-backoff-ms", "AGENT_HOST_WEBHOOK_BACKOFF_MS", spin),
+            (self.webhook_poll_ms, "--webhook-poll-ms", "AGENT_HOST_WEBHOOK_POLL_MS", spin),
+            (self.schedule_tick_ms, "--schedule-tick-ms", "AGENT_HOST_SCHEDULE_TICK_MS", spin),
         ] {
             non_zero(value, flag, env, why)?;
+        }
+        match (&self.webhook_secret, self.completion_webhook_allow.is_empty()) {
+            (None, false) => {
+                return Err(ConfigError::Refused(
+                    "--completion-webhook-allow needs a signing secret: set AGENT_HOST_WEBHOOK_SECRET".into(),
+                ))
+            }
+            (Some(secret), _) => {
+                crate::worker::webhook_secret_bytes(secret).map_err(ConfigError::Refused)?;
+            }
+            (None, true) => {}
+        }
+        if let Some(p) =
+            self.completion_webhook_allow.iter().find(|p| !(p.starts_with("http://") || p.starts_with("https://")))
+        {
+            return Err(ConfigError::Refused(format!(
+                "--completion-webhook-allow {p:?} must be an http:// or https:// URL prefix"
+            )));
         }
         if let Some(cap) = self.tenant_max_running {
             non_zero(

@@ -72,6 +72,7 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let mut state = AppState::new(pool.clone(), agents, hub).with_sse_tails_max(args.sse_tails_max);
     state.keepalive = std::time::Duration::from_millis(args.sse_keepalive_ms);
     state.stats = Some(worker.observer());
+    state.policy = std::sync::Arc::new(args.worker.policy());
     let app = api::router(state);
     // A line scripts and tests read to find the port.
     println!("agent-host listening on http://{addr}");
@@ -119,6 +120,7 @@ async fn demo(pool: &PgPool, addr: std::net::SocketAddr) -> anyhow::Result<()> {
             config: &config,
             request: &request,
             idempotency_key: None,
+            webhook: None,
         },
     )
     .await?;

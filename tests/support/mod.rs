@@ -127,6 +127,7 @@ pub async fn enqueue_as(
             config: &config,
             request: &request,
             idempotency_key: None,
+            webhook: None,
         },
     )
     .await
@@ -344,4 +345,22 @@ pub fn sandboxed_router(db: &TestDb) -> (AgentRegistry, axum::Router) {
     let agents = AgentRegistry::with_builtins().with_sandbox(sandbox);
     let router = agent_host::api::router(agent_host::api::AppState::new(db.pool.clone(), agents.clone(), None));
     (agents, router)
+}
+
+/// A test-only audit of every status transition, in commit-compatible
+/// order: the sequence is drawn after the row's unique-index check passed.
+pub async fn install_audit(pool: &PgPool) {
+    for sql in [
+        "CREATE TABLE run_audit (n bigserial PRIMARY KEY, run_id uuid, conversation_id uuid, old text, new text)",
+        "CREATE FUNCTION run_audit() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             INSERT INTO run_audit (run_id, conversation_id, old, new)
+             VALUES (NEW.id, NEW.conversation_id, OLD.status, NEW.status);
+             RETURN NULL;
+         END $$",
+        "CREATE TRIGGER run_audit AFTER UPDATE OF status ON agent_run
+         FOR EACH ROW WHEN (OLD.status IS DISTINCT FROM NEW.status) EXECUTE FUNCTION run_audit()",
+    ] {
+        sqlx::query(sql).execute(pool).await.unwrap();
+    }
 }

@@ -29,6 +29,9 @@ pub enum ErrorCode {
     Conflict,
     /// 409: an idempotency key already used for another request.
     IdempotencyKeyReused,
+    /// 409: `multitask_strategy: reject`, and the conversation has an active
+    /// turn (the message names it).
+    ConversationBusy,
     /// 413.
     TooLarge,
     /// 415.
@@ -51,6 +54,7 @@ impl ErrorCode {
         ErrorCode::NotFound,
         ErrorCode::Conflict,
         ErrorCode::IdempotencyKeyReused,
+        ErrorCode::ConversationBusy,
         ErrorCode::TooLarge,
         ErrorCode::UnsupportedMediaType,
         ErrorCode::Invalid,
@@ -68,6 +72,7 @@ impl ErrorCode {
             ErrorCode::NotFound => "not_found",
             ErrorCode::Conflict => "conflict",
             ErrorCode::IdempotencyKeyReused => "idempotency_key_reused",
+            ErrorCode::ConversationBusy => "conversation_busy",
             ErrorCode::TooLarge => "too_large",
             ErrorCode::UnsupportedMediaType => "unsupported_media_type",
             ErrorCode::Invalid => "invalid",
@@ -83,7 +88,7 @@ impl ErrorCode {
             ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
             ErrorCode::Forbidden => StatusCode::FORBIDDEN,
             ErrorCode::NotFound => StatusCode::NOT_FOUND,
-            ErrorCode::Conflict | ErrorCode::IdempotencyKeyReused => StatusCode::CONFLICT,
+            ErrorCode::Conflict | ErrorCode::IdempotencyKeyReused | ErrorCode::ConversationBusy => StatusCode::CONFLICT,
             ErrorCode::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorCode::Invalid => StatusCode::UNPROCESSABLE_ENTITY,
@@ -200,7 +205,9 @@ impl From<SubmitError> for ApiError {
             | SubmitError::ContentTooLong(_)
             | SubmitError::UnknownPlugin { .. }
             | SubmitError::ConfigNotObject
-            | SubmitError::ConfigTooLarge(_) => ApiError::invalid(message),
+            | SubmitError::ConfigTooLarge(_)
+            | SubmitError::WebhookNotAllowed(_) => ApiError::invalid(message),
+            SubmitError::Busy { .. } => ApiError::new(ErrorCode::ConversationBusy, message),
             SubmitError::BadIdempotencyKey => ApiError::bad_request(message),
             SubmitError::ConversationNotFound(_) => ApiError::new(ErrorCode::NotFound, message),
             SubmitError::IdempotencyKeyReused { .. } => ApiError::new(ErrorCode::IdempotencyKeyReused, message),

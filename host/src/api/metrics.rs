@@ -26,6 +26,12 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
     e.gauge("agent_host_queue_depth", "Runs queued, all processes.", queued as f64);
     e.gauge("agent_host_runs_running", "Runs running, all processes.", running as f64);
     e.gauge("agent_host_runs_waiting", "Runs waiting for a decision or a time, all processes.", waiting as f64);
+    let pending = crate::db::webhooks::pending_count(&state.pool).await?;
+    e.gauge(
+        "agent_host_webhooks_pending",
+        "Completion webhooks waiting to be delivered, all processes.",
+        pending as f64,
+    );
     e.gauge("agent_host_oldest_queued_age_seconds", "Age of the oldest queued run.", oldest);
     if let Some(stats) = &state.stats {
         let w = &stats.worker;
@@ -57,6 +63,10 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
             ("replay_divergences", "Resumed runs that failed because the agent diverged from the log.", &w.divergences),
             ("runs_suspended", "Runs this process suspended (waiting for approval or a time).", &w.suspended),
             ("suspensions_woken", "Waiting runs this process's scheduler woke (timeouts, waits).", &w.woken),
+            ("webhooks_delivered", "Completion webhooks this process delivered.", &w.webhooks_delivered),
+            ("webhooks_retried", "Completion webhook attempts that failed and will be retried.", &w.webhooks_retried),
+            ("webhooks_failed", "Completion webhooks failed for good (every attempt spent).", &w.webhooks_failed),
+            ("schedule_firings", "Schedule firings this process made.", &w.schedule_firings),
         ] {
             e.counter(&format!("agent_host_{name}_total"), help, value.load(Relaxed));
         }

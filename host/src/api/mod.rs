@@ -14,6 +14,7 @@ mod paging;
 mod plugins;
 mod routes;
 mod runs;
+mod schedules;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,6 +49,8 @@ pub struct AppState {
     pub live_tails: Arc<LiveTails>,
     /// The process's worker, for `/metrics` (`None`: queue gauges only).
     pub stats: Option<crate::worker::WorkerObserver>,
+    /// The operator's rules for submissions (allowed webhook URLs).
+    pub policy: Arc<crate::service::submit::Policy>,
 }
 
 impl AppState {
@@ -59,6 +62,7 @@ impl AppState {
             keepalive: KEEPALIVE_DEFAULT,
             live_tails: LiveTails::new(LIVE_TAILS_MAX_DEFAULT),
             stats: None,
+            policy: Arc::default(),
         }
     }
 

@@ -1,11 +1,11 @@
 //! Every route, once: the router is built from this table and `/openapi.json`
 //! is generated from it, so the document cannot drift from what is served.
 
-use axum::routing::{get, post, MethodRouter};
+use axum::routing::{delete, get, post, MethodRouter};
 use serde_json::{json, Map, Value};
 
 use super::paging::LIMIT_MAX;
-use super::{approvals, conversations, events, metrics, plugins, runs, AppState, ErrorCode};
+use super::{approvals, conversations, events, metrics, plugins, runs, schedules, AppState, ErrorCode};
 
 /// Builds a JSON schema.
 pub type Schema = fn() -> Value;
@@ -43,7 +43,22 @@ fn run_body() -> Value {
         "content": { "type": "string", "minLength": 1, "maxLength": 65536 },
         "plugin": { "type": "string" },
         "conversation_id": { "type": "string", "format": "uuid" },
-        "config": { "type": "object", "description": "at most 16 KiB of JSON" } } })
+        "config": { "type": "object", "description": "at most 16 KiB of JSON" },
+        "webhook": { "type": "string", "description": "told when the run ends; under a prefix the operator allows" },
+        "multitask_strategy": { "type": "string", "enum": ["enqueue", "reject", "interrupt"],
+            "description": "when the conversation has an active turn: queue behind it (default), 409, or stop it \
+                            and run this one next" } } })
+}
+
+fn schedule_body() -> Value {
+    json!({ "type": "object", "required": ["plugin", "content", "cron"], "additionalProperties": false, "properties": {
+        "plugin": { "type": "string" },
+        "content": { "type": "string", "minLength": 1, "maxLength": 65536 },
+        "config": { "type": "object" },
+        "conversation_id": { "type": "string", "format": "uuid" },
+        "cron": { "type": "string", "description": "min hour day month weekday, or with seconds first" },
+        "timezone": { "type": "string", "description": "IANA name, default UTC" },
+        "webhook": { "type": "string", "description": "told when each run ends; under an allowed prefix" } } })
 }
 
 fn decision_body() -> Value {
@@ -122,6 +137,69 @@ pub const ROUTES: &[Route] = &[
         query: &[],
         body: None,
         handler: || post(runs::cancel_run),
+    },
+    Route {
+        method: "post",
+        path: "/v1/schedules",
+        summary: "Create a schedule: runs of plugin with content (and config) on a cron expression (5 fields, or 6-7 \
+                  with seconds) in a time zone (default UTC); each firing is one run however many processes are up",
+        auth: true,
+        ok: (
+            201,
+            "{id, plugin, content, config, conversation_id, cron, timezone, webhook, paused, next_fire_at, \
+                   last_fired_at, last_run_id, created_at}",
+        ),
+        errors: &[400, 415, 422],
+        query: &[],
+        body: Some(("application/json", schedule_body)),
+        handler: || post(schedules::create),
+    },
+    Route {
+        method: "get",
+        path: "/v1/schedules",
+        summary: "The caller's schedules, oldest first",
+        auth: true,
+        ok: (200, "{schedules: [...], next_cursor}"),
+        errors: &[400],
+        query: &[
+            ("limit", "integer", "1-1000 (default 1000)"),
+            ("after", "string", "the next_cursor of the previous page"),
+        ],
+        body: None,
+        handler: || get(schedules::list),
+    },
+    Route {
+        method: "post",
+        path: "/v1/schedules/{id}/pause",
+        summary: "Pause a schedule",
+        auth: true,
+        ok: (200, "the schedule"),
+        errors: &[400, 404],
+        query: &[],
+        body: None,
+        handler: || post(schedules::pause),
+    },
+    Route {
+        method: "post",
+        path: "/v1/schedules/{id}/resume",
+        summary: "Resume a schedule: it fires next at its next time after now",
+        auth: true,
+        ok: (200, "the schedule"),
+        errors: &[400, 404],
+        query: &[],
+        body: None,
+        handler: || post(schedules::resume),
+    },
+    Route {
+        method: "delete",
+        path: "/v1/schedules/{id}",
+        summary: "Delete a schedule (runs it started are not touched)",
+        auth: true,
+        ok: (204, "nothing"),
+        errors: &[400, 404],
+        query: &[],
+        body: None,
+        handler: || delete(schedules::delete),
     },
     Route {
         method: "get",

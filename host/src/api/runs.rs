@@ -12,7 +12,7 @@ use crate::db::lifecycle::{self, Cancelled, RetryError};
 use crate::db::runs;
 use crate::db::tokens::Principal;
 use crate::db::{ConversationId, RunId, RunStatus};
-use crate::service::submit::{self, Submission};
+use crate::service::submit::{self, Busy, Submission};
 
 use super::{ApiError, ApiJson, AppState, Auth, OrNotFound, PathId};
 
@@ -25,6 +25,13 @@ pub struct CreateRun {
     pub conversation_id: Option<ConversationId>,
     #[serde(default)]
     pub config: Option<Value>,
+    /// Told when the run ends: a URL under a prefix the operator allows.
+    #[serde(default)]
+    pub webhook: Option<String>,
+    /// When the conversation has an active turn: `enqueue` (default),
+    /// `reject` (409) or `interrupt` (stop it; this one runs next).
+    #[serde(default)]
+    pub multitask_strategy: Busy,
 }
 
 pub(super) fn owner(p: &Principal) -> Owner {
@@ -70,8 +77,10 @@ async fn enqueue(
         config: body.config,
         // Bytes that are not text fail the key's check in the service.
         idempotency_key: headers.get("idempotency-key").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
+        webhook: body.webhook,
+        strategy: body.multitask_strategy,
     };
-    let submitted = submit::submit(&state.pool, &state.agents, &submission).await?;
+    let submitted = submit::submit(&state.pool, &state.agents, &state.policy, &submission).await?;
     let mut headers = HeaderMap::new();
     if submitted.replayed() {
         headers.insert("idempotent-replayed", HeaderValue::from_static("true"));

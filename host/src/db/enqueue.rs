@@ -33,6 +33,8 @@ pub struct NewRun<'a> {
     pub config: &'a Value,
     pub request: &'a Value,
     pub idempotency_key: Option<&'a str>,
+    /// Told when the run ends (an allowed URL; see `service::submit`).
+    pub webhook: Option<&'a str>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -108,8 +110,8 @@ pub async fn enqueue_in(tx: &mut Transaction<'_, Postgres>, new: &NewRun<'_>) ->
     .await?;
     sqlx::query(
         "INSERT INTO agent_run (id, conversation_id, owner_id, tenant_id, user_message_id,
-                                plugin, plugin_digest, request, config, idempotency_key, plugin_manifest)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                                plugin, plugin_digest, request, config, idempotency_key, plugin_manifest, webhook)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
     )
     .bind(run_id)
     .bind(conversation_id)
@@ -122,6 +124,7 @@ pub async fn enqueue_in(tx: &mut Transaction<'_, Postgres>, new: &NewRun<'_>) ->
     .bind(new.config)
     .bind(new.idempotency_key)
     .bind(new.plugin_manifest)
+    .bind(new.webhook)
     .execute(&mut **tx)
     .await?;
     journal_queued(&mut **tx, run_id, message_id, None).await?;

@@ -664,6 +664,13 @@ pub async fn stop_conversation(
     if !conversations::owned(&mut *tx, conversation, owner_id).await? {
         return Ok(None);
     }
+    let stopped = stop_in(&mut tx, conversation).await?;
+    tx.commit().await?;
+    Ok(Some(stopped))
+}
+
+/// The body of [`stop_conversation`], in the caller's transaction.
+async fn stop_in(tx: &mut Transaction<'_, Postgres>, conversation: ConversationId) -> Result<Stopped, sqlx::Error> {
     // Rows are locked in the sorted order (LockRows sits above the Sort).
     let active: Vec<(RunId, RunStatus)> = sqlx::query_as(
         "SELECT id, status FROM agent_run
@@ -672,19 +679,90 @@ pub async fn stop_conversation(
          FOR UPDATE",
     )
     .bind(conversation)
-    .fetch_all(&mut *tx)
+    .fetch_all(&mut **tx)
     .await?;
     let of = |status: RunStatus| active.iter().filter(move |(_, s)| *s == status).map(|(id, _)| *id);
     let (queued, running, waiting): (Vec<RunId>, Vec<RunId>, Vec<RunId>) =
         (of(RunStatus::Queued).collect(), of(RunStatus::Running).collect(), of(RunStatus::Waiting).collect());
-    let drafts = cancel_queued(&mut tx, &queued).await?;
-    flag(&mut tx, &running).await?;
+    let drafts = cancel_queued(tx, &queued).await?;
+    flag(tx, &running).await?;
     for run in &waiting {
-        cancel_waiting(&mut tx, *run).await?;
+        cancel_waiting(tx, *run).await?;
     }
-    tx.commit().await?;
     let cancelled = queued.into_iter().chain(waiting).collect();
-    Ok(Some(Stopped { cancelled, cancelling: running, drafts }))
+    Ok(Stopped { cancelled, cancelling: running, drafts })
+}
+
+// ---------------------------------------------------------------------------
+// (none) -> queued, with a strategy for a busy conversation.
+
+/// What an enqueue does when its conversation already has an active turn
+/// (queued, running or waiting).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Busy {
+    /// Queue behind it (the default).
+    #[default]
+    Enqueue,
+    /// Refuse: nothing is enqueued.
+    Reject,
+    /// Stop it as a conversation stop does (running turns flagged, their
+    /// partial text kept; queued and waiting ones cancelled) and run this
+    /// one next: in one transaction, so nothing else starts in between.
+    Interrupt,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StrategyError {
+    /// `reject`, and the conversation's active turn is this run.
+    #[error("the conversation has an active turn, run {0}")]
+    Busy(RunId),
+    #[error(transparent)]
+    Enqueue(#[from] super::enqueue::EnqueueError),
+}
+
+impl From<sqlx::Error> for StrategyError {
+    fn from(e: sqlx::Error) -> Self {
+        StrategyError::Enqueue(e.into())
+    }
+}
+
+/// Enqueue (see [`super::enqueue::enqueue`]) with a strategy for a busy
+/// conversation. `reject` and `interrupt` lock the conversation row first, so
+/// two of them serialise and an enqueue racing them queues behind.
+pub async fn enqueue_with(
+    pool: &PgPool,
+    new: &super::enqueue::NewRun<'_>,
+    strategy: Busy,
+) -> Result<Enqueued, StrategyError> {
+    let mut tx = pool.begin().await?;
+    if let (Some(conversation), Busy::Reject | Busy::Interrupt) = (new.conversation_id, strategy) {
+        let owned: Option<bool> = sqlx::query_scalar("SELECT owner_id = $2 FROM conversation WHERE id = $1 FOR UPDATE")
+            .bind(conversation)
+            .bind(&new.owner.user_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if owned != Some(true) {
+            return Err(super::enqueue::EnqueueError::ConversationNotFound(conversation).into());
+        }
+        if strategy == Busy::Reject {
+            let active: Option<RunId> = sqlx::query_scalar(
+                "SELECT id FROM agent_run WHERE conversation_id = $1 AND status IN ('queued', 'running', 'waiting')
+                 ORDER BY queue_pos LIMIT 1",
+            )
+            .bind(conversation)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some(run) = active {
+                return Err(StrategyError::Busy(run));
+            }
+        } else {
+            stop_in(&mut tx, conversation).await?;
+        }
+    }
+    let enqueued = super::enqueue::enqueue_in(&mut tx, new).await?;
+    tx.commit().await?;
+    Ok(enqueued)
 }
 
 /// queued -> cancelled, for [`cancel`] and [`stop_conversation`]: status,
@@ -825,9 +903,9 @@ pub async fn retry(pool: &PgPool, run: RunId, owner_id: &str) -> Result<Enqueued
     let new = RunId::new();
     sqlx::query(
         "INSERT INTO agent_run (id, conversation_id, owner_id, tenant_id, user_message_id,
-                                plugin, plugin_digest, request, config, plugin_manifest)
+                                plugin, plugin_digest, request, config, plugin_manifest, webhook)
          SELECT $2, conversation_id, owner_id, tenant_id, user_message_id,
-                plugin, plugin_digest, request, config, plugin_manifest
+                plugin, plugin_digest, request, config, plugin_manifest, webhook
          FROM agent_run WHERE id = $1",
     )
     .bind(run)

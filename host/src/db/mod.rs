@@ -20,6 +20,8 @@
 //! - [`runs`]: run reads as clients see them.
 //! - [`plugins`]: content-addressed components and the names pointing at them.
 //! - [`tokens`]: bearer tokens.
+//! - [`webhooks`]: the completion-webhook outbox; [`schedules`]: cron
+//!   schedules and their firings.
 //! - [`cluster`]: the private PostgreSQL cluster; [`bench`]: the benchmark's SQL.
 
 pub mod calls;
@@ -32,9 +34,11 @@ pub mod lifecycle;
 pub mod notify;
 pub mod plugins;
 pub mod runs;
+pub mod schedules;
 pub mod status;
 pub mod suspensions;
 pub mod tokens;
+pub mod webhooks;
 
 use std::str::FromStr;
 use std::time::Duration;

@@ -28,6 +28,10 @@ pub struct RunView {
     /// The tool call a waiting run asks a person to decide:
     /// `{call_id, tool, args, requested_at, expires_at}`, or null.
     pub pending_approval: Option<Value>,
+    /// Its completion webhook: `{url, status: pending|delivered|failed,
+    /// attempts, last_error, delivered_at}` once the run ended, `{url,
+    /// status: "waiting"}` before; null without one.
+    pub webhook: Option<Value>,
     /// Model calls and tokens, once the run has ended (null without a model call).
     pub usage: Option<Value>,
 }
@@ -44,6 +48,11 @@ pub async fn get_run(db: impl PgExecutor<'_>, id: RunId, owner_id: &str) -> Resu
                  FROM run_suspension s
                  WHERE s.run_id = r.id AND s.kind = 'approval' AND s.decision IS NULL AND r.status = 'waiting'
                  LIMIT 1) AS pending_approval,
+                CASE WHEN r.webhook IS NOT NULL THEN coalesce(
+                    (SELECT jsonb_build_object('url', d.url, 'status', d.status, 'attempts', d.attempts,
+                                               'last_error', d.last_error, 'delivered_at', d.delivered_at)
+                     FROM webhook_delivery d WHERE d.run_id = r.id),
+                    jsonb_build_object('url', r.webhook, 'status', 'waiting')) END AS webhook,
                 r.usage
          FROM agent_run r WHERE r.id = $1 AND r.owner_id = $2",
     )

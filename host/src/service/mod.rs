@@ -4,5 +4,6 @@
 //! never HTTP; each API maps those to its own wire answers.
 
 pub mod plugins;
+pub mod schedules;
 pub mod storable;
 pub mod submit;

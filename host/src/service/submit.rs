@@ -14,6 +14,8 @@ use sqlx::PgPool;
 
 use crate::agent::AgentRegistry;
 use crate::db::enqueue::{self as runs, EnqueueError, Enqueued, NewRun, Owner};
+pub use crate::db::lifecycle::Busy;
+use crate::db::lifecycle::{self, StrategyError};
 use crate::db::{ConversationId, RunId};
 
 use super::storable::{self, Unstorable};
@@ -27,6 +29,9 @@ pub const IDEMPOTENCY_KEY_BYTES_MAX: usize = 200;
 /// Plugin names an unknown-plugin refusal lists at most.
 pub const AVAILABLE_NAMES_MAX: i64 = 100;
 
+/// Bytes of a completion webhook's URL.
+pub const WEBHOOK_URL_BYTES_MAX: usize = 2048;
+
 /// One request to start a run, as a client sent it.
 #[derive(Debug, Clone)]
 pub struct Submission {
@@ -38,6 +43,27 @@ pub struct Submission {
     /// `None`: `{}`.
     pub config: Option<Value>,
     pub idempotency_key: Option<String>,
+    /// A URL told when the run ends; it must start with one of the
+    /// operator's allowed prefixes ([`Policy::webhook_allow`]).
+    pub webhook: Option<String>,
+    /// What to do when the conversation already has an active turn.
+    pub strategy: Busy,
+}
+
+/// The operator's rules for submissions.
+#[derive(Debug, Clone, Default)]
+pub struct Policy {
+    /// URL prefixes a run's completion webhook may start with
+    /// (`--completion-webhook-allow`); empty: no webhooks.
+    pub webhook_allow: Vec<String>,
+}
+
+impl Policy {
+    /// Whether `url` is an http(s) URL under an allowed prefix.
+    pub fn allows_webhook(&self, url: &str) -> bool {
+        let web = url.starts_with("https://") || url.starts_with("http://");
+        web && url.len() <= WEBHOOK_URL_BYTES_MAX && self.webhook_allow.iter().any(|p| url.starts_with(p.as_str()))
+    }
 }
 
 /// The run a submission started, or the one its idempotency key started before.
@@ -76,6 +102,11 @@ pub enum SubmitError {
     ConfigTooLarge(usize),
     #[error("Idempotency-Key must be 1-{IDEMPOTENCY_KEY_BYTES_MAX} visible ASCII bytes")]
     BadIdempotencyKey,
+    #[error("webhook {0:?} is not under a URL prefix the operator allows")]
+    WebhookNotAllowed(String),
+    /// `reject`: the conversation has an active turn.
+    #[error("conversation {conversation} has an active turn, run {run}")]
+    Busy { conversation: ConversationId, run: RunId },
     /// Missing, or another user's: the same answer.
     #[error("conversation {0} not found")]
     ConversationNotFound(ConversationId),
@@ -91,7 +122,12 @@ pub enum SubmitError {
 
 /// Validates `s`, pins its plugin and enqueues it (or replays the run its
 /// idempotency key started).
-pub async fn submit(pool: &PgPool, agents: &AgentRegistry, s: &Submission) -> Result<Submitted, SubmitError> {
+pub async fn submit(
+    pool: &PgPool,
+    agents: &AgentRegistry,
+    policy: &Policy,
+    s: &Submission,
+) -> Result<Submitted, SubmitError> {
     // Before anything reaches the database, text it cannot store.
     storable::text("content", &s.content)?;
     storable::text("plugin", &s.plugin)?;
@@ -100,6 +136,12 @@ pub async fn submit(pool: &PgPool, agents: &AgentRegistry, s: &Submission) -> Re
     }
     if let Some(key) = &s.idempotency_key {
         storable::text("idempotency key", key)?;
+    }
+    if let Some(url) = &s.webhook {
+        storable::text("webhook", url)?;
+        if !policy.allows_webhook(url) {
+            return Err(SubmitError::WebhookNotAllowed(url.clone()));
+        }
     }
     if s.content.trim().is_empty() {
         return Err(SubmitError::EmptyContent);
@@ -147,23 +189,40 @@ pub async fn submit(pool: &PgPool, agents: &AgentRegistry, s: &Submission) -> Re
         config: &config,
         request: &request,
         idempotency_key: key,
+        webhook: s.webhook.as_deref(),
     };
-    match runs::enqueue(pool, &new).await {
+    match lifecycle::enqueue_with(pool, &new, s.strategy).await {
         Ok(e) => Ok(Submitted::Created(e)),
+        Err(StrategyError::Busy(run)) => {
+            Err(SubmitError::Busy { conversation: s.conversation_id.expect("busy needs a conversation"), run })
+        }
+        Err(StrategyError::Enqueue(e)) => enqueue_failed(pool, s, key, &request, e).await,
+    }
+}
+
+/// An enqueue that failed: the idempotency replay, or the refusal.
+async fn enqueue_failed(
+    pool: &PgPool,
+    s: &Submission,
+    key: Option<&str>,
+    request: &Value,
+    e: EnqueueError,
+) -> Result<Submitted, SubmitError> {
+    match e {
         // The key was used before (or by a concurrent retry that won): answer
         // like the first request if this is the same request, else refuse.
-        Err(e) if runs::is_idempotency_conflict(&e) => {
+        e if runs::is_idempotency_conflict(&e) => {
             let key = key.unwrap_or_default();
             let Some((first, first_request)) = runs::find_by_idempotency_key(pool, &s.owner.user_id, key).await? else {
                 return Err(SubmitError::IdempotencyKeyInUse);
             };
-            if first_request.is_some_and(|r| r != request) {
+            if first_request.is_some_and(|r| &r != request) {
                 return Err(SubmitError::IdempotencyKeyReused { key: key.to_string(), run: first.run_id });
             }
             Ok(Submitted::Replayed(first))
         }
-        Err(EnqueueError::ConversationNotFound(id)) => Err(SubmitError::ConversationNotFound(id)),
-        Err(EnqueueError::Db(e)) => Err(e.into()),
+        EnqueueError::ConversationNotFound(id) => Err(SubmitError::ConversationNotFound(id)),
+        EnqueueError::Db(e) => Err(e.into()),
     }
 }
 
@@ -202,6 +261,8 @@ mod tests {
             plugin: "echo".into(),
             config: None,
             idempotency_key: None,
+            webhook: None,
+            strategy: Busy::Enqueue,
         };
         let cases = [
             ("content", Submission { content: "a\0b".into(), ..ok.clone() }),
@@ -210,7 +271,7 @@ mod tests {
             ("idempotency key", Submission { idempotency_key: Some("k\0".into()), ..ok.clone() }),
         ];
         for (field, s) in cases {
-            match submit(&pool, &agents, &s).await {
+            match submit(&pool, &agents, &Policy::default(), &s).await {
                 Err(SubmitError::Unstorable(u)) => assert_eq!(u.field, field),
                 other => panic!("{field}: {other:?}"),
             }

@@ -7,7 +7,11 @@ mod heartbeat;
 mod reaper;
 mod retention;
 mod run_task;
+mod schedules;
 mod waker;
+mod webhooks;
+
+pub use webhooks::{secret_bytes as webhook_secret_bytes, sign as webhook_sign, WebhookConfig};
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
@@ -38,6 +42,8 @@ pub const RETENTION_DEFAULT: Duration = Duration::from_secs(24 * 3600);
 pub const RETENTION_INTERVAL_DEFAULT: Duration = Duration::from_secs(60);
 /// How long a run may keep going after a stop before it is interrupted.
 pub const CANCEL_GRACE_DEFAULT: Duration = Duration::from_secs(5);
+/// How often due schedules are fired.
+pub const SCHEDULE_TICK_DEFAULT: Duration = Duration::from_secs(1);
 /// Rows one reaper pass ends at most; the next pass takes the rest.
 pub const REAP_BATCH_MAX: i64 = 100;
 /// Bound on waiting for aborted runs to write their ending after a drain timeout.
@@ -75,6 +81,12 @@ pub struct WorkerConfig {
     /// Attempts a resumable run gets: after this many lost workers (or
     /// drains out of budget) it ends failed instead of going back to the queue.
     pub resume_attempts: u32,
+    /// The completion-webhook sender (`None`: this process sends none).
+    pub webhooks: Option<WebhookConfig>,
+    /// How often due schedules are fired.
+    pub schedule_tick: Duration,
+    /// The operator's rules for what schedules enqueue (allowed webhooks).
+    pub policy: Arc<crate::service::submit::Policy>,
 }
 
 impl Default for WorkerConfig {
@@ -96,6 +108,9 @@ impl Default for WorkerConfig {
             tenant_max_running: None,
             dispatch: true,
             resume_attempts: crate::db::lifecycle::RESUME_ATTEMPTS_DEFAULT,
+            webhooks: None,
+            schedule_tick: SCHEDULE_TICK_DEFAULT,
+            policy: Arc::default(),
         }
     }
 }
@@ -129,6 +144,7 @@ impl WorkerConfig {
             ("journal flush", self.journal_flush),
             ("journal give-up", self.journal_give_up),
             ("retention interval", self.retention_interval),
+            ("schedule tick", self.schedule_tick),
         ] {
             if d.is_zero() {
                 return Err(ConfigError::Zero(name));
@@ -212,6 +228,13 @@ pub struct WorkerStats {
     pub suspended: AtomicU64,
     /// Waiting runs this process's scheduler put back in the queue.
     pub woken: AtomicU64,
+    /// Completion webhooks delivered, retried after a failed attempt, and
+    /// failed for good (every attempt spent).
+    pub webhooks_delivered: AtomicU64,
+    pub webhooks_retried: AtomicU64,
+    pub webhooks_failed: AtomicU64,
+    /// Schedule firings this process made.
+    pub schedule_firings: AtomicU64,
     /// Runs whose journal retention trimmed.
     pub trimmed: AtomicU64,
     /// Idle waits that ended on the poll tick rather than a wake.
@@ -319,7 +342,11 @@ impl Worker {
             tokio::spawn(reaper::run(shared.clone())),
             tokio::spawn(waker::run(shared.clone(), ended_rx)),
             tokio::spawn(retention::run(shared.clone())),
+            tokio::spawn(schedules::run(shared.clone())),
         ];
+        if let Some(webhooks) = shared.config.webhooks.clone() {
+            services.push(tokio::spawn(webhooks::run(shared.clone(), webhooks)));
+        }
         if let Some(hub) = &hub {
             services.push(tokio::spawn(canceller::run(shared.clone(), hub.clone())));
         }

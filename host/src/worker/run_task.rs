@@ -211,6 +211,11 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         },
     };
     shared.stats.replayed_calls.fetch_add(host.replayed(), Ordering::Relaxed);
+    // The agent may have returned (its call refused `fenced`) in the same
+    // poll that suspended the run: it waits all the same.
+    if host.suspended() {
+        return Outcome::Suspended;
+    }
     // A limit the run hit (or a replay that diverged) ends it failed,
     // whatever the agent made of the refusal.
     let result = match (host.failure(), result) {

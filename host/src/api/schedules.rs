@@ -1,0 +1,117 @@
+//! Schedules: create, list (paged), pause, resume, delete.
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::db::schedules::{self, SCHEDULES_PAGE_MAX};
+use crate::db::ConversationId;
+use crate::service::schedules::{self as service, ScheduleError, ScheduleRequest};
+
+use super::paging::PageQuery;
+use super::runs::owner;
+use super::{ApiError, ApiJson, ApiQuery, AppState, Auth, OrNotFound};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSchedule {
+    plugin: String,
+    content: String,
+    #[serde(default)]
+    config: Option<Value>,
+    #[serde(default)]
+    conversation_id: Option<ConversationId>,
+    cron: String,
+    #[serde(default)]
+    timezone: Option<String>,
+    #[serde(default)]
+    webhook: Option<String>,
+}
+
+impl From<ScheduleError> for ApiError {
+    fn from(e: ScheduleError) -> Self {
+        match e {
+            ScheduleError::Invalid(m) => ApiError::invalid(m),
+            ScheduleError::Db(e) => e.into(),
+        }
+    }
+}
+
+fn schedule_id(raw: &str) -> Result<Uuid, ApiError> {
+    raw.parse().map_err(|_| ApiError::bad_request(format!("schedule id {raw:?} is not a UUID")))
+}
+
+/// `POST /v1/schedules`.
+pub async fn create(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    ApiJson(b): ApiJson<CreateSchedule>,
+) -> Result<impl IntoResponse, ApiError> {
+    let r = ScheduleRequest {
+        owner: owner(&p),
+        plugin: b.plugin,
+        content: b.content,
+        config: b.config,
+        conversation_id: b.conversation_id,
+        cron: b.cron,
+        timezone: b.timezone,
+        webhook: b.webhook,
+    };
+    let created = service::create(&state.pool, &state.agents, &state.policy, &r).await?;
+    Ok((StatusCode::CREATED, Json(created)))
+}
+
+/// `GET /v1/schedules?limit&after`: oldest first.
+pub async fn list(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    ApiQuery(q): ApiQuery<PageQuery>,
+) -> Result<impl IntoResponse, ApiError> {
+    let page = q.page(SCHEDULES_PAGE_MAX as usize)?;
+    let after = page.after_as::<Uuid>()?;
+    let mut rows = schedules::list(&state.pool, &p.user_id, after, page.fetch()).await?;
+    let next_cursor = page.finish(&mut rows, |s| s.id.to_string());
+    Ok(Json(json!({ "schedules": rows, "next_cursor": next_cursor })))
+}
+
+/// `POST /v1/schedules/{id}/pause`.
+pub async fn pause(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id = schedule_id(&id)?;
+    let s = schedules::set_paused(&state.pool, id, &p.user_id, true, None).await?;
+    Ok(Json(s.or_not_found(format!("schedule {id}"))?))
+}
+
+/// `POST /v1/schedules/{id}/resume`: fires next at its next time after now
+/// (what it missed while paused is not caught up).
+pub async fn resume(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id = schedule_id(&id)?;
+    let s = schedules::get(&state.pool, id, &p.user_id).await?.or_not_found(format!("schedule {id}"))?;
+    let next = service::next_after(&s.cron, &s.timezone, chrono::Utc::now()).map_err(ApiError::invalid)?;
+    let s = schedules::set_paused(&state.pool, id, &p.user_id, false, next).await?;
+    Ok(Json(s.or_not_found(format!("schedule {id}"))?))
+}
+
+/// `DELETE /v1/schedules/{id}`: runs it already started are not touched.
+pub async fn delete(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id = schedule_id(&id)?;
+    if !schedules::delete(&state.pool, id, &p.user_id).await? {
+        return Err(ApiError::not_found(format!("schedule {id}")));
+    }
+    Ok(StatusCode::NO_CONTENT)
+}

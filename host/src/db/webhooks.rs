@@ -1,0 +1,80 @@
+//! The completion-webhook outbox (`webhook_delivery`): a trigger writes a row
+//! in the transaction of a webhook run's terminal write
+//! (`migrations/0007_webhooks_schedules.sql`); any process's sender claims
+//! due rows (`FOR UPDATE SKIP LOCKED`, pushing `next_attempt_at` forward as a
+//! lease while it sends), POSTs them and records the outcome.
+
+use serde_json::Value;
+use sqlx::PgExecutor;
+use uuid::Uuid;
+
+use super::RunId;
+
+/// A delivery a sender holds for one attempt.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Due {
+    pub id: Uuid,
+    pub run_id: RunId,
+    pub url: String,
+    pub payload: Value,
+    /// This attempt's number (1 for the first).
+    pub attempts: i32,
+}
+
+/// Claims up to `limit` due deliveries for one attempt each; `lease_s`
+/// pushes their next attempt out, so another sender takes one only if this
+/// one died mid-attempt.
+pub async fn claim_due(db: impl PgExecutor<'_>, limit: i64, lease_s: f64) -> Result<Vec<Due>, sqlx::Error> {
+    sqlx::query_as(
+        "UPDATE webhook_delivery d SET attempts = attempts + 1,
+                next_attempt_at = now() + make_interval(secs => $2)
+         WHERE d.id IN (SELECT id FROM webhook_delivery
+                        WHERE status = 'pending' AND next_attempt_at <= now()
+                        ORDER BY next_attempt_at LIMIT $1
+                        FOR UPDATE SKIP LOCKED)
+         RETURNING d.id, d.run_id, d.url, d.payload, d.attempts",
+    )
+    .bind(limit)
+    .bind(lease_s)
+    .fetch_all(db)
+    .await
+}
+
+/// The attempt was answered 2xx.
+pub async fn delivered(db: impl PgExecutor<'_>, id: Uuid) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE webhook_delivery SET status = 'delivered', delivered_at = now(), last_error = NULL WHERE id = $1",
+    )
+    .bind(id)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// The attempt failed: retried after `retry_in_s`, or `failed` for good
+/// when it was the last one allowed. Returns whether it is failed for good.
+pub async fn attempt_failed(
+    db: impl PgExecutor<'_>,
+    id: Uuid,
+    error: &str,
+    retry_in_s: Option<f64>,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query(
+        "UPDATE webhook_delivery SET last_error = $2,
+                status = CASE WHEN $3::float8 IS NULL THEN 'failed' ELSE 'pending' END,
+                next_attempt_at = CASE WHEN $3::float8 IS NULL THEN next_attempt_at
+                                       ELSE now() + make_interval(secs => $3) END
+         WHERE id = $1",
+    )
+    .bind(id)
+    .bind(error)
+    .bind(retry_in_s)
+    .execute(db)
+    .await?;
+    Ok(retry_in_s.is_none())
+}
+
+/// Deliveries waiting to be sent, all processes.
+pub async fn pending_count(db: impl PgExecutor<'_>) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM webhook_delivery WHERE status = 'pending'").fetch_one(db).await
+}
