@@ -38,7 +38,12 @@ pub fn median(v: &mut [f64]) -> f64 {
 
 /// Resident set size of this process.
 pub fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
+    rss_of("self")
+}
+
+/// Resident set size of process `pid` (`self`: this one); 0 if unreadable.
+pub fn rss_of(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()

@@ -30,7 +30,7 @@ pub use agent_host::stream::decode::SseDecoder;
 pub use agent_host::tools::{EventSink, Tool, ToolCall, ToolRegistry};
 pub use agent_host::worker::{Worker, WorkerConfig};
 
-use agent_host::db::{self, enqueue, journal, lifecycle, runs};
+use agent_host::db::{self, enqueue, journal, lifecycle, runs, suspensions};
 
 /// The benchmark's user and tenant.
 pub const OWNER: &str = "bench";
@@ -161,4 +161,13 @@ pub fn guest_input(run: &RunInput, content: &str, config: Value) -> RunInput {
 /// An agent's failure, for the benchmark's own probes.
 pub fn probe_failed(e: impl std::fmt::Display) -> AgentError {
     AgentError::failed(FailReason::Agent, e.to_string())
+}
+
+/// The benchmark owner's approval of a waiting run's call `call` (its tool
+/// call's ordinal), as the decision route records it: once, re-queuing the
+/// run in the same transaction.
+pub async fn approve(pool: &PgPool, run: RunId, call: i32) -> anyhow::Result<()> {
+    let d = suspensions::Decision { decision: "approve", args: None, reason: None, decided_by: OWNER };
+    suspensions::decide(pool, run, OWNER, call, &d).await?;
+    Ok(())
 }

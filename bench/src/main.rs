@@ -4,12 +4,14 @@
 //! pre-enqueued no-op runs, the same SQL statements run without the host (the
 //! SQL floor) and their ratio, emit-to-client latency, SIGKILL-to-failed,
 //! durable resume's costs (recording, resumable drain, SIGKILL-to-resumed,
-//! replay) and the sandbox's costs. Medians over passes; the machine is shared and noisy,
+//! replay), approvals' costs (decision to resumed, memory per waiting run)
+//! and the sandbox's costs. Medians over passes; the machine is shared and noisy,
 //! so single figures mean little.
 //!
 //! It uses the library's public API only (see `library`), in a throwaway
 //! database beside the one it is given (or in a private cluster).
 
+mod approvals;
 mod durable;
 mod figures;
 mod library;
@@ -48,6 +50,10 @@ enum Role {
     /// kills (the benchmark runs it as its own child).
     #[command(hide = true)]
     Serve(Box<ServeArgs>),
+    /// A worker holding runs waiting for approval, for the resident-memory
+    /// measurement (the benchmark runs it as its own child).
+    #[command(hide = true)]
+    Waiter,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -82,6 +88,12 @@ pub struct BenchArgs {
     /// Recorded tool calls each replay run makes, then replays.
     #[arg(long, default_value_t = 1_000)]
     pub replay_calls: usize,
+    /// Approval decisions timed to the resumed run (after 5 warm-up ones).
+    #[arg(long, default_value_t = 200)]
+    pub decisions: usize,
+    /// Runs waiting for approval on one host for the resident-memory measurement.
+    #[arg(long, default_value_t = 1000)]
+    pub waiting: usize,
     /// The throwaway database created (dropped first if it exists) beside the given one.
     #[arg(long, default_value = "agent_host_bench")]
     pub bench_database: String,
@@ -102,6 +114,8 @@ impl BenchArgs {
             ("--resume-runs", self.resume_runs),
             ("--replays", self.replays),
             ("--replay-calls", self.replay_calls),
+            ("--decisions", self.decisions),
+            ("--waiting", self.waiting),
         ] {
             anyhow::ensure!(n > 0, "{flag} must be greater than 0");
         }
@@ -142,6 +156,7 @@ async fn main() -> anyhow::Result<()> {
             args.validate()?;
             library::serve(&cli.db, args).await
         }
+        Some(Role::Waiter) => approvals::waiter(&cli.db).await,
         None => {
             cli.bench.validate()?;
             run(&cli.db, &cli.bench).await
@@ -170,6 +185,7 @@ async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow
     stream::stream_latency(&pool, &url).await?;
     queue::sigkill_to_failed(&pool, &url, db_args, args).await?;
     durable::durable(&pool, &url, db_args, args).await?;
+    approvals::approvals(&pool, &url, db_args, args).await?;
     sandbox::sandbox(&pool, &url, db_args, args).await?;
 
     pool.close().await;

@@ -86,6 +86,11 @@ pub async fn since_resume(db: impl PgExecutor<'_>, run: RunId) -> Result<(f64, f
     Ok((claim.unwrap_or(f64::NAN), resumed.unwrap_or(f64::NAN)))
 }
 
+/// Runs of the benchmark's throwaway database in `status` (`waiting`, `running`, ...).
+pub async fn count_status(db: impl PgExecutor<'_>, status: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status::text = $1").bind(status).fetch_one(db).await
+}
+
 /// Empties every table the benchmark writes.
 pub async fn reset(db: impl PgExecutor<'_>) -> Result<(), sqlx::Error> {
     sqlx::query("TRUNCATE run_suspension, run_call, run_event, agent_run, message, conversation").execute(db).await?;

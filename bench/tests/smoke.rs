@@ -25,6 +25,8 @@ fn help_lists_the_benchmark_flags() {
         "--resume-runs",
         "--replays",
         "--replay-calls",
+        "--decisions",
+        "--waiting",
         "--database-url",
     ] {
         assert!(help.contains(flag), "--help does not list {flag}:\n{help}");
@@ -45,7 +47,7 @@ fn a_small_run_prints_every_figure() {
     let database = format!("agent_host_bench_smoke_{}", std::process::id());
     let mut cmd = Command::new(BENCH);
     cmd.args(["--runs", "40", "--in-flight", "4", "--passes", "1", "--samples", "3", "--parked", "3", "--kills", "1"])
-        .args(["--resume-runs", "40", "--replays", "2", "--replay-calls", "20"])
+        .args(["--resume-runs", "40", "--replays", "2", "--replay-calls", "20", "--decisions", "3", "--waiting", "5"])
         .args(["--bench-database", &database])
         .arg("--plugin-dir")
         .arg(root.join("plugins/target/wasm32-wasip2/release"))
@@ -101,6 +103,10 @@ fn a_small_run_prints_every_figure() {
         "SIGKILL to run_resumed by another worker (lease 1 s, reap grace 0.3 s, reaper every 100 ms), 1 kills: p50 ",
         "replay of 20 recorded calls, resumed attempt's claim to agent live after the last, 2 runs: p50 ",
         "replay of 20 recorded calls, run_resumed row to agent live after the last, 2 runs: p50 ",
+        "approval decision, POST /v1/runs/{id}/approvals/{call_id} answered, 3 decisions: p50 ",
+        "approval decision to run_resumed row (hub up), 3 decisions: p50 ",
+        "approval decision to the approved tool's call starting (hub up), 3 decisions: p50 ",
+        "5 runs waiting for approval, one host (32 slots): RSS idle ",
     ];
     if root.join("plugins/target/wasm32-wasip2/release/echo.wasm").exists() {
         expected.extend([
@@ -119,6 +125,8 @@ fn a_small_run_prints_every_figure() {
         };
         at += i + 1;
     }
+    let waiting = lines.iter().find(|l| l.contains("runs waiting for approval")).unwrap();
+    assert!(waiting.contains("slots held 0, runs running 0"), "a waiting run holds a slot: {waiting}");
 }
 
 /// Drops the run's throwaway database on DATABASE_URL's server.
