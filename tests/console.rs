@@ -246,6 +246,17 @@ async fn the_console_shows_a_pending_approval_and_approve_resumes_the_run_on_the
     let manifest = json!({ "tools": ["llm", "send"], "durability": "resume", "approval": { "send": "always" } });
     let env = support::durable::Env::with_manifest("chat", "chat", &manifest, true, &[]).await;
     let host = env.spawn("A");
+    // A schedule, which the console lists.
+    let created: Value = reqwest::Client::new()
+        .post(format!("http://{}/v1/schedules", host.addr))
+        .bearer_auth(&env.token)
+        .json(&json!({ "plugin": "echo", "content": "happy new year", "cron": "0 0 1 1 *" }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     let browser = Browser::start().await;
     browser.goto(&format!("http://{}/", host.addr)).await;
     browser
@@ -256,6 +267,13 @@ async fn the_console_shows_a_pending_approval_and_approve_resumes_the_run_on_the
         .await;
     browser
         .until("the plugin list", "return [...document.getElementById('plugin').options].some(o => o.value === 'chat')")
+        .await;
+    browser.until("the schedule", "return document.querySelectorAll('#schedules li').length === 1").await;
+    let shown = browser.text("schedules").await;
+    assert!(shown.contains("0 0 1 1 *") && shown.contains("echo") && shown.contains("next"), "{shown}: {created}");
+    browser.run("document.querySelector('#schedules li button').click()", json!([])).await;
+    browser
+        .until("the schedule paused", "return document.getElementById('schedules').textContent.includes('paused')")
         .await;
     let config = json!({ "tools": [{ "name": "send", "description": "send it", "parameters": { "type": "object" } }] });
     browser

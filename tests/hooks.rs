@@ -317,8 +317,25 @@ async fn a_schedule_fires_once_per_firing_across_three_processes_and_catches_up_
     assert_eq!(missed, vec![fired.last().unwrap() + 1_000_000], "one catch-up, not one per missed tick: {after:?}");
     let resumed = &after[stopped + 1..];
     assert!(resumed[0] >= restarted - 1_000_000, "after the catch-up it goes on from now: {after:?}");
+    // The CLI lists it (paused now), and deletes it.
+    let cli = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+            .env("AGENT_HOST_URL", format!("http://{}", a.addr))
+            .env("AGENT_HOST_TOKEN", &env.token)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = cli(&["schedules", "list"]);
+    let listed = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success() && listed.contains(&id) && listed.contains("* * * * * *\tUTC\tnoop\tpaused"),
+        "{listed}"
+    );
+    let out = cli(&["schedules", "delete", &id]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let (code, _) = env.call(&a, reqwest::Method::DELETE, &format!("/v1/schedules/{id}"), None).await;
-    assert_eq!(code, 204);
+    assert_eq!(code, 404, "deleted already");
     let (code, v) = env
         .call(
             &a,

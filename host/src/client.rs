@@ -13,7 +13,7 @@ use anyhow::{bail, Context};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-use crate::config::{ApiArgs, ApprovalsCommand, ConversationsCommand, RunsCommand};
+use crate::config::{ApiArgs, ApprovalsCommand, ConversationsCommand, RunsCommand, SchedulesCommand};
 use crate::db::events;
 use crate::stream::decode::SseDecoder;
 
@@ -91,6 +91,57 @@ pub async fn runs(args: &ApiArgs, command: RunsCommand) -> anyhow::Result<()> {
 
 async fn decide(api: &Api, id: &str, call: u32, body: Value) -> anyhow::Result<()> {
     let answer = api.call(reqwest::Method::POST, &format!("/v1/runs/{id}/approvals/{call}"), Some(body)).await?;
+    println!("{answer}");
+    Ok(())
+}
+
+pub async fn schedules(args: &ApiArgs, command: SchedulesCommand) -> anyhow::Result<()> {
+    let api = Api::new(args);
+    let api = &api;
+    let post = |path: String| async move { api.call(reqwest::Method::POST, &path, None).await };
+    let answer = match command {
+        SchedulesCommand::List => {
+            let mut after: Option<String> = None;
+            loop {
+                let path = after.as_ref().map_or("/v1/schedules".to_string(), |c| format!("/v1/schedules?after={c}"));
+                let page = api.call(reqwest::Method::GET, &path, None).await?;
+                for s in page["schedules"].as_array().into_iter().flatten() {
+                    println!(
+                        "{}\t{}\t{}\t{}\t{}\tnext {}",
+                        s["id"].as_str().unwrap_or("?"),
+                        s["cron"].as_str().unwrap_or("?"),
+                        s["timezone"].as_str().unwrap_or("?"),
+                        s["plugin"].as_str().unwrap_or("?"),
+                        if s["paused"].as_bool() == Some(true) { "paused" } else { "active" },
+                        s["next_fire_at"].as_str().unwrap_or("?"),
+                    );
+                }
+                match page["next_cursor"].as_str() {
+                    Some(c) => after = Some(c.to_string()),
+                    None => return Ok(()),
+                }
+            }
+        }
+        SchedulesCommand::Create { content, plugin, cron, timezone, config, conversation } => {
+            let mut body = json!({ "content": content, "plugin": plugin, "cron": cron });
+            if let Some(tz) = timezone {
+                body["timezone"] = json!(tz);
+            }
+            if let Some(c) = config {
+                body["config"] = serde_json::from_str(&c).context("--config is not JSON")?;
+            }
+            if let Some(c) = conversation {
+                body["conversation_id"] = json!(c);
+            }
+            api.call(reqwest::Method::POST, "/v1/schedules", Some(body)).await?
+        }
+        SchedulesCommand::Pause { id } => post(format!("/v1/schedules/{id}/pause")).await?,
+        SchedulesCommand::Resume { id } => post(format!("/v1/schedules/{id}/resume")).await?,
+        SchedulesCommand::Delete { id } => {
+            api.call(reqwest::Method::DELETE, &format!("/v1/schedules/{id}"), None).await?;
+            json!({ "deleted": id })
+        }
+    };
     println!("{answer}");
     Ok(())
 }

@@ -65,6 +65,13 @@ pub enum Command {
         #[command(subcommand)]
         command: RunsCommand,
     },
+    /// Cron schedules of runs, over the HTTP API.
+    Schedules {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[command(subcommand)]
+        command: SchedulesCommand,
+    },
     /// Tool calls waiting for a person's decision, over the HTTP API.
     Approvals {
         #[command(flatten)]
@@ -134,6 +141,39 @@ pub enum RunsCommand {
         call: u32,
         #[arg(long)]
         reason: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SchedulesCommand {
+    /// The caller's schedules: id, cron, time zone, plugin, paused, next firing.
+    List,
+    /// Run PLUGIN with CONTENT on a cron expression.
+    Create {
+        content: String,
+        #[arg(long)]
+        plugin: String,
+        /// `min hour day month weekday`, or with seconds first.
+        #[arg(long)]
+        cron: String,
+        /// An IANA time zone (default UTC).
+        #[arg(long)]
+        timezone: Option<String>,
+        /// The runs' config, a JSON object.
+        #[arg(long)]
+        config: Option<String>,
+        /// Every firing continues this conversation (default: a new one each).
+        #[arg(long)]
+        conversation: Option<String>,
+    },
+    Pause {
+        id: String,
+    },
+    Resume {
+        id: String,
+    },
+    Delete {
+        id: String,
     },
 }
 

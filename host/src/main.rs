@@ -52,5 +52,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Runs { api, command } => client::runs(&api, command).await,
         Command::Conversations { api, command } => client::conversations(&api, command).await,
         Command::Approvals { api, command } => client::approvals(&api, command).await,
+        Command::Schedules { api, command } => client::schedules(&api, command).await,
     }
 }
