@@ -35,14 +35,7 @@ fn send_offered() -> Value {
 }
 
 async fn decide(env: &Env, host: &HostProcess, run: RunId, call: i64, body: Value) -> (u16, Value) {
-    let res = reqwest::Client::new()
-        .post(format!("http://{}/v1/runs/{run}/approvals/{call}", host.addr))
-        .bearer_auth(&env.token)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    (res.status().as_u16(), res.json().await.unwrap())
+    env.request(host, reqwest::Method::POST, &format!("/v1/runs/{run}/approvals/{call}"), Some(body)).await
 }
 
 async fn wait_waiting(env: &Env, host: &HostProcess, run: RunId) -> Value {
@@ -75,15 +68,7 @@ async fn approved_and_edited_calls_run_once_after_every_host_restarted() {
     assert_eq!(metric(&a, "agent_host_runs_waiting").await, 2.0);
     assert_eq!(metric(&a, "agent_host_runs_suspended_total").await, 2.0);
     assert_eq!(metric(&a, "agent_host_fence_trips_total").await, 0.0, "a suspension is not a lost run");
-    let listed: Value = reqwest::Client::new()
-        .get(format!("http://{}/v1/approvals", a.addr))
-        .bearer_auth(&env.token)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let listed = env.get(&a, "/v1/approvals").await;
     assert_eq!(listed["approvals"].as_array().unwrap().len(), 2, "{listed}");
     assert!(env.receiver.args.lock().unwrap().is_empty(), "nothing was sent before the approval");
 
@@ -174,17 +159,8 @@ async fn a_stop_cancels_a_waiting_run_at_once_and_the_next_turn_waits_behind_a_w
     let first = env.post(&a, "chat", "send one", send_offered()).await;
     wait_waiting(&env, &a, first).await;
     let conversation = env.view(&a, first).await["conversation_id"].as_str().unwrap().to_string();
-    let next: Value = reqwest::Client::new()
-        .post(format!("http://{}/v1/conversations/{conversation}/runs", a.addr))
-        .bearer_auth(&env.token)
-        .json(&json!({ "plugin": "chat", "content": "send two", "config": send_offered() }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let next: RunId = next["run_id"].as_str().unwrap().parse().unwrap();
+    let body = json!({ "plugin": "chat", "content": "send two", "config": send_offered() });
+    let next = env.post_turn(&a, &format!("/v1/conversations/{conversation}/runs"), body).await;
     // The waiting turn is the conversation's active one: the next stays queued.
     let started = Instant::now();
     wait_for("a few claim rounds", LONG, || async { metric(&a, "agent_host_claim_rounds_total").await >= 3.0 }).await;
@@ -207,14 +183,8 @@ async fn a_stop_cancels_a_waiting_run_at_once_and_the_next_turn_waits_behind_a_w
     assert!(began > ended, "the next turn started at {began}, before the first ended at {ended}");
 
     // A stop while waiting cancels at once: nobody holds the run.
-    let res = reqwest::Client::new()
-        .post(format!("http://{}/v1/runs/{next}/cancel", a.addr))
-        .bearer_auth(&env.token)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(res.status(), 202);
-    let body: Value = res.json().await.unwrap();
+    let (code, body) = env.request(&a, reqwest::Method::POST, &format!("/v1/runs/{next}/cancel"), None).await;
+    assert_eq!(code, 202);
     assert_eq!(body["status"], "cancelled", "{body}");
     assert_eq!(status(&env.db.pool, next).await, "cancelled");
     assert_eq!(env.view(&a, next).await["pending_approval"], Value::Null);

@@ -247,16 +247,8 @@ async fn the_console_shows_a_pending_approval_and_approve_resumes_the_run_on_the
     let env = support::durable::Env::with_manifest("chat", "chat", &manifest, true, &[]).await;
     let host = env.spawn("A");
     // A schedule, which the console lists.
-    let created: Value = reqwest::Client::new()
-        .post(format!("http://{}/v1/schedules", host.addr))
-        .bearer_auth(&env.token)
-        .json(&json!({ "plugin": "echo", "content": "happy new year", "cron": "0 0 1 1 *" }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let schedule = json!({ "plugin": "echo", "content": "happy new year", "cron": "0 0 1 1 *" });
+    let (_, created) = env.request(&host, reqwest::Method::POST, "/v1/schedules", Some(schedule)).await;
     let browser = Browser::start().await;
     browser.goto(&format!("http://{}/", host.addr)).await;
     browser

@@ -259,7 +259,12 @@ async fn suite(resumable: bool) {
     let completed = by_status.iter().find(|(s, _)| s == "completed").map_or(0, |(_, n)| *n);
     assert!(completed > total / 2, "most runs complete despite the faults ({completed} of {total})");
     if resumable {
-        assert_eq!(completed, total, "every resumable run completes despite the faults: {by_status:?}");
+        let errors: Vec<(RunId, i32, Option<String>)> =
+            sqlx::query_as("SELECT id, attempt, error FROM agent_run WHERE status <> 'completed'")
+                .fetch_all(pool)
+                .await
+                .unwrap();
+        assert_eq!(completed, total, "every resumable run completes despite the faults: {by_status:?} {errors:?}");
     }
 
     // At most one complete per run, seq from 1 without gaps, nothing after it.

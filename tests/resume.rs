@@ -32,17 +32,8 @@ async fn sigkill_between_tool_calls_resumes_elsewhere_and_repeats_nothing() {
     // The conversation's next turn, queued behind it: it must wait for the
     // resumed run, which is its conversation's head again.
     let conversation = env.view(&a, run).await["conversation_id"].as_str().unwrap().to_string();
-    let next: Value = reqwest::Client::new()
-        .post(format!("http://{}/v1/conversations/{conversation}/runs", a.addr))
-        .bearer_auth(&env.token)
-        .json(&json!({ "plugin": "durable", "content": "next", "config": { "mode": "durable", "steps": 1 } }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let next: RunId = next["run_id"].as_str().unwrap().parse().unwrap();
+    let body = json!({ "plugin": "durable", "content": "next", "config": { "mode": "durable", "steps": 1 } });
+    let next = env.post_turn(&a, &format!("/v1/conversations/{conversation}/runs"), body).await;
     env.wait_tool_calls(run, 3).await;
     // Between calls: the third answer is recorded and the guest sleeps before the fourth.
     a.signal(Signal::SIGKILL);
@@ -158,15 +149,7 @@ async fn sigkill_mid_model_stream_withdraws_the_partial_text_and_asks_again() {
     assert_eq!(followed.text, answer);
     assert_eq!(count(&followed.events, "content_rollback"), 1);
     // The JSON pages carry the same rollback.
-    let page: Value = reqwest::Client::new()
-        .get(format!("http://{}/v1/runs/{run}/events?from=0", b.addr))
-        .bearer_auth(&env.token)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let page = env.get(&b, &format!("/v1/runs/{run}/events?from=0")).await;
     assert!(page.to_string().contains("content_rollback"), "{page}");
     assert_journal_sound(&env.db.pool, run).await;
 }
@@ -330,6 +313,14 @@ async fn attempts_are_bounded_for_a_run_that_loses_its_host_every_time() {
     assert_journal_sound(&env.db.pool, run).await;
 }
 
+/// The built-ins, the offline `llm` tool, and `agent` as `name`.
+fn with_llm(name: &str, agent: Arc<dyn Agent>) -> AgentRegistry {
+    let tools = ToolRegistry::from_config(&LlmConfig::default(), &[]).unwrap();
+    let mut agents = AgentRegistry::with_builtins().with_tools(tools);
+    agents.insert(name, agent);
+    agents
+}
+
 /// A built-in agent that behaves differently once it has run before: its
 /// first execution asks the model one thing and then waits forever; later
 /// ones ask another.
@@ -352,9 +343,7 @@ impl Agent for Fickle {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_that_diverges_ends_the_run_failed_naming_both_calls() {
     let db = TestDb::new().await;
-    let tools = ToolRegistry::from_config(&LlmConfig::default(), &[]).unwrap();
-    let mut agents = AgentRegistry::with_builtins().with_tools(tools);
-    agents.insert("fickle", Arc::new(Fickle(AtomicBool::new(false))));
+    let agents = with_llm("fickle", Arc::new(Fickle(AtomicBool::new(false))));
     let manifest = json!({ "tools": ["llm"], "durability": "resume" });
     let run = enqueue_pinned(&db, "fickle", Some(&manifest), json!({})).await;
     // The drain runs out of budget: the run is handed back, not failed.
@@ -501,9 +490,7 @@ async fn handed_back(db: &TestDb, agents: &AgentRegistry, run: RunId) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_that_ends_before_its_recorded_calls_diverges() {
     let db = TestDb::new().await;
-    let tools = ToolRegistry::from_config(&LlmConfig::default(), &[]).unwrap();
-    let mut agents = AgentRegistry::with_builtins().with_tools(tools);
-    agents.insert("quitter", Arc::new(Quitter(AtomicBool::new(false))));
+    let agents = with_llm("quitter", Arc::new(Quitter(AtomicBool::new(false))));
     let manifest = json!({ "tools": ["llm"], "durability": "resume" });
     let run = enqueue_pinned(&db, "quitter", Some(&manifest), json!({})).await;
     handed_back(&db, &agents, run).await;
@@ -518,9 +505,7 @@ async fn an_agent_that_ends_before_its_recorded_calls_diverges() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handed_back_run_cancelled_in_the_queue_keeps_its_message_sent() {
     let db = TestDb::new().await;
-    let tools = ToolRegistry::from_config(&LlmConfig::default(), &[]).unwrap();
-    let mut agents = AgentRegistry::with_builtins().with_tools(tools);
-    agents.insert("quitter", Arc::new(Quitter(AtomicBool::new(false))));
+    let agents = with_llm("quitter", Arc::new(Quitter(AtomicBool::new(false))));
     let manifest = json!({ "tools": ["llm"], "durability": "resume" });
     let run = enqueue_pinned(&db, "quitter", Some(&manifest), json!({})).await;
     handed_back(&db, &agents, run).await;

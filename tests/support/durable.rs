@@ -222,21 +222,42 @@ impl Env {
         HostProcess::spawn(&self.db.url, worker, &args)
     }
 
+    /// One API request to `host` as the env's user: the status and the JSON answer.
+    pub async fn request(
+        &self,
+        host: &HostProcess,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let mut req =
+            reqwest::Client::new().request(method, format!("http://{}{path}", host.addr)).bearer_auth(&self.token);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let res = req.send().await.unwrap();
+        (res.status().as_u16(), res.json().await.unwrap_or(Value::Null))
+    }
+
+    /// `GET path`'s JSON answer.
+    pub async fn get(&self, host: &HostProcess, path: &str) -> Value {
+        self.request(host, reqwest::Method::GET, path, None).await.1
+    }
+
     pub async fn post(&self, host: &HostProcess, plugin: &str, content: &str, config: Value) -> RunId {
-        let res = reqwest::Client::new()
-            .post(format!("http://{}/v1/runs", host.addr))
-            .bearer_auth(&self.token)
-            .json(&json!({ "plugin": plugin, "content": content, "config": config }))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(res.status(), 202);
-        res.json::<Value>().await.unwrap()["run_id"].as_str().unwrap().parse().unwrap()
+        let body = json!({ "plugin": plugin, "content": content, "config": config });
+        self.post_turn(host, "/v1/runs", body).await
+    }
+
+    /// A run posted to `path` (`/v1/runs`, or a conversation's runs): its id.
+    pub async fn post_turn(&self, host: &HostProcess, path: &str, body: Value) -> RunId {
+        let (status, answer) = self.request(host, reqwest::Method::POST, path, Some(body)).await;
+        assert_eq!(status, 202, "{answer}");
+        answer["run_id"].as_str().unwrap().parse().unwrap()
     }
 
     pub async fn view(&self, host: &HostProcess, run: RunId) -> Value {
-        let url = format!("http://{}/v1/runs/{run}", host.addr);
-        reqwest::Client::new().get(url).bearer_auth(&self.token).send().await.unwrap().json().await.unwrap()
+        self.get(host, &format!("/v1/runs/{run}")).await
     }
 
     pub async fn completed_tool_calls(&self, run: RunId) -> i64 {
@@ -336,6 +357,9 @@ pub fn start_following(env: &Env, hosts: &Arc<Mutex<Vec<String>>>, run: RunId) -
 /// Every key seen once, except at most one (the call in flight at a crash)
 /// seen twice.
 pub fn assert_keys_at_most_once_but_the_one_in_flight(keys: &[String], calls: usize, run: RunId) {
+    let prefix = format!("{run}:");
+    let keys: Vec<String> = keys.iter().filter(|k| k.starts_with(&prefix)).cloned().collect();
+    let keys = keys.as_slice();
     let mut counts: HashMap<&str, usize> = HashMap::new();
     for k in keys {
         *counts.entry(k).or_default() += 1;

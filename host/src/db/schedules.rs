@@ -129,29 +129,21 @@ pub async fn delete(db: impl PgExecutor<'_>, id: Uuid, owner_id: &str) -> Result
 /// A schedule whose firing is due, locked for the caller's transaction.
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct DueSchedule {
-    pub id: Uuid,
     pub owner_id: String,
     pub tenant_id: String,
-    pub plugin: String,
-    pub content: String,
-    pub config: Value,
-    pub conversation_id: Option<ConversationId>,
-    pub cron: String,
-    pub timezone: String,
-    pub webhook: Option<String>,
-    pub next_fire_at: DateTime<Utc>,
+    #[sqlx(flatten)]
+    pub schedule: Schedule,
 }
 
 /// Due schedules, at most `limit`, locked (`SKIP LOCKED`: another process
 /// firing one is passed over).
 pub async fn due(tx: &mut Transaction<'_, Postgres>, limit: i64) -> Result<Vec<DueSchedule>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT id, owner_id, tenant_id, plugin, content, config, conversation_id, cron, timezone, webhook,
-                next_fire_at
+    sqlx::query_as(&format!(
+        "SELECT owner_id, tenant_id, {COLUMNS}
          FROM schedule WHERE NOT paused AND next_fire_at <= now()
          ORDER BY next_fire_at LIMIT $1
-         FOR UPDATE SKIP LOCKED",
-    )
+         FOR UPDATE SKIP LOCKED"
+    ))
     .bind(limit)
     .fetch_all(&mut **tx)
     .await

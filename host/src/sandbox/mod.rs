@@ -286,14 +286,17 @@ impl Components for Sandbox {
     async fn agent(&self, digest: &str, manifest: &Manifest) -> Result<Arc<dyn Agent>, AgentError> {
         let pre = self.pre(digest).await.map_err(|e| {
             // A run's error is shown to its client: the database's words go to the log.
-            let shown = match &e {
+            // The database or the engine failing is the host's fault (and may
+            // pass: a resumable run is handed back); the component's is not.
+            match &e {
                 SandboxError::Db(_) | SandboxError::Engine(_) => {
                     tracing::error!(error = %e, digest, "loading a plugin component failed");
-                    format!("the component {digest} could not be loaded")
+                    AgentError::failed(FailReason::Host, format!("the component {digest} could not be loaded"))
                 }
-                SandboxError::Invalid(_) | SandboxError::Missing(_) => e.to_string(),
-            };
-            AgentError::failed(FailReason::Unavailable, shown)
+                SandboxError::Invalid(_) | SandboxError::Missing(_) => {
+                    AgentError::failed(FailReason::Unavailable, e.to_string())
+                }
+            }
         })?;
         let (engine, live) = (self.wasm().clone(), self.live.clone());
         Ok(Arc::new(WasmAgent { engine, live, pre, limits: manifest.limits.clone() }))

@@ -124,10 +124,11 @@ pub async fn fire_due(pool: &PgPool, agents: &AgentRegistry, policy: &Policy) ->
     let mut tx = pool.begin().await?;
     let due = schedules::due(&mut tx, FIRE_BATCH_MAX).await?;
     let now = Utc::now();
-    for s in &due {
+    for due in &due {
+        let s = &due.schedule;
         let fire_at = s.next_fire_at;
         let submission = Submission {
-            owner: Owner { user_id: s.owner_id.clone(), tenant_id: s.tenant_id.clone() },
+            owner: Owner { user_id: due.owner_id.clone(), tenant_id: due.tenant_id.clone() },
             conversation_id: s.conversation_id,
             content: s.content.clone(),
             plugin: s.plugin.clone(),

@@ -53,6 +53,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
         async move {
             let shared = shared2;
             let (id, token, conversation) = (row.id, row.claim_token, row.conversation_id);
+            let resumable = resumable(&row);
             // The run itself runs in its own task, so a panic in it is a
             // JoinError here rather than a lost ending.
             let outcome: Outcome =
@@ -77,6 +78,17 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                 }
                 Outcome::Suspended => {
                     shared.stats.suspended.fetch_add(1, Ordering::Relaxed);
+                }
+                // A resumable run's task died (or its ending could not be
+                // written): back to the queue, resumed from its log.
+                Outcome::Unfinalized(reason)
+                    if resumable
+                        && db::lifecycle::hand_back(&shared.pool, id, token, shared.config.resume_attempts)
+                            .await
+                            .unwrap_or(false) =>
+                {
+                    shared.stats.handed_back.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(%reason, "resumable run ended without a terminal write; handed back to the queue");
                 }
                 Outcome::Unfinalized(reason) => {
                     // The backstop: a run never stays running because its task died.
@@ -105,7 +117,7 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
     let resolved = shared.agents.resolve(&row.plugin, row.plugin_digest.as_deref(), row.plugin_manifest.as_ref()).await;
     let Resolved { agent, manifest } = match resolved {
         Ok(r) => r,
-        Err(e) => return finalize(&shared, &row, Err(e), "", None).await,
+        Err(e) => return start_failed(&shared, &row, e).await,
     };
     // Every agent sees the conversation before this turn.
     let history =
@@ -116,7 +128,7 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
             Err(e) => {
                 tracing::error!(error = %e, "reading the conversation's history failed");
                 let e = AgentError::failed(FailReason::Host, "the conversation's history could not be read");
-                return finalize(&shared, &row, Err(e), "", None).await;
+                return start_failed(&shared, &row, e).await;
             }
         };
     // A resumable run records its calls; a resumed one also reads what its
@@ -128,7 +140,7 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
             Err(e) => {
                 tracing::error!(error = %e, "reading the run's call log failed");
                 let e = AgentError::failed(FailReason::Host, "the run's call log could not be read");
-                return finalize(&shared, &row, Err(e), "", None).await;
+                return start_failed(&shared, &row, e).await;
             }
         },
     };
@@ -159,7 +171,8 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
             Err(HostError::Fenced) => return Outcome::Lost,
             Err(e) => {
                 let _ = host.close().await;
-                return finalize(&shared, &row, Err(AgentError::Host(e)), "", None).await;
+                let e = AgentError::failed(FailReason::Host, format!("the resumed run could not be journaled: {e}"));
+                return start_failed(&shared, &row, e).await;
             }
         }
     }
@@ -370,4 +383,26 @@ async fn hand_back(shared: &Shared, row: &ClaimedRun, host: &RunHost) -> Outcome
 fn require_approval(config: &serde_json::Value) -> Vec<String> {
     let names = config.get("require_approval").and_then(serde_json::Value::as_array);
     names.into_iter().flatten().filter_map(|n| n.as_str().map(str::to_string)).take(256).collect()
+}
+
+/// A run that could not start here. A resumable one whose start failed on
+/// the host's side (the database away, the engine) goes back to the queue
+/// (an attempt counted) instead of failing; anything else ends as it says.
+async fn start_failed(shared: &Shared, row: &ClaimedRun, e: AgentError) -> Outcome {
+    if resumable(row) && e.reason() == FailReason::Host {
+        tracing::warn!(error = %e, "a resumable run could not start here; handing it back");
+        shared.held.lock().unwrap().remove(&row.id);
+        match db::lifecycle::hand_back(&shared.pool, row.id, row.claim_token, shared.config.resume_attempts).await {
+            Ok(true) => return Outcome::HandedBack,
+            Ok(false) => {}
+            // The database is still away: the lease lapses and the reaper requeues it.
+            Err(_) => return Outcome::Lost,
+        }
+    }
+    finalize(shared, row, Err(e), "", None).await
+}
+
+/// Whether the run's pinned manifest says it is resumable.
+fn resumable(row: &ClaimedRun) -> bool {
+    row.plugin_manifest.as_ref().and_then(|m| m.get("durability")).and_then(|d| d.as_str()) == Some("resume")
 }
