@@ -30,7 +30,6 @@ BEGIN
                                                  'status', NEW.status, 'error', NEW.error,
                                                  'finished_at', NEW.finished_at)))
     ON CONFLICT (run_id) DO NOTHING;
-    PERFORM pg_notify('webhook_pending', NEW.id::text);
     RETURN NULL;
 END
 $$;
