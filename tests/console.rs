@@ -115,15 +115,33 @@ async fn deltas_of(pool: &PgPool, run: RunId) -> String {
 }
 
 async fn answer_of(pool: &PgPool, run: RunId) -> (String, String) {
-    sqlx::query_as("SELECT content, status FROM message WHERE run_id = $1 AND role = 'assistant'")
-        .bind(run)
-        .fetch_one(pool)
-        .await
-        .unwrap()
+    let answer: Option<(String, String)> =
+        sqlx::query_as("SELECT content, status FROM message WHERE run_id = $1 AND role = 'assistant'")
+            .bind(run)
+            .fetch_optional(pool)
+            .await
+            .unwrap();
+    match answer {
+        Some(a) => a,
+        None => {
+            // Say what the run was, so a failure here can be understood.
+            let row: (String, Option<String>, Option<String>) =
+                sqlx::query_as("SELECT status, error, worker_id FROM agent_run WHERE id = $1")
+                    .bind(run)
+                    .fetch_one(pool)
+                    .await
+                    .unwrap();
+            panic!("run {run} has no assistant message: {row:?}; journal {:?}", journal_payloads(pool, run).await)
+        }
+    }
 }
+
+/// One browser test at a time: each drives Chromium and host processes.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_streams_survives_refresh_and_restart_and_stops() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let db = TestDb::new().await;
     let pool = &db.pool;
     let token = tokens::create(pool, "alice", "acme", false).await.unwrap();
@@ -243,6 +261,7 @@ async fn the_console_streams_survives_refresh_and_restart_and_stops() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_shows_a_pending_approval_and_approve_resumes_the_run_on_the_page() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let manifest = json!({ "tools": ["llm", "send"], "durability": "resume", "approval": { "send": "always" } });
     let env = support::durable::Env::with_manifest("chat", "chat", &manifest, true, &[]).await;
     let host = env.spawn("A");
