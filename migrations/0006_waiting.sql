@@ -38,6 +38,9 @@ CREATE TABLE run_suspension (
     reason        text,
     decided_at    timestamptz,
     decided_by    text,
+    -- When a resumed attempt began the approved call: a later resume finds it
+    -- set and treats the call's outcome as unknown (at most once holds).
+    call_started_at timestamptz,
     PRIMARY KEY (run_id, call_index),
     CHECK ((decision IS NULL) = (decided_at IS NULL))
 );

@@ -313,3 +313,24 @@ async fn the_cli_lists_approvals_and_approves_and_rejects() {
     assert!(env.assistant(no).await.contains("nope"));
     assert_eq!(env.receiver.args.lock().unwrap().len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approved_call_in_flight_at_a_crash_is_not_made_twice() {
+    // `once` (not idempotent) holds its first request: the host dies inside it.
+    let manifest = json!({ "tools": ["llm", "once"], "durability": "resume", "approval": { "once": "always" } });
+    let env = Env::with_manifest("chat", "chat", &manifest, true, &[]).await;
+    let a = env.spawn("A");
+    let offered = json!({ "tools": [{ "name": "once", "description": "once", "parameters": { "type": "object" } }] });
+    let run = env.post(&a, "chat", "do it once", offered).await;
+    let call = wait_waiting(&env, &a, run).await["call_id"].as_i64().unwrap();
+    let (code, _) = decide(&env, &a, run, call, json!({ "decision": "approve" })).await;
+    assert_eq!(code, 200);
+    env.wait_arrived("once").await;
+    a.signal(Signal::SIGKILL);
+    let b = env.spawn("B");
+    assert_eq!(wait_terminal(&env.db.pool, run, LONG).await, "failed");
+    let error = run_error(&env.db.pool, run).await;
+    assert!(error.starts_with("unknown outcome:") && error.contains("was approved and in flight"), "{error}");
+    assert_eq!(env.receiver.keys("once").len(), 1, "the approved call was made once");
+    drop(b);
+}

@@ -100,10 +100,11 @@ pub enum Decided {
     Elapsed,
 }
 
-/// The decided suspensions of a run, by call index.
-pub async fn decided(db: &mut PgConnection, run: RunId) -> Result<Vec<(i32, Decided)>, sqlx::Error> {
-    let rows: Vec<(i32, String, Option<Value>, Option<String>)> = sqlx::query_as(
-        "SELECT call_index, decision, decided_args, reason FROM run_suspension
+/// The decided suspensions of a run, by call index, with whether an
+/// earlier attempt already began the approved call.
+pub async fn decided(db: &mut PgConnection, run: RunId) -> Result<Vec<(i32, (Decided, bool))>, sqlx::Error> {
+    let rows: Vec<(i32, String, Option<Value>, Option<String>, bool)> = sqlx::query_as(
+        "SELECT call_index, decision, decided_args, reason, call_started_at IS NOT NULL FROM run_suspension
          WHERE run_id = $1 AND decision IS NOT NULL",
     )
     .bind(run)
@@ -111,16 +112,39 @@ pub async fn decided(db: &mut PgConnection, run: RunId) -> Result<Vec<(i32, Deci
     .await?;
     Ok(rows
         .into_iter()
-        .map(|(i, decision, args, reason)| {
+        .map(|(i, decision, args, reason, started)| {
             let d = match decision.as_str() {
                 "approve" => Decided::Approve,
                 "edit" => Decided::Edit(args.unwrap_or_else(|| json!({}))),
                 "elapsed" => Decided::Elapsed,
                 _ => Decided::Reject(reason.unwrap_or_else(|| "rejected".into())),
             };
-            (i, d)
+            (i, (d, started))
         })
         .collect())
+}
+
+/// Marks the approved call `call_index` begun, fenced by the claim: before
+/// the resumed attempt makes it. Returns false when fenced.
+pub async fn start_approved(
+    db: impl PgExecutor<'_>,
+    run: RunId,
+    token: ClaimToken,
+    call_index: i32,
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE run_suspension s SET call_started_at = now()
+         FROM (SELECT 1 FROM agent_run
+               WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
+               FOR SHARE) AS fence
+         WHERE s.run_id = $1 AND s.call_index = $3",
+    )
+    .bind(run)
+    .bind(token)
+    .bind(call_index)
+    .execute(db)
+    .await?;
+    Ok(done.rows_affected() == 1)
 }
 
 /// A pending approval, as the approver sees it.

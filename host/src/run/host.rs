@@ -400,15 +400,31 @@ impl RunHost {
                     match rec.decision(ordinal as i32).cloned() {
                         // Never suspended (the worker died first): ask now.
                         None => return self.suspend(call.position, ordinal, name, &args, suspends.unwrap()).await,
-                        Some(Decided::Approve) => {}
-                        Some(Decided::Edit(edited)) => args = edited,
-                        Some(Decided::Reject(reason)) => {
+                        // Approved, and an earlier attempt began it: its
+                        // outcome is unknown (again only if idempotent).
+                        Some((Decided::Approve | Decided::Edit(_), true))
+                            if !self.inner.tools.get(name).is_some_and(|t| t.idempotent()) =>
+                        {
+                            let message = format!(
+                                "call {} (tool call {ordinal}, {name:?}) was approved and in flight when the run's \
+                                 worker was lost; its outcome is unknown and the tool is not idempotent, so it is \
+                                 not called again",
+                                call.position
+                            );
+                            return Err(self.abort(FailReason::UnknownOutcome, message));
+                        }
+                        Some((Decided::Approve, _)) => rec.start_approved(ordinal as i32).await?,
+                        Some((Decided::Edit(edited), _)) => {
+                            rec.start_approved(ordinal as i32).await?;
+                            args = edited;
+                        }
+                        Some((Decided::Reject(reason), _)) => {
                             let answer = Err(HostError::Denied(reason));
                             let ops = self.state().ops;
                             rec.complete(call.position, ops, &answer).await?;
                             return answer;
                         }
-                        Some(Decided::Elapsed) => {
+                        Some((Decided::Elapsed, _)) => {
                             let answer = Ok(json!({ "waited": true }).to_string());
                             let ops = self.state().ops;
                             rec.complete(call.position, ops, &answer).await?;

@@ -77,8 +77,9 @@ pub struct RecordingParts {
     pub max: u64,
     /// The run's seed (drawn at its first claim).
     pub seed: uuid::Uuid,
-    /// Decisions on suspended calls, by call index.
-    pub decisions: std::collections::HashMap<i32, Decided>,
+    /// Decisions on suspended calls, by call index, with whether an earlier
+    /// attempt already began the approved call.
+    pub decisions: std::collections::HashMap<i32, (Decided, bool)>,
 }
 
 /// One run's recording (and, when resumed, its replay).
@@ -91,7 +92,7 @@ pub struct Recording {
     max: u64,
     journaled: Journaled,
     seed: uuid::Uuid,
-    decisions: std::collections::HashMap<i32, Decided>,
+    decisions: std::collections::HashMap<i32, (Decided, bool)>,
     state: Mutex<State>,
 }
 
@@ -148,9 +149,16 @@ impl Recording {
         self.attempt
     }
 
-    /// The decision on the suspended call `call_index`, if one was made.
-    pub fn decision(&self, call_index: i32) -> Option<&Decided> {
+    /// The decision on the suspended call `call_index`, if one was made,
+    /// and whether an earlier attempt already began the approved call.
+    pub fn decision(&self, call_index: i32) -> Option<&(Decided, bool)> {
         self.decisions.get(&call_index)
+    }
+
+    /// Marks the approved call begun (fenced) before it is made.
+    pub async fn start_approved(&self, call_index: i32) -> Result<(), HostError> {
+        let (pool, run, token) = (&self.pool, self.run_id, self.token);
+        self.retrying(|| suspensions::start_approved(pool, run, token, call_index)).await
     }
 
     /// Suspends the run (running -> waiting, fenced) at a recorded call:
