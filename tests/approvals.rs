@@ -235,11 +235,19 @@ async fn a_durable_wait_survives_a_restart_of_every_host_and_wakes_on_time() {
 async fn a_thousand_waiting_runs_hold_no_slot_no_sandbox_and_little_memory() {
     let env = chat_env(3_600_000, &["--max-runs", "32"]).await;
     let a = env.spawn("A");
-    // Warm up: one run through its wait and its decision.
-    let warm = env.post(&a, "chat", "warm up", send_offered()).await;
-    let call = wait_waiting(&env, &a, warm).await["call_id"].as_i64().unwrap();
-    decide(&env, &a, warm, call, json!({ "decision": "approve" })).await;
-    assert_eq!(wait_terminal(&env.db.pool, warm, LONG).await, "completed");
+    // Warm up with a full load of slots (32) through their wait and their
+    // decision: idle is then the process as it is after working at capacity.
+    let mut warm = Vec::new();
+    for i in 0..32 {
+        warm.push(env.post(&a, "chat", &format!("warm up {i}"), send_offered()).await);
+    }
+    for run in &warm {
+        let call = wait_waiting(&env, &a, *run).await["call_id"].as_i64().unwrap();
+        decide(&env, &a, *run, call, json!({ "decision": "approve" })).await;
+    }
+    for run in &warm {
+        assert_eq!(wait_terminal(&env.db.pool, *run, LONG).await, "completed");
+    }
     let idle = rss_bytes(&a);
 
     let mut runs = Vec::new();
