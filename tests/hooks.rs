@@ -225,6 +225,30 @@ async fn reject_refuses_a_busy_conversation_and_interrupt_stops_it_and_runs_next
     let after: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run").fetch_one(&env.db.pool).await.unwrap();
     assert_eq!(before, after);
 
+    // A retried reject (same Idempotency-Key) is answered as the first was,
+    // although the conversation is now busy with the first's own run.
+    let (_, fresh) = env.call(&a, reqwest::Method::POST, "/v1/conversations", Some(json!({}))).await;
+    let body = json!({ "plugin": "sleep", "content": "once", "conversation_id": fresh["id"], "multitask_strategy": "reject",
+                       "config": { "steps": 100000, "step_ms": 20 } });
+    let post_keyed = || {
+        reqwest::Client::new()
+            .post(format!("http://{}/v1/runs", a.addr))
+            .bearer_auth(&env.token)
+            .header("Idempotency-Key", "reject-once")
+            .json(&body)
+            .send()
+    };
+    let first_try = post_keyed().await.unwrap();
+    assert_eq!(first_try.status(), 202);
+    let first_run = first_try.json::<Value>().await.unwrap()["run_id"].clone();
+    let retry = post_keyed().await.unwrap();
+    assert_eq!(retry.status(), 202, "a retry is replayed, not refused");
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(retry.json::<Value>().await.unwrap()["run_id"], first_run);
+    let (_, stopped) =
+        env.call(&a, reqwest::Method::POST, &format!("/v1/runs/{}/cancel", first_run.as_str().unwrap()), None).await;
+    assert_eq!(stopped["cancel_requested"], true);
+
     // A queued turn behind it, then interrupt: both stopped, the new one next.
     let (_, queued) = env.post_run(&a, turn("enqueue")).await;
     let queued = run_id(&queued);

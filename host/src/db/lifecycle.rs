@@ -736,6 +736,21 @@ pub async fn enqueue_with(
     strategy: Busy,
 ) -> Result<Enqueued, StrategyError> {
     let mut tx = pool.begin().await?;
+    // A retry of a request already enqueued is answered as its first was
+    // (the enqueue below hits the key): the strategy must not refuse or
+    // stop its own run.
+    let mut strategy = strategy;
+    if let Some(key) = new.idempotency_key {
+        let used: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM agent_run WHERE owner_id = $1 AND idempotency_key = $2)")
+                .bind(&new.owner.user_id)
+                .bind(key)
+                .fetch_one(&mut *tx)
+                .await?;
+        if used {
+            strategy = Busy::Enqueue;
+        }
+    }
     if let (Some(conversation), Busy::Reject | Busy::Interrupt) = (new.conversation_id, strategy) {
         let owned: Option<bool> = sqlx::query_scalar("SELECT owner_id = $2 FROM conversation WHERE id = $1 FOR UPDATE")
             .bind(conversation)
@@ -773,6 +788,30 @@ async fn cancel_queued(tx: &mut Transaction<'_, Postgres>, runs: &[RunId]) -> Re
         return Ok(Vec::new());
     }
     let ids: Vec<uuid::Uuid> = runs.iter().map(|r| r.0).collect();
+    // A queued run that had started (handed back, or decided after a wait)
+    // keeps the text it streamed as a partial answer, as a running one does.
+    let started: Vec<(RunId, ConversationId)> = sqlx::query_as(
+        "SELECT id, conversation_id FROM agent_run WHERE id = ANY($1) AND status = 'queued' AND attempt > 1",
+    )
+    .bind(&ids)
+    .fetch_all(&mut **tx)
+    .await?;
+    for (run, conversation) in started {
+        let text: String = super::calls::journaled(&mut **tx, run).await?.deltas.into_iter().map(|(_, t)| t).collect();
+        if !text.is_empty() {
+            sqlx::query(
+                "INSERT INTO message (id, conversation_id, run_id, role, content, status)
+                 VALUES ($1, $2, $3, 'assistant', $4, $5)",
+            )
+            .bind(MessageId::new())
+            .bind(conversation)
+            .bind(run)
+            .bind(&text)
+            .bind(MessageStatus::Partial)
+            .execute(&mut **tx)
+            .await?;
+        }
+    }
     // No one else writes a queued run's journal, so max(seq)+1 is safe.
     let drafts: Vec<(MessageId, String)> = sqlx::query_as(
         "WITH r AS (

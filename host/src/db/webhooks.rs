@@ -24,28 +24,45 @@ pub struct Due {
 /// Claims up to `limit` due deliveries for one attempt each; `lease_s`
 /// pushes their next attempt out, so another sender takes one only if this
 /// one died mid-attempt.
-pub async fn claim_due(db: impl PgExecutor<'_>, limit: i64, lease_s: f64) -> Result<Vec<Due>, sqlx::Error> {
+/// A due row whose attempts are all spent (its sender died during the last
+/// one) is `failed` instead: never an attempt past the bound.
+pub async fn claim_due(
+    db: impl PgExecutor<'_>,
+    limit: i64,
+    lease_s: f64,
+    attempts_max: i32,
+) -> Result<Vec<Due>, sqlx::Error> {
     sqlx::query_as(
-        "UPDATE webhook_delivery d SET attempts = attempts + 1,
-                next_attempt_at = now() + make_interval(secs => $2)
-         WHERE d.id IN (SELECT id FROM webhook_delivery
-                        WHERE status = 'pending' AND next_attempt_at <= now()
-                        ORDER BY next_attempt_at LIMIT $1
-                        FOR UPDATE SKIP LOCKED)
-         RETURNING d.id, d.run_id, d.url, d.payload, d.attempts",
+        "WITH due AS (SELECT id FROM webhook_delivery
+                      WHERE status = 'pending' AND next_attempt_at <= now()
+                      ORDER BY next_attempt_at LIMIT $1
+                      FOR UPDATE SKIP LOCKED),
+         spent AS (UPDATE webhook_delivery d SET status = 'failed',
+                          last_error = coalesce(d.last_error || '; ', '') || 'the last attempt was lost with its sender'
+                   FROM due WHERE d.id = due.id AND d.attempts >= $3),
+         claimed AS (UPDATE webhook_delivery d SET attempts = d.attempts + 1,
+                            next_attempt_at = now() + make_interval(secs => $2)
+                     FROM due WHERE d.id = due.id AND d.attempts < $3
+                     RETURNING d.id, d.run_id, d.url, d.payload, d.attempts)
+         SELECT * FROM claimed",
     )
     .bind(limit)
     .bind(lease_s)
+    .bind(attempts_max)
     .fetch_all(db)
     .await
 }
 
 /// The attempt was answered 2xx.
-pub async fn delivered(db: impl PgExecutor<'_>, id: Uuid) -> Result<(), sqlx::Error> {
+/// Written only while `attempt` is still the row's latest (a sender whose
+/// lease lapsed and whose row another sender took writes nothing).
+pub async fn delivered(db: impl PgExecutor<'_>, id: Uuid, attempt: i32) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "UPDATE webhook_delivery SET status = 'delivered', delivered_at = now(), last_error = NULL WHERE id = $1",
+        "UPDATE webhook_delivery SET status = 'delivered', delivered_at = now(), last_error = NULL
+         WHERE id = $1 AND attempts = $2 AND status = 'pending'",
     )
     .bind(id)
+    .bind(attempt)
     .execute(db)
     .await?;
     Ok(())
@@ -56,6 +73,7 @@ pub async fn delivered(db: impl PgExecutor<'_>, id: Uuid) -> Result<(), sqlx::Er
 pub async fn attempt_failed(
     db: impl PgExecutor<'_>,
     id: Uuid,
+    attempt: i32,
     error: &str,
     retry_in_s: Option<f64>,
 ) -> Result<bool, sqlx::Error> {
@@ -64,11 +82,12 @@ pub async fn attempt_failed(
                 status = CASE WHEN $3::float8 IS NULL THEN 'failed' ELSE 'pending' END,
                 next_attempt_at = CASE WHEN $3::float8 IS NULL THEN next_attempt_at
                                        ELSE now() + make_interval(secs => $3) END
-         WHERE id = $1",
+         WHERE id = $1 AND attempts = $4 AND status = 'pending'",
     )
     .bind(id)
     .bind(error)
     .bind(retry_in_s)
+    .bind(attempt)
     .execute(db)
     .await?;
     Ok(retry_in_s.is_none())

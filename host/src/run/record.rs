@@ -166,7 +166,12 @@ impl Recording {
     /// kept failing (the run stands down and is resumed from its log).
     pub async fn suspend(&self, s: &Suspend<'_>) -> Result<(), HostError> {
         let (pool, run, token) = (&self.pool, self.run_id, self.token);
-        self.retrying(|| suspensions::suspend(pool, run, token, s)).await
+        match suspensions::suspend(pool, run, token, s).await {
+            // A stop came first: the run does not wait, it ends cancelled.
+            Err(sqlx::Error::Protocol(m)) if m == suspensions::StopRequested.to_string() => Err(HostError::Cancelled),
+            Ok(true) => Ok(()),
+            _ => self.retrying(|| suspensions::suspend(pool, run, token, s)).await,
+        }
     }
 
     /// The seed of the guest's random generators, the same on every attempt.

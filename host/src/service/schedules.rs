@@ -123,7 +123,9 @@ pub async fn create(
 pub async fn fire_due(pool: &PgPool, agents: &AgentRegistry, policy: &Policy) -> Result<usize, sqlx::Error> {
     let mut tx = pool.begin().await?;
     let due = schedules::due(&mut tx, FIRE_BATCH_MAX).await?;
-    let now = Utc::now();
+    // The database's clock, the one `due` compared with: a host clock behind
+    // it would fire again at once, one ahead would skip a firing.
+    let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()").fetch_one(&mut *tx).await?;
     for due in &due {
         let s = &due.schedule;
         let fire_at = s.next_fire_at;
@@ -140,7 +142,11 @@ pub async fn fire_due(pool: &PgPool, agents: &AgentRegistry, policy: &Policy) ->
         };
         let run = match submit::submit(pool, agents, policy, &submission).await {
             Ok(submitted) => Some(submitted.enqueued().run_id),
-            Err(SubmitError::Db(e)) => return Err(e),
+            // Not fired: tried again next tick; the other schedules go on.
+            Err(SubmitError::Db(e)) => {
+                tracing::warn!(schedule = %s.id, error = %e, "a schedule's firing failed; trying again next tick");
+                continue;
+            }
             Err(e) => {
                 tracing::warn!(schedule = %s.id, error = %e, "a schedule's firing was refused; it fires again next time");
                 None

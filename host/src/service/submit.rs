@@ -59,10 +59,25 @@ pub struct Policy {
 }
 
 impl Policy {
-    /// Whether `url` is an http(s) URL under an allowed prefix.
+    /// Whether `url` is an http(s) URL under an allowed prefix: the same
+    /// scheme, host and port, no user info, and a path under the prefix's
+    /// (on a segment boundary). Compared parsed, never as text, so
+    /// `https://allowed.example@elsewhere/` or `https://allowed.example.evil/`
+    /// are not under `https://allowed.example`.
     pub fn allows_webhook(&self, url: &str) -> bool {
-        let web = url.starts_with("https://") || url.starts_with("http://");
-        web && url.len() <= WEBHOOK_URL_BYTES_MAX && self.webhook_allow.iter().any(|p| url.starts_with(p.as_str()))
+        let Ok(u) = url::Url::parse(url) else { return false };
+        let web = matches!(u.scheme(), "http" | "https");
+        if !web || url.len() > WEBHOOK_URL_BYTES_MAX || !u.username().is_empty() || u.password().is_some() {
+            return false;
+        }
+        self.webhook_allow.iter().filter_map(|p| url::Url::parse(p).ok()).any(|p| {
+            let base = p.path().trim_end_matches('/');
+            let under = u.path() == base || u.path().starts_with(&format!("{base}/"));
+            p.scheme() == u.scheme()
+                && p.host_str() == u.host_str()
+                && p.port_or_known_default() == u.port_or_known_default()
+                && under
+        })
     }
 }
 
@@ -177,8 +192,8 @@ pub async fn submit(
         return Err(SubmitError::BadIdempotencyKey);
     }
     // What a replay is compared with.
-    let request =
-        json!({ "content": s.content, "plugin": s.plugin, "conversation_id": s.conversation_id, "config": config });
+    let request = json!({ "content": s.content, "plugin": s.plugin, "conversation_id": s.conversation_id, "config": config,
+                "webhook": s.webhook, "multitask_strategy": s.strategy });
     let new = NewRun {
         owner: &s.owner,
         conversation_id: s.conversation_id,
@@ -250,6 +265,26 @@ mod tests {
 
     /// Unstorable text is refused before anything reaches the database (this
     /// pool has none behind it).
+    #[test]
+    fn webhook_urls_are_compared_parsed_not_as_text() {
+        let policy = Policy { webhook_allow: vec!["https://hooks.example.com/acme".into()] };
+        assert!(policy.allows_webhook("https://hooks.example.com/acme"));
+        assert!(policy.allows_webhook("https://hooks.example.com/acme/run-done?x=1"));
+        assert!(policy.allows_webhook("https://hooks.example.com:443/acme/x"));
+        for bad in [
+            "https://hooks.example.com@169.254.169.254/acme",
+            "https://user:pw@hooks.example.com/acme",
+            "https://hooks.example.com.evil.net/acme",
+            "https://hooks.example.com/acmex",
+            "http://hooks.example.com/acme",
+            "https://hooks.example.com:8443/acme",
+            "ftp://hooks.example.com/acme",
+            "not a url",
+        ] {
+            assert!(!policy.allows_webhook(bad), "{bad}");
+        }
+    }
+
     #[tokio::test]
     async fn unstorable_text_is_refused_before_the_database() {
         let pool = PgPool::connect_lazy("postgres://nobody@127.0.0.1:1/none").unwrap();

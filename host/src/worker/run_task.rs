@@ -362,10 +362,13 @@ async fn hand_back(shared: &Shared, row: &ClaimedRun, host: &RunHost) -> Outcome
         // Out of attempts, a stop requested meanwhile, or no longer ours
         // (the fenced finish then writes nothing).
         Ok(false) => {
-            let e = match row.attempt as u32 >= attempts {
+            let e = match (row.attempt - row.waits) as u32 >= attempts {
                 true => AgentError::failed(
                     FailReason::Attempts,
-                    format!("the host shut down before the run finished, on attempt {} of {attempts}", row.attempt),
+                    format!(
+                        "the host shut down before the run finished, on attempt {} of {attempts}",
+                        row.attempt - row.waits
+                    ),
                 ),
                 false => AgentError::failed(FailReason::DrainTimeout, "the host shut down before the run finished"),
             };

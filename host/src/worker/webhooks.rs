@@ -88,7 +88,7 @@ pub(super) async fn run(shared: Arc<Shared>, config: WebhookConfig) {
 
 async fn pass(shared: &Shared, client: &reqwest::Client, config: &WebhookConfig) -> Result<(), sqlx::Error> {
     let lease = ATTEMPT_TIMEOUT.as_secs_f64() + 5.0;
-    let due = db::webhooks::claim_due(&shared.pool, BATCH_MAX, lease).await?;
+    let due = db::webhooks::claim_due(&shared.pool, BATCH_MAX, lease, config.attempts_max as i32).await?;
     let sends = due.into_iter().map(|d| async move {
         let body = d.payload.to_string();
         let id = d.id.to_string();
@@ -113,7 +113,7 @@ async fn pass(shared: &Shared, client: &reqwest::Client, config: &WebhookConfig)
         let stats = &shared.stats;
         match error {
             None => {
-                db::webhooks::delivered(&shared.pool, d.id).await?;
+                db::webhooks::delivered(&shared.pool, d.id, d.attempts).await?;
                 stats.webhooks_delivered.fetch_add(1, Ordering::Relaxed);
             }
             Some(error) => {
@@ -121,7 +121,7 @@ async fn pass(shared: &Shared, client: &reqwest::Client, config: &WebhookConfig)
                     let pause = config.backoff.saturating_mul(1 << (d.attempts - 1).clamp(0, 20));
                     pause.min(BACKOFF_MAX).as_secs_f64()
                 });
-                let failed = db::webhooks::attempt_failed(&shared.pool, d.id, &error, retry).await?;
+                let failed = db::webhooks::attempt_failed(&shared.pool, d.id, d.attempts, &error, retry).await?;
                 let counter = if failed { &stats.webhooks_failed } else { &stats.webhooks_retried };
                 counter.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(run_id = %d.run_id, attempt = d.attempts, failed, %error, "webhook delivery failed");
