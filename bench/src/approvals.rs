@@ -19,7 +19,7 @@ use sqlx::PgPool;
 use tokio::sync::mpsc;
 
 use crate::figures::{percentiles, rss_of};
-use crate::library::{self, Agent, AgentError, AgentRegistry, AppState, DbArgs, EventSink, HostError, Hub};
+use crate::library::{self, Agent, AgentError, AgentRegistry, DbArgs, EventSink, HostError, Hub};
 use crate::library::{RunHost, RunId, RunInput, RunStatus, Tool, ToolCall, ToolRegistry, Worker, WorkerConfig};
 use crate::queue::wait_status;
 use crate::{sql, BenchArgs};
@@ -125,10 +125,7 @@ async fn decision_latency(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow:
     wait_waiting(pool, n).await?;
 
     let token = library::token(pool).await?;
-    let app = library::router(AppState::new(pool.clone(), AgentRegistry::with_builtins(), None));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let (addr, server) = crate::queue::serve_api(pool).await?;
     let client = reqwest::Client::new();
     let body = json!({ "decision": "approve" });
     let (mut answered, mut resumed, mut tool) = (Vec::new(), Vec::new(), Vec::new());

@@ -41,13 +41,21 @@ impl Agent for Pickup {
     }
 }
 
-pub async fn enqueue_latency(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<()> {
-    sql::reset(pool).await?;
-    let token = library::token(pool).await?;
+/// The host's HTTP API (built-ins only, no hub) on a loopback port: its
+/// address and the server task (abort it when done).
+pub async fn serve_api(
+    pool: &PgPool,
+) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<std::io::Result<()>>)> {
     let app = library::router(AppState::new(pool.clone(), AgentRegistry::with_builtins(), None));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok((addr, tokio::spawn(async move { axum::serve(listener, app).await })))
+}
+
+pub async fn enqueue_latency(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<()> {
+    sql::reset(pool).await?;
+    let token = library::token(pool).await?;
+    let (addr, server) = serve_api(pool).await?;
     let client = reqwest::Client::new();
     let url = format!("http://{addr}/v1/runs");
     let body = json!({ "content": "bench", "plugin": "noop" });

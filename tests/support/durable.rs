@@ -316,6 +316,8 @@ pub async fn follow(hosts: Arc<Mutex<Vec<String>>>, token: String, run: RunId) -
             req = req.header("Last-Event-ID", seq.to_string());
         }
         let Ok(res) = req.header("Accept", "text/event-stream").send().await else {
+            // A backoff, not synchronisation: that host is down; the loop's
+            // deadline bounds the retries and the next may find another.
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
@@ -346,6 +348,7 @@ pub async fn follow(hosts: Arc<Mutex<Vec<String>>>, token: String, run: RunId) -
             }
         }
         f.rejoins += 1;
+        // The same backoff before rejoining from the last seq (deadline above).
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -797,20 +797,7 @@ async fn cancel_queued(tx: &mut Transaction<'_, Postgres>, runs: &[RunId]) -> Re
     .fetch_all(&mut **tx)
     .await?;
     for (run, conversation) in started {
-        let text: String = super::calls::journaled(&mut **tx, run).await?.deltas.into_iter().map(|(_, t)| t).collect();
-        if !text.is_empty() {
-            sqlx::query(
-                "INSERT INTO message (id, conversation_id, run_id, role, content, status)
-                 VALUES ($1, $2, $3, 'assistant', $4, $5)",
-            )
-            .bind(MessageId::new())
-            .bind(conversation)
-            .bind(run)
-            .bind(&text)
-            .bind(MessageStatus::Partial)
-            .execute(&mut **tx)
-            .await?;
-        }
+        keep_partial(tx, run, conversation).await?;
     }
     // No one else writes a queued run's journal, so max(seq)+1 is safe.
     let drafts: Vec<(MessageId, String)> = sqlx::query_as(
@@ -845,19 +832,14 @@ async fn cancel_queued(tx: &mut Transaction<'_, Postgres>, runs: &[RunId]) -> Re
     Ok(drafts.into_iter().map(|(message_id, content)| Draft { message_id, content }).collect())
 }
 
-/// waiting -> cancelled, for [`cancel`] and [`stop_conversation`], in the
-/// caller's transaction (which holds the row's lock; no one holds the run):
-/// status, `finished_at`, the `complete` event, the text it had streamed kept
-/// as a partial answer (as a client holds it, rollbacks applied), tails told.
-async fn cancel_waiting(tx: &mut Transaction<'_, Postgres>, run: RunId) -> Result<(), sqlx::Error> {
+/// A run nobody holds, ended by a stop: the text it streamed (as a client
+/// holds it, rollbacks applied) kept as its partial answer, if any.
+async fn keep_partial(
+    tx: &mut Transaction<'_, Postgres>,
+    run: RunId,
+    conversation: ConversationId,
+) -> Result<(), sqlx::Error> {
     let text: String = super::calls::journaled(&mut **tx, run).await?.deltas.into_iter().map(|(_, t)| t).collect();
-    let conversation: ConversationId = sqlx::query_scalar(
-        "UPDATE agent_run SET status = 'cancelled', cancel_requested = true, finished_at = clock_timestamp()
-         WHERE id = $1 AND status = 'waiting' RETURNING conversation_id",
-    )
-    .bind(run)
-    .fetch_one(&mut **tx)
-    .await?;
     if !text.is_empty() {
         sqlx::query(
             "INSERT INTO message (id, conversation_id, run_id, role, content, status)
@@ -871,6 +853,22 @@ async fn cancel_waiting(tx: &mut Transaction<'_, Postgres>, run: RunId) -> Resul
         .execute(&mut **tx)
         .await?;
     }
+    Ok(())
+}
+
+/// waiting -> cancelled, for [`cancel`] and [`stop_conversation`], in the
+/// caller's transaction (which holds the row's lock; no one holds the run):
+/// status, `finished_at`, the `complete` event, the text it had streamed kept
+/// as a partial answer (as a client holds it, rollbacks applied), tails told.
+async fn cancel_waiting(tx: &mut Transaction<'_, Postgres>, run: RunId) -> Result<(), sqlx::Error> {
+    let conversation: ConversationId = sqlx::query_scalar(
+        "UPDATE agent_run SET status = 'cancelled', cancel_requested = true, finished_at = clock_timestamp()
+         WHERE id = $1 AND status = 'waiting' RETURNING conversation_id",
+    )
+    .bind(run)
+    .fetch_one(&mut **tx)
+    .await?;
+    keep_partial(tx, run, conversation).await?;
     write_complete(&mut **tx, run, RunStatus::Cancelled, None).await?;
     notify(&mut **tx, &events_channel(run), COMPLETE_PAYLOAD).await
 }

@@ -46,27 +46,36 @@ pub struct Suspend<'a> {
 /// running -> waiting, for the run's holder (fenced): the suspension, the
 /// status (no lease) and its event (`approval_requested` or `wait_started`,
 /// at max(seq)+1: the holder's journal is closed) in one transaction, and
-/// the tails told. Returns false when fenced, and [`StopRequested`] when a
-/// stop was requested meanwhile (the run is not suspended: it ends cancelled).
-pub async fn suspend(pool: &PgPool, run: RunId, token: ClaimToken, s: &Suspend<'_>) -> Result<bool, sqlx::Error> {
+/// the tails told. `None` when fenced.
+pub async fn suspend(
+    pool: &PgPool,
+    run: RunId,
+    token: ClaimToken,
+    s: &Suspend<'_>,
+) -> Result<Option<Suspended>, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let suspended: Option<(ConversationId, bool)> = sqlx::query_as(
-        "UPDATE agent_run SET status = CASE WHEN cancel_requested THEN status ELSE 'waiting' END,
-                waits = CASE WHEN cancel_requested THEN waits ELSE waits + 1 END,
-                claim_expires_at = CASE WHEN cancel_requested THEN claim_expires_at END,
-                last_heartbeat_at = CASE WHEN cancel_requested THEN last_heartbeat_at END
+    // The row, locked: still ours, and was a stop requested meanwhile?
+    let stop: Option<bool> = sqlx::query_scalar(
+        "SELECT cancel_requested FROM agent_run
          WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
-         RETURNING conversation_id, cancel_requested",
+         FOR UPDATE",
     )
     .bind(run)
     .bind(token)
     .fetch_optional(&mut *tx)
     .await?;
-    match suspended {
-        None => return Ok(false),
-        Some((_, true)) => return Err(sqlx::Error::Protocol(StopRequested.to_string())),
-        Some((_, false)) => {}
+    match stop {
+        None => return Ok(None),
+        Some(true) => return Ok(Some(Suspended::StopRequested)),
+        Some(false) => {}
     }
+    sqlx::query(
+        "UPDATE agent_run SET status = 'waiting', waits = waits + 1, claim_expires_at = NULL, last_heartbeat_at = NULL
+         WHERE id = $1",
+    )
+    .bind(run)
+    .execute(&mut *tx)
+    .await?;
     let (requested_at, expires_at): (DateTime<Utc>, DateTime<Utc>) = sqlx::query_as(
         "INSERT INTO run_suspension (run_id, call_index, position, kind, tool, args, expires_at)
          VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7))
@@ -92,13 +101,18 @@ pub async fn suspend(pool: &PgPool, run: RunId, token: ClaimToken, s: &Suspend<'
     write_event(&mut *tx, run, kind, &payload).await?;
     notify(&mut *tx, &events_channel(run), "suspended").await?;
     tx.commit().await?;
-    Ok(true)
+    Ok(Some(Suspended::Waiting))
 }
 
-/// A stop was requested before the run could be suspended.
-#[derive(Debug, Clone, Copy, thiserror::Error)]
-#[error("a stop was requested before the run could wait")]
-pub struct StopRequested;
+/// What [`suspend`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Suspended {
+    /// The run waits.
+    #[default]
+    Waiting,
+    /// A stop was requested first: the run does not wait, it ends cancelled.
+    StopRequested,
+}
 
 /// A decision on a suspended call, as the resumed attempt applies it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -522,9 +522,8 @@ impl RunHost {
         let answer = record::recorded_answer(call);
         if let (Ok(text), LLM_TOOL) = (&answer, name) {
             if let Ok(value) = serde_json::from_str::<Value>(text) {
-                let usage = crate::tools::usage_of(&value);
-                let tokens = |k: &str| usage.get(k).and_then(Value::as_u64).unwrap_or(0);
-                self.add_usage(tokens("prompt_tokens"), tokens("completion_tokens"));
+                let (prompt, completion) = crate::tools::llm_tokens(&value);
+                self.add_usage(prompt, completion);
             }
         }
         let text = answer?;

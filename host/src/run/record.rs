@@ -166,11 +166,9 @@ impl Recording {
     /// kept failing (the run stands down and is resumed from its log).
     pub async fn suspend(&self, s: &Suspend<'_>) -> Result<(), HostError> {
         let (pool, run, token) = (&self.pool, self.run_id, self.token);
-        match suspensions::suspend(pool, run, token, s).await {
-            // A stop came first: the run does not wait, it ends cancelled.
-            Err(sqlx::Error::Protocol(m)) if m == suspensions::StopRequested.to_string() => Err(HostError::Cancelled),
-            Ok(true) => Ok(()),
-            _ => self.retrying(|| suspensions::suspend(pool, run, token, s)).await,
+        match self.retrying_for(|| suspensions::suspend(pool, run, token, s)).await? {
+            suspensions::Suspended::Waiting => Ok(()),
+            suspensions::Suspended::StopRequested => Err(HostError::Cancelled),
         }
     }
 
@@ -361,16 +359,31 @@ impl Recording {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<bool, sqlx::Error>>,
     {
+        self.retrying_for(|| {
+            let w = write();
+            async move { w.await.map(|written| written.then_some(())) }
+        })
+        .await
+    }
+
+    /// [`retrying`](Self::retrying) for a write that answers a value
+    /// (`None`: fenced; a lost answer of a committed call-log insert: the default).
+    async fn retrying_for<T, F, Fut>(&self, mut write: F) -> Result<T, HostError>
+    where
+        T: Default,
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<Option<T>, sqlx::Error>>,
+    {
         let started = std::time::Instant::now();
         let mut pause = std::time::Duration::from_millis(50);
         loop {
             match write().await {
-                Ok(true) => return Ok(()),
+                Ok(Some(value)) => return Ok(value),
                 // Zero rows: the claim is gone (or a retry found its own
                 // earlier try committed; standing down is safe either way).
-                Ok(false) => return self.fenced(),
+                Ok(None) => return self.fenced(),
                 // An earlier try committed though its answer was lost.
-                Err(sqlx::Error::Database(d)) if d.constraint() == Some("run_call_pkey") => return Ok(()),
+                Err(sqlx::Error::Database(d)) if d.constraint() == Some("run_call_pkey") => return Ok(T::default()),
                 Err(e) if started.elapsed() < RETRY_MAX => {
                     tracing::warn!(run_id = %self.run_id, error = %e, "recording a call failed; will retry");
                     tokio::time::sleep(pause).await;
@@ -384,7 +397,7 @@ impl Recording {
         }
     }
 
-    fn fenced(&self) -> Result<(), HostError> {
+    fn fenced<T>(&self) -> Result<T, HostError> {
         self.lost.cancel();
         Err(HostError::Fenced)
     }

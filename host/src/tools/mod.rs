@@ -23,7 +23,13 @@ use crate::db::RunId;
 use crate::error::HostError;
 
 pub use config::{load_tools_file, LlmConfig, WebhookConfig};
-pub(crate) use llm::usage_of;
+
+/// The tokens an `llm` answer says it used: (prompt, completion).
+pub(crate) fn llm_tokens(answer: &Value) -> (u64, u64) {
+    let usage = llm::usage_of(answer);
+    let tokens = |k: &str| usage.get(k).and_then(Value::as_u64).unwrap_or(0);
+    (tokens("prompt_tokens"), tokens("completion_tokens"))
+}
 
 /// The model tool's name; no webhook may take it.
 pub const LLM_TOOL: &str = "llm";
@@ -179,10 +185,9 @@ impl ToolRegistry {
                 finished["result_bytes"] = json!(text.len());
                 if call.name == LLM_TOOL {
                     // The run's token usage lives in the journal, call by call.
-                    let usage = llm::usage_of(&answer);
-                    let tokens = |k: &str| usage.get(k).and_then(Value::as_u64).unwrap_or(0);
-                    sink.usage(tokens("prompt_tokens"), tokens("completion_tokens"));
-                    finished["usage"] = usage;
+                    let (prompt, completion) = llm_tokens(&answer);
+                    sink.usage(prompt, completion);
+                    finished["usage"] = llm::usage_of(&answer);
                 }
                 Ok(text)
             }
