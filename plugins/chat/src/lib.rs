@@ -3,7 +3,12 @@
 //! to the run as it arrives, so this loop emits no deltas of its own.
 //!
 //! Config: `system` (a system prompt), `tools` (what the model is offered:
-//! `[{name, description, parameters}]`, each also granted in the manifest),
+//! `[{name, description, parameters}]`, each granted in the manifest or
+//! named in `client_tools`), `client_tools` (names of functions the client
+//! runs: a call of one ends the turn with a `function_call` event
+//! `{call_id, name, arguments}` per such call, which the Responses API shows
+//! as `function_call` items), `input` (chat messages that are this turn, in
+//! place of the user's message: the Responses API's input items),
 //! `max_steps` (model calls per turn, default 8).
 
 use agent_plugin::{export_agent, json, Agent, HostError, Refusal, Turn, Value};
@@ -19,8 +24,17 @@ impl Agent for Chat {
         for m in &turn.history {
             messages.push(json!({ "role": m.role, "content": m.content }));
         }
-        messages.push(json!({ "role": "user", "content": turn.content }));
+        match turn.config.get("input").and_then(Value::as_array) {
+            Some(input) => messages.extend(input.iter().cloned()),
+            None => messages.push(json!({ "role": "user", "content": turn.content })),
+        }
         let tools = turn.config.get("tools").cloned().unwrap_or_else(|| json!([]));
+        let client_tools: Vec<&str> = turn
+            .config
+            .get("client_tools")
+            .and_then(Value::as_array)
+            .map(|names| names.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
         let max_steps = turn.config_u64("max_steps", 8).clamp(1, 64);
         for n in 1..=max_steps {
             turn.emit("step", &json!({ "n": n }))?;
@@ -28,6 +42,16 @@ impl Agent for Chat {
             let content = answer["content"].as_str().unwrap_or_default().to_string();
             let calls = answer["tool_calls"].as_array().cloned().unwrap_or_default();
             if calls.is_empty() {
+                return Ok(content);
+            }
+            // Calls the client runs end the turn: the client answers them in its next one.
+            let for_client: Vec<&Value> =
+                calls.iter().filter(|c| client_tools.contains(&c["name"].as_str().unwrap_or_default())).collect();
+            if !for_client.is_empty() {
+                for call in for_client {
+                    let call = json!({ "call_id": call["id"], "name": call["name"], "arguments": call["arguments"] });
+                    turn.emit("function_call", &call)?;
+                }
                 return Ok(content);
             }
             messages.push(json!({ "role": "assistant", "content": content, "tool_calls": calls }));
