@@ -162,3 +162,25 @@ async fn a_stream_cut_by_a_killed_process_resumes_on_another_without_gap_or_dupl
     assert!(out.contains("all passed"), "{out}");
     wait_status(&db.pool, run, "completed", LONG).await;
 }
+
+/// A component built for the 0.1.0 world (`legacy`, its own bindings) runs
+/// unchanged beside the 0.2.0 ones (`chat`, through the SDK), on one process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn components_of_both_worlds_run_side_by_side() {
+    let (db, token) = setup().await;
+    plugins::put(&db.pool, "legacy", &plugin_wasm("legacy"), &json!({})).await.unwrap();
+    let a = spawn(&db, "A");
+    let http = reqwest::Client::new();
+    let ask = |model: &str, input: &str| {
+        http.post(format!("http://{}/v1/responses", a.addr))
+            .bearer_auth(&token)
+            .json(&json!({ "model": model, "input": input }))
+            .send()
+    };
+    let old: Value = ask("legacy", "built for the old world").await.unwrap().json().await.unwrap();
+    assert_eq!(old["status"], "completed", "{old}");
+    assert_eq!(old["output"][0]["content"][0]["text"], "built for the old world");
+    let new: Value = ask("chat", "and the new").await.unwrap().json().await.unwrap();
+    assert_eq!(new["status"], "completed", "{new}");
+    assert_eq!(new["output"][0]["content"][0]["text"], "Offline reply to: and the new");
+}

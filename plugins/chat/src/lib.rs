@@ -4,12 +4,14 @@
 //!
 //! Config: `system` (a system prompt), `tools` (what the model is offered:
 //! `[{name, description, parameters}]`, each granted in the manifest or
-//! named in `client_tools`), `client_tools` (names of functions the client
-//! runs: a call of one ends the turn with a `function_call` event
-//! `{call_id, name, arguments}` per such call, which the Responses API shows
-//! as `function_call` items), `input` (chat messages that are this turn, in
+//! a function the client runs), `input` (chat messages that are this turn, in
 //! place of the user's message: the Responses API's input items),
 //! `max_steps` (model calls per turn, default 8).
+//!
+//! Functions the client runs (the turn's `client_tools`, the Responses API's
+//! `function` tools): a model call of one ends the turn with it, as a client
+//! call of the 0.2.0 world (the Responses API shows a `function_call` item);
+//! the client answers in its next turn.
 
 use agent_plugin::{export_agent, json, Agent, HostError, Refusal, Turn, Value};
 
@@ -29,12 +31,6 @@ impl Agent for Chat {
             None => messages.push(json!({ "role": "user", "content": turn.content })),
         }
         let tools = turn.config.get("tools").cloned().unwrap_or_else(|| json!([]));
-        let client_tools: Vec<&str> = turn
-            .config
-            .get("client_tools")
-            .and_then(Value::as_array)
-            .map(|names| names.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
         let max_steps = turn.config_u64("max_steps", 8).clamp(1, 64);
         for n in 1..=max_steps {
             turn.emit("step", &json!({ "n": n }))?;
@@ -45,12 +41,11 @@ impl Agent for Chat {
                 return Ok(content);
             }
             // Calls the client runs end the turn: the client answers them in its next one.
-            let for_client: Vec<&Value> =
-                calls.iter().filter(|c| client_tools.contains(&c["name"].as_str().unwrap_or_default())).collect();
+            let str_of = |call: &Value, k: &str| call[k].as_str().unwrap_or_default().to_string();
+            let for_client: Vec<&Value> = calls.iter().filter(|c| turn.is_client_tool(&str_of(c, "name"))).collect();
             if !for_client.is_empty() {
                 for call in for_client {
-                    let call = json!({ "call_id": call["id"], "name": call["name"], "arguments": call["arguments"] });
-                    turn.emit("function_call", &call)?;
+                    turn.call_client(&str_of(call, "id"), &str_of(call, "name"), &str_of(call, "arguments"))?;
                 }
                 return Ok(content);
             }
