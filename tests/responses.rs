@@ -184,3 +184,34 @@ async fn components_of_both_worlds_run_side_by_side() {
     assert_eq!(new["status"], "completed", "{new}");
     assert_eq!(new["output"][0]["content"][0]["text"], "Offline reply to: and the new");
 }
+
+/// The benchmark of BENCHMARKS.md ("The Responses API"), by hand:
+/// `cargo test --test responses -- --ignored --nocapture responses_benchmark`.
+/// Create to first delta through each route for the same run (`echo`), and
+/// the events per second one Responses stream carries replaying a long
+/// journal (a `sleep` run of 2,000 deltas journaled one per millisecond).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark, run by hand"]
+async fn responses_benchmark() {
+    let (db, token) = setup().await;
+    let mut args = flags();
+    args.extend(["--journal-flush-ms".to_string(), "1".to_string()]);
+    let a = HostProcess::spawn(&db.url, "A", &args.iter().map(String::as_str).collect::<Vec<_>>());
+    let body = json!({ "model": "sleep", "input": "long", "config": { "steps": 2000, "step_ms": 1 } });
+    let res = reqwest::Client::new()
+        .post(format!("http://{}/v1/responses", a.addr))
+        .bearer_auth(&token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let long: Value = res.json().await.unwrap();
+    assert_eq!(long["status"], "completed", "{long}");
+    let env = [
+        ("AGENT_HOST_TOKEN", token),
+        ("HOST", a.addr.clone()),
+        ("LONG_RESPONSE", long["id"].as_str().unwrap().to_string()),
+    ];
+    let out = client(&venv().join("bin/python"), &["responses_bench.py"], &env, &[&a]).await;
+    println!("{out}");
+}
