@@ -520,7 +520,12 @@ pub fn openapi() -> Value {
         }
         let mut parameters = Vec::new();
         if r.path.contains("{id}") {
-            parameters.push(json!({ "name": "id", "in": "path", "required": true, "schema": { "type": "string", "format": "uuid" } }));
+            // A response id is `resp_` and hex (a run id is accepted too).
+            let schema = match r.path.starts_with("/v1/responses/") {
+                true => json!({ "type": "string", "pattern": "^(resp_)?[0-9a-fA-F-]{32,36}$" }),
+                false => json!({ "type": "string", "format": "uuid" }),
+            };
+            parameters.push(json!({ "name": "id", "in": "path", "required": true, "schema": schema }));
         }
         for (name, kind, description) in r.query {
             let mut schema = json!({ "type": kind });
