@@ -30,9 +30,10 @@ fn py_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().join("tests/py")
 }
 
-/// Host flags: short leases, and a compile cache of the test's own.
+/// Host flags: short leases, and one compile cache for these tests (keyed by
+/// digest and engine, written with atomic renames: any process may share it).
 fn flags() -> Vec<String> {
-    let cache = std::env::temp_dir().join(format!("agent-host-responses-{}", uuid::Uuid::new_v4().simple()));
+    let cache = std::env::temp_dir().join("agent-host-responses-cache");
     let mut args: Vec<String> = FAST.iter().map(|s| s.to_string()).collect();
     args.extend(["--cache-dir".to_string(), cache.display().to_string()]);
     args
