@@ -138,7 +138,7 @@ pub async fn create(
     let mut res = if req.stream.unwrap_or(false) {
         sse(view::follow(&tails, &state.pool, &created.row, None).map_err(ApiError::from)?).into_response()
     } else if req.background.unwrap_or(false) {
-        Json(view::current(&tails, &state.pool, &created.row).await.map_err(ApiError::from)?).into_response()
+        Json(view::as_created(&created.row)).into_response()
     } else {
         let done = view::settle(&tails, &state.pool, &created.row).await.map_err(ApiError::from)?;
         Json(done.map_err(ApiError::from)?).into_response()

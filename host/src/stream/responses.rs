@@ -483,6 +483,13 @@ pub fn follow(
     Ok(futures::stream::unfold(s, |mut s| async move { s.next().await.map(|i| (i, s)) }))
 }
 
+/// The response as it was enqueued (`queued`, no output): the answer to a
+/// background create, the same for an idempotent replay of it, however far
+/// the run has got since.
+pub fn as_created(row: &ResponseRow) -> Value {
+    View::new(row).snapshot()
+}
+
 /// The response as it stands now: the fold of the journal so far, with the
 /// row's status (or the final snapshot of an ended run).
 pub async fn current(tails: &Tails, pool: &PgPool, row: &ResponseRow) -> Result<Value, TailError> {
