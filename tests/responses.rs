@@ -184,6 +184,29 @@ async fn components_of_both_worlds_run_side_by_side() {
     let new: Value = ask("chat", "and the new").await.unwrap().json().await.unwrap();
     assert_eq!(new["status"], "completed", "{new}");
     assert_eq!(new["output"][0]["content"][0]["text"], "Offline reply to: and the new");
+
+    // The wire form of a stream: each event one frame of `event: <type>` and
+    // one `data:` line, LF only, numbered from 0, then `data: [DONE]`.
+    let raw = http
+        .get(format!("http://{}/v1/responses/{}?stream=true", a.addr, old["id"].as_str().unwrap()))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!raw.contains('\r'), "{raw}");
+    let frames: Vec<&str> = raw.split_terminator("\n\n").collect();
+    assert_eq!(frames.last(), Some(&"data: [DONE]"), "{raw}");
+    for (n, frame) in frames[..frames.len() - 1].iter().enumerate() {
+        let lines: Vec<&str> = frame.lines().collect();
+        assert_eq!(lines.len(), 2, "{frame}");
+        let kind = lines[0].strip_prefix("event: ").unwrap();
+        let data: Value = serde_json::from_str(lines[1].strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!((data["type"].as_str(), data["sequence_number"].as_u64()), (Some(kind), Some(n as u64)), "{frame}");
+    }
+    assert!(frames.len() > 5 && frames[frames.len() - 2].starts_with("event: response.completed"), "{raw}");
 }
 
 /// The benchmark of BENCHMARKS.md ("The Responses API"), by hand:
