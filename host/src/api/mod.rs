@@ -12,6 +12,7 @@ mod extract;
 mod metrics;
 mod paging;
 mod plugins;
+mod responses;
 mod routes;
 mod runs;
 mod schedules;

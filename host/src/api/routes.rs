@@ -5,7 +5,7 @@ use axum::routing::{delete, get, post, MethodRouter};
 use serde_json::{json, Map, Value};
 
 use super::paging::LIMIT_MAX;
-use super::{approvals, conversations, events, metrics, plugins, runs, schedules, AppState, ErrorCode};
+use super::{approvals, conversations, events, metrics, plugins, responses, runs, schedules, AppState, ErrorCode};
 
 /// Builds a JSON schema.
 pub type Schema = fn() -> Value;
@@ -48,6 +48,21 @@ fn run_body() -> Value {
         "multitask_strategy": { "type": "string", "enum": ["enqueue", "reject", "interrupt"],
             "description": "when the conversation has an active turn: queue behind it (default), 409, or stop it \
                             and run this one next" } } })
+}
+
+fn responses_body() -> Value {
+    json!({ "type": "object", "required": ["model", "input"], "properties": {
+        "model": { "type": "string", "description": "the plugin that answers" },
+        "input": { "description": "a string, or items: messages, function_call, function_call_output" },
+        "instructions": { "type": "string" },
+        "metadata": { "type": "object", "description": "at most 16 string pairs" },
+        "previous_response_id": { "type": "string" },
+        "conversation": { "description": "a conversation id, or {id}" },
+        "store": { "type": "boolean", "description": "false is refused: every response is stored" },
+        "background": { "type": "boolean" },
+        "stream": { "type": "boolean" },
+        "tools": { "type": "array", "description": "function tools the client runs" },
+        "tool_choice": {} } })
 }
 
 fn schedule_body() -> Value {
@@ -137,6 +152,79 @@ pub const ROUTES: &[Route] = &[
         query: &[],
         body: None,
         handler: || post(runs::cancel_run),
+    },
+    Route {
+        method: "post",
+        path: "/v1/responses",
+        summary: "The Responses API: create a response (a run; `model` names the plugin). background: true \
+                  answers the queued object at once, stream: true streams its events (SSE, then [DONE]), neither \
+                  waits for its end; optional Idempotency-Key; errors as {error: {message, type, param, code}}",
+        auth: true,
+        ok: (200, "the response object, or text/event-stream of response.* events"),
+        errors: &[400, 404, 409, 413, 415, 503],
+        query: &[],
+        body: Some(("application/json", responses_body)),
+        handler: || post(responses::create),
+    },
+    Route {
+        method: "post",
+        path: "/v1/responses/compact",
+        summary: "The specification's compaction endpoint, which this host does not serve: 404 in the \
+                  specification's error shape",
+        auth: true,
+        ok: (404, "{error: {message, type, param, code}}"),
+        errors: &[],
+        query: &[],
+        body: None,
+        handler: || post(responses::compact),
+    },
+    Route {
+        method: "get",
+        path: "/v1/responses/{id}",
+        summary: "A response; ?stream=true streams its events from the start, or those numbered after \
+                  ?starting_after=N, live until its end",
+        auth: true,
+        ok: (200, "the response object, or text/event-stream"),
+        errors: &[400, 404, 503],
+        query: &[
+            ("stream", "boolean", "stream the response's events (SSE)"),
+            ("starting_after", "integer", "with stream: only the events whose sequence_number is greater"),
+        ],
+        body: None,
+        handler: || get(responses::get),
+    },
+    Route {
+        method: "delete",
+        path: "/v1/responses/{id}",
+        summary: "Delete a response (cancelled first while it runs); later reads do not find it",
+        auth: true,
+        ok: (200, "{id, object: response, deleted: true}"),
+        errors: &[400, 404],
+        query: &[],
+        body: None,
+        handler: || delete(responses::delete),
+    },
+    Route {
+        method: "post",
+        path: "/v1/responses/{id}/cancel",
+        summary: "Cancel a response: 200 with the object, also when it had already ended (never 409)",
+        auth: true,
+        ok: (200, "the response object"),
+        errors: &[400, 404],
+        query: &[],
+        body: None,
+        handler: || post(responses::cancel),
+    },
+    Route {
+        method: "get",
+        path: "/v1/responses/{id}/input_items",
+        summary: "A response's input, as items",
+        auth: true,
+        ok: (200, "{object: list, data: [items], first_id, last_id, has_more}"),
+        errors: &[400, 404],
+        query: &[],
+        body: None,
+        handler: || get(responses::input_items),
     },
     Route {
         method: "post",
@@ -432,7 +520,12 @@ pub fn openapi() -> Value {
         }
         let mut parameters = Vec::new();
         if r.path.contains("{id}") {
-            parameters.push(json!({ "name": "id", "in": "path", "required": true, "schema": { "type": "string", "format": "uuid" } }));
+            // A response id is `resp_` and hex (a run id is accepted too).
+            let schema = match r.path.starts_with("/v1/responses/") {
+                true => json!({ "type": "string", "pattern": "^(resp_)?[0-9a-fA-F-]{32,36}$" }),
+                false => json!({ "type": "string", "format": "uuid" }),
+            };
+            parameters.push(json!({ "name": "id", "in": "path", "required": true, "schema": schema }));
         }
         for (name, kind, description) in r.query {
             let mut schema = json!({ "type": kind });

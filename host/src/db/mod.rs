@@ -17,7 +17,8 @@
 //! - [`suspensions`]: waiting runs (approvals, durable waits): suspend,
 //!   decide, the scheduler's wake.
 //! - [`conversations`]: ownership, transcript order, history, conversation reads.
-//! - [`runs`]: run reads as clients see them.
+//! - [`runs`]: run reads as clients see them; [`responses`]: the Responses
+//!   API's reads of a run and its deletion mark.
 //! - [`plugins`]: content-addressed components and the names pointing at them.
 //! - [`tokens`]: bearer tokens.
 //! - [`webhooks`]: the completion-webhook outbox; [`schedules`]: cron
@@ -33,6 +34,7 @@ pub mod journal;
 pub mod lifecycle;
 pub mod notify;
 pub mod plugins;
+pub mod responses;
 pub mod runs;
 pub mod schedules;
 pub mod status;

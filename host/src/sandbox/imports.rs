@@ -1,43 +1,53 @@
 //! The WIT host interface, translated to [`RunHost`] and nothing more: every
 //! check, limit, ordinal and journal write lives behind `RunHost`, so a guest
-//! gets exactly what a built-in agent gets.
+//! gets exactly what a built-in agent gets. Both worlds (0.1.0 and 0.2.0)
+//! import the same interface; one macro writes it for each.
 
 use super::bindings::agent_host::plugin::{host as wit_host, types as wit_types};
+use super::bindings_v2::agent_host::plugin::{host as wit_host_v2, types as wit_types_v2};
 use super::Guest;
 use crate::error::HostError;
 
-fn to_wit(e: HostError) -> wit_types::HostError {
-    match e {
-        HostError::Cancelled => wit_types::HostError::Cancelled,
-        HostError::Fenced => wit_types::HostError::Fenced,
-        HostError::Denied(m) => wit_types::HostError::Denied(m),
-        HostError::Invalid(m) => wit_types::HostError::Invalid(m),
-        HostError::Limit(m) => wit_types::HostError::Limit(m),
-        // WIT 0.1.0 has no `unavailable`: the nearest is a failed tool.
-        HostError::ToolFailed(m) | HostError::Unavailable(m) => wit_types::HostError::ToolFailed(m),
-    }
+/// `impl Host` of one world's host interface for [`Guest`].
+macro_rules! host_interface {
+    ($host:ident, $types:ident, $to_wit:ident) => {
+        fn $to_wit(e: HostError) -> $types::HostError {
+            match e {
+                HostError::Cancelled => $types::HostError::Cancelled,
+                HostError::Fenced => $types::HostError::Fenced,
+                HostError::Denied(m) => $types::HostError::Denied(m),
+                HostError::Invalid(m) => $types::HostError::Invalid(m),
+                HostError::Limit(m) => $types::HostError::Limit(m),
+                // The WIT has no `unavailable`: the nearest is a failed tool.
+                HostError::ToolFailed(m) | HostError::Unavailable(m) => $types::HostError::ToolFailed(m),
+            }
+        }
+
+        impl $types::Host for Guest {}
+
+        impl $host::Host for Guest {
+            async fn emit_event(
+                &mut self,
+                kind: String,
+                payload: String,
+            ) -> wasmtime::Result<Result<(), $types::HostError>> {
+                Ok(self.host.emit_event_json(&kind, &payload).await.map_err($to_wit))
+            }
+
+            async fn call_tool(
+                &mut self,
+                name: String,
+                args: String,
+            ) -> wasmtime::Result<Result<String, $types::HostError>> {
+                Ok(self.host.call_tool(&name, &args).await.map_err($to_wit))
+            }
+
+            async fn check_cancel(&mut self) -> wasmtime::Result<bool> {
+                Ok(self.host.check_cancel())
+            }
+        }
+    };
 }
 
-impl wit_types::Host for Guest {}
-
-impl wit_host::Host for Guest {
-    async fn emit_event(
-        &mut self,
-        kind: String,
-        payload: String,
-    ) -> wasmtime::Result<Result<(), wit_types::HostError>> {
-        Ok(self.host.emit_event_json(&kind, &payload).await.map_err(to_wit))
-    }
-
-    async fn call_tool(
-        &mut self,
-        name: String,
-        args: String,
-    ) -> wasmtime::Result<Result<String, wit_types::HostError>> {
-        Ok(self.host.call_tool(&name, &args).await.map_err(to_wit))
-    }
-
-    async fn check_cancel(&mut self) -> wasmtime::Result<bool> {
-        Ok(self.host.check_cancel())
-    }
-}
+host_interface!(wit_host, wit_types, to_wit);
+host_interface!(wit_host_v2, wit_types_v2, to_wit_v2);

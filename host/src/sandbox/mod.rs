@@ -4,6 +4,12 @@
 //! compiled code cached on disk keyed by digest and engine compatibility, and
 //! one `Store` per run, dropped after it.
 //!
+//! Two worlds run side by side: `agent-host:plugin@0.2.0` (a turn is also told
+//! the functions its client runs, and may end with calls of them, which the
+//! host journals as `function_call` events) and `@0.1.0`, whose components
+//! keep running unchanged. A component is prepared as the newest world it
+//! fits; the host interface is the same in both.
+//!
 //! - `engine`: the one place wasmtime is configured (pooling, epochs).
 //! - `imports`: the WIT host interface, translated to [`RunHost`] only.
 //! - `output`: guest stdout and stderr, capped.
@@ -47,8 +53,46 @@ mod bindings {
     });
 }
 
+mod bindings_v2 {
+    wasmtime::component::bindgen!({
+        path: "../wit/0.2.0",
+        world: "agent",
+        imports: { default: async | trappable },
+        exports: { default: async },
+    });
+}
+
 use bindings::agent_host::plugin::types as wit_types;
 use bindings::{Agent as AgentWorld, AgentPre};
+use bindings_v2::agent_host::plugin::types as wit_types_v2;
+use bindings_v2::{Agent as AgentWorldV2, AgentPre as AgentPreV2};
+
+/// A component prepared as the world it was built for.
+#[derive(Clone)]
+enum Pre {
+    V1(AgentPre<Guest>),
+    V2(AgentPreV2<Guest>),
+}
+
+/// Client functions a turn's config names (`client_tools`, described in
+/// `tools`), as the 0.2.0 world gives them.
+fn client_tools(config: &serde_json::Value) -> Vec<wit_types_v2::ClientTool> {
+    let names = config.get("client_tools").and_then(|c| c.as_array()).cloned().unwrap_or_default();
+    let tools = config.get("tools").and_then(|t| t.as_array()).cloned().unwrap_or_default();
+    names
+        .iter()
+        .filter_map(|n| n.as_str())
+        .map(|name| {
+            let tool = tools.iter().find(|t| t.get("name").and_then(|n| n.as_str()) == Some(name));
+            let field = |k: &str| tool.and_then(|t| t.get(k));
+            wit_types_v2::ClientTool {
+                name: name.to_string(),
+                description: field("description").and_then(|d| d.as_str()).map(str::to_string),
+                parameters: field("parameters").map_or_else(|| "{}".to_string(), |p| p.to_string()),
+            }
+        })
+        .collect()
+}
 
 /// Guest stdout and stderr kept for the host's log, per stream.
 pub const GUEST_OUTPUT_BYTES_MAX: usize = 64 * 1024;
@@ -72,7 +116,7 @@ pub struct Sandbox {
     pool: PgPool,
     cache_dir: Option<PathBuf>,
     /// One cell per digest: concurrent first runs of a plugin compile it once.
-    pres: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<AgentPre<Guest>>>>>,
+    pres: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<Pre>>>>,
     live: Arc<AtomicUsize>,
 }
 
@@ -94,6 +138,8 @@ impl Sandbox {
         // WASI is linked so standard guests instantiate, and grants nothing.
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
         AgentWorld::add_to_linker::<_, HasSelf<_>>(&mut linker, |g| g)
+            .map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
+        AgentWorldV2::add_to_linker::<_, HasSelf<_>>(&mut linker, |g| g)
             .map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
         if let Some(dir) = &cache_dir {
             std::fs::create_dir_all(dir)
@@ -126,9 +172,13 @@ impl Sandbox {
         Ok(())
     }
 
-    fn prepare(&self, component: &Component) -> Result<AgentPre<Guest>, SandboxError> {
+    /// The component as the newest world whose `run` it exports.
+    fn prepare(&self, component: &Component) -> Result<Pre, SandboxError> {
         let pre = self.linker.instantiate_pre(component).map_err(|e| SandboxError::Invalid(format!("{e:#}")))?;
-        AgentPre::new(pre).map_err(|e| SandboxError::Invalid(format!("{e:#}")))
+        if let Ok(v2) = AgentPreV2::new(pre.clone()) {
+            return Ok(Pre::V2(v2));
+        }
+        AgentPre::new(pre).map(Pre::V1).map_err(|e| SandboxError::Invalid(format!("{e:#}")))
     }
 
     fn cache_path(&self, digest: &str) -> Option<PathBuf> {
@@ -140,12 +190,12 @@ impl Sandbox {
 
     /// The prepared component for `digest`: memory, then disk, then the
     /// database. Concurrent callers for one digest wait for a single load.
-    async fn pre(&self, digest: &str) -> Result<AgentPre<Guest>, SandboxError> {
+    async fn pre(&self, digest: &str) -> Result<Pre, SandboxError> {
         let cell = self.pres.lock().unwrap().entry(digest.to_string()).or_default().clone();
         cell.get_or_try_init(|| self.load(digest)).await.cloned()
     }
 
-    async fn load(&self, digest: &str) -> Result<AgentPre<Guest>, SandboxError> {
+    async fn load(&self, digest: &str) -> Result<Pre, SandboxError> {
         let cached = self.cache_path(digest).filter(|p| p.exists());
         let component = match cached.as_ref().and_then(|p| {
             // SAFETY: files in the cache directory are written only by
@@ -184,7 +234,7 @@ impl Sandbox {
 pub struct WasmAgent {
     engine: Engine,
     live: Arc<AtomicUsize>,
-    pre: AgentPre<Guest>,
+    pre: Pre,
     limits: Limits,
 }
 
@@ -224,24 +274,50 @@ impl WasmAgent {
             // dropped (claim lost, drain) and other runs get the thread.
             Ok(UpdateDeadline::Yield(1))
         });
-        let wit_input = wit_types::RunInput {
-            run_id: input.run_id.to_string(),
-            conversation_id: input.conversation_id.to_string(),
-            content: input.content,
-            history: input
-                .history
-                .into_iter()
-                .map(|m| wit_types::Message { role: m.role, content: m.content })
-                .collect(),
-            config: input.config.to_string(),
-        };
+        let history: Vec<(String, String)> = input.history.into_iter().map(|m| (m.role, m.content)).collect();
+        let (run_id, conversation_id, config) =
+            (input.run_id.to_string(), input.conversation_id.to_string(), input.config.to_string());
+        let tools = client_tools(&input.config);
+        let content = input.content;
         let wall = Duration::from_millis(limits.wall_ms);
         let live = &self.live;
         let outcome = tokio::time::timeout(wall, async {
-            let agent = pre.instantiate_async(&mut store).await?;
-            live.fetch_add(1, Ordering::Relaxed);
-            let _live = LiveGuard(live.clone());
-            agent.call_run(&mut store, &wit_input).await
+            match pre {
+                Pre::V1(pre) => {
+                    let wit_input = wit_types::RunInput {
+                        run_id,
+                        conversation_id,
+                        content,
+                        history: history
+                            .into_iter()
+                            .map(|(role, content)| wit_types::Message { role, content })
+                            .collect(),
+                        config,
+                    };
+                    let agent = pre.instantiate_async(&mut store).await?;
+                    live.fetch_add(1, Ordering::Relaxed);
+                    let _live = LiveGuard(live.clone());
+                    Ok(agent.call_run(&mut store, &wit_input).await?.map(|text| (text, Vec::new())))
+                }
+                Pre::V2(pre) => {
+                    let wit_input = wit_types_v2::RunInput {
+                        run_id,
+                        conversation_id,
+                        content,
+                        history: history
+                            .into_iter()
+                            .map(|(role, content)| wit_types_v2::Message { role, content })
+                            .collect(),
+                        config,
+                        client_tools: tools,
+                    };
+                    let agent = pre.instantiate_async(&mut store).await?;
+                    live.fetch_add(1, Ordering::Relaxed);
+                    let _live = LiveGuard(live.clone());
+                    let answer = agent.call_run(&mut store, &wit_input).await?;
+                    Ok::<_, wasmtime::Error>(answer.map(|out| (out.text, out.client_calls)))
+                }
+            }
         })
         .await;
         let run_id = input.run_id;
@@ -264,12 +340,20 @@ impl WasmAgent {
             }),
             Ok(Ok(answer)) => match (hit, answer) {
                 (Some(f), _) => Err(f),
-                (None, Ok(text)) => Ok(text),
+                (None, Ok(answer)) => Ok(answer),
                 (None, Err(message)) => Err(AgentError::failed(FailReason::Plugin, message)),
             },
         };
         drop(store);
-        result
+        let (text, calls) = result?;
+        // The calls of client functions the turn ends with, journaled in
+        // order (the Responses API shows them as `function_call` items).
+        for call in calls {
+            let payload =
+                serde_json::json!({ "call_id": call.call_id, "name": call.name, "arguments": call.arguments });
+            host.emit_event(crate::db::events::FUNCTION_CALL, payload).await?;
+        }
+        Ok(text)
     }
 }
 

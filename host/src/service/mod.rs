@@ -1,9 +1,11 @@
-//! Services both APIs share (the native API in `api`, the Responses API
-//! next): enqueue (`submit`), plugin registration (`plugins`), and the rule
-//! for text the database cannot store (`storable`). They speak typed errors,
+//! Services both APIs share (the native API in `api`, the Responses API in
+//! `api::responses`): enqueue (`submit`), plugin registration (`plugins`),
+//! the rule for text the database cannot store (`storable`), and a
+//! Responses request as a submission (`responses`). They speak typed errors,
 //! never HTTP; each API maps those to its own wire answers.
 
 pub mod plugins;
+pub mod responses;
 pub mod schedules;
 pub mod storable;
 pub mod submit;

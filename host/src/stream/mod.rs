@@ -1,6 +1,9 @@
 //! Streams of a run, as services any API can encode: the journal tail
-//! (`tail`) and the one server-sent-events decoder (`decode`) for bodies this
-//! crate reads. Wire formats live with the APIs (`api`), not here.
+//! (`tail`), the Responses API's view of a run over it (`responses`: the
+//! response object and its numbered events), and the one server-sent-events
+//! decoder (`decode`) for bodies this crate reads. Wire formats live with the
+//! APIs (`api`), not here.
 
 pub mod decode;
+pub mod responses;
 pub mod tail;

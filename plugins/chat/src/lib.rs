@@ -3,8 +3,15 @@
 //! to the run as it arrives, so this loop emits no deltas of its own.
 //!
 //! Config: `system` (a system prompt), `tools` (what the model is offered:
-//! `[{name, description, parameters}]`, each also granted in the manifest),
+//! `[{name, description, parameters}]`, each granted in the manifest or
+//! a function the client runs), `input` (chat messages that are this turn, in
+//! place of the user's message: the Responses API's input items),
 //! `max_steps` (model calls per turn, default 8).
+//!
+//! Functions the client runs (the turn's `client_tools`, the Responses API's
+//! `function` tools): a model call of one ends the turn with it, as a client
+//! call of the 0.2.0 world (the Responses API shows a `function_call` item);
+//! the client answers in its next turn.
 
 use agent_plugin::{export_agent, json, Agent, HostError, Refusal, Turn, Value};
 
@@ -19,7 +26,10 @@ impl Agent for Chat {
         for m in &turn.history {
             messages.push(json!({ "role": m.role, "content": m.content }));
         }
-        messages.push(json!({ "role": "user", "content": turn.content }));
+        match turn.config.get("input").and_then(Value::as_array) {
+            Some(input) => messages.extend(input.iter().cloned()),
+            None => messages.push(json!({ "role": "user", "content": turn.content })),
+        }
         let tools = turn.config.get("tools").cloned().unwrap_or_else(|| json!([]));
         let max_steps = turn.config_u64("max_steps", 8).clamp(1, 64);
         for n in 1..=max_steps {
@@ -28,6 +38,15 @@ impl Agent for Chat {
             let content = answer["content"].as_str().unwrap_or_default().to_string();
             let calls = answer["tool_calls"].as_array().cloned().unwrap_or_default();
             if calls.is_empty() {
+                return Ok(content);
+            }
+            // Calls the client runs end the turn: the client answers them in its next one.
+            let str_of = |call: &Value, k: &str| call[k].as_str().unwrap_or_default().to_string();
+            let for_client: Vec<&Value> = calls.iter().filter(|c| turn.is_client_tool(&str_of(c, "name"))).collect();
+            if !for_client.is_empty() {
+                for call in for_client {
+                    turn.call_client(&str_of(call, "id"), &str_of(call, "name"), &str_of(call, "arguments"))?;
+                }
                 return Ok(content);
             }
             messages.push(json!({ "role": "assistant", "content": content, "tool_calls": calls }));

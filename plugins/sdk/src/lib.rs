@@ -1,5 +1,7 @@
 //! The guest side of agent-host: write one function from a turn's input to its
-//! answer, and export it with [`export_agent!`].
+//! answer, and export it with [`export_agent!`]. Built against the
+//! `agent-host:plugin@0.2.0` world: a turn may also end with calls of the
+//! functions its client runs ([`Turn::client_tools`], [`Turn::call_client`]).
 //!
 //! ```ignore
 //! struct Echo;
@@ -15,7 +17,7 @@
 #[doc(hidden)]
 pub mod bindings {
     wit_bindgen::generate!({
-        path: "../../wit/0.1.0",
+        path: "../../wit/0.2.0",
         world: "agent",
         pub_export_macro: true,
         export_macro_name: "__export_agent_world",
@@ -23,9 +25,19 @@ pub mod bindings {
     });
 }
 
+use std::cell::RefCell;
+
 use bindings::agent_host::plugin::host;
-pub use bindings::agent_host::plugin::types::{HostError, Message};
+pub use bindings::agent_host::plugin::types::{ClientCall, ClientTool, HostError, Message};
 pub use serde_json::{json, Value};
+
+/// Client calls a turn ends with; at most this many.
+pub const CLIENT_CALLS_MAX: usize = 64;
+
+thread_local! {
+    /// The calls of client functions this turn ends with (a guest is one thread).
+    static CLIENT_CALLS: RefCell<Vec<ClientCall>> = const { RefCell::new(Vec::new()) };
+}
 
 /// A refusal from the host, with a readable message.
 #[derive(Debug, Clone)]
@@ -68,6 +80,9 @@ pub struct Turn {
     pub history: Vec<Message>,
     /// The run's config.
     pub config: Value,
+    /// Functions the run's client runs itself: offer them to the model, and
+    /// end the turn with [`Turn::call_client`] when it calls one.
+    pub client_tools: Vec<ClientTool>,
 }
 
 impl Turn {
@@ -85,6 +100,27 @@ impl Turn {
     pub fn call_tool(&self, name: &str, args: &Value) -> Result<Value, Refusal> {
         let out = host::call_tool(name, &args.to_string())?;
         serde_json::from_str(&out).map_err(|e| Refusal(HostError::ToolFailed(format!("tool answered non-JSON: {e}"))))
+    }
+
+    /// Whether `name` is a function the client runs.
+    pub fn is_client_tool(&self, name: &str) -> bool {
+        self.client_tools.iter().any(|t| t.name == name)
+    }
+
+    /// Adds a call of a client's function to the calls this turn ends with
+    /// (return soon after: the client answers them in its next turn).
+    pub fn call_client(&self, call_id: &str, name: &str, arguments: &str) -> Result<(), Refusal> {
+        if !self.is_client_tool(name) {
+            return Err(Refusal(HostError::Invalid(format!("{name:?} is not a function the client runs"))));
+        }
+        CLIENT_CALLS.with(|calls| {
+            let mut calls = calls.borrow_mut();
+            if calls.len() >= CLIENT_CALLS_MAX {
+                return Err(Refusal(HostError::Limit(format!("at most {CLIENT_CALLS_MAX} client calls a turn"))));
+            }
+            calls.push(ClientCall { call_id: call_id.into(), name: name.into(), arguments: arguments.into() });
+            Ok(())
+        })
     }
 
     /// Whether a stop was requested: return soon (the host interrupts a guest
@@ -108,15 +144,21 @@ pub trait Agent {
 pub struct Adapter<A>(std::marker::PhantomData<A>);
 
 impl<A: Agent> bindings::Guest for Adapter<A> {
-    fn run(input: bindings::agent_host::plugin::types::RunInput) -> Result<String, String> {
+    fn run(
+        input: bindings::agent_host::plugin::types::RunInput,
+    ) -> Result<bindings::agent_host::plugin::types::TurnOutput, String> {
         let config = serde_json::from_str(&input.config).unwrap_or(Value::Object(Default::default()));
-        A::run(Turn {
+        CLIENT_CALLS.with(|c| c.borrow_mut().clear());
+        let text = A::run(Turn {
             run_id: input.run_id,
             conversation_id: input.conversation_id,
             content: input.content,
             history: input.history,
             config,
-        })
+            client_tools: input.client_tools,
+        })?;
+        let client_calls = CLIENT_CALLS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        Ok(bindings::agent_host::plugin::types::TurnOutput { text, client_calls })
     }
 }
 
