@@ -5,6 +5,7 @@
 //! and encode; errors are one type with one enum of codes (`error`).
 
 mod approvals;
+mod audit;
 mod conversations;
 mod error;
 mod events;
@@ -15,6 +16,7 @@ mod plugins;
 mod routes;
 mod runs;
 mod schedules;
+mod tokens;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +29,7 @@ use serde_json::json;
 use sqlx::PgPool;
 
 pub use error::{ApiError, ErrorCode};
-pub use extract::{ApiJson, ApiQuery, Auth, OrNotFound, PathId, Resource};
+pub use extract::{Admin, ApiJson, ApiQuery, Auth, OrNotFound, PathId, Resource};
 pub use routes::{openapi, Route, ROUTES};
 
 use crate::agent::AgentRegistry;
