@@ -42,7 +42,11 @@ impl Browser {
             .expect("starting chromedriver");
         let http = reqwest::Client::new();
         let base = format!("http://127.0.0.1:{port}");
-        let caps = json!({ "capabilities": { "alwaysMatch": { "browserName": "chrome", "goog:chromeOptions": {
+        // The performance log holds the browser's network events: which
+        // URLs the page requested.
+        let caps = json!({ "capabilities": { "alwaysMatch": { "browserName": "chrome",
+            "goog:loggingPrefs": { "performance": "ALL" },
+            "goog:chromeOptions": {
             "binary": "/usr/bin/chromium",
             "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"] } } } });
         let deadline = Instant::now() + LONG;
@@ -94,6 +98,20 @@ impl Browser {
             }
             assert!(Instant::now() < deadline, "the page never showed {what}");
         }
+    }
+
+    /// Every URL the page requested since the last call (Chromium's
+    /// network log: `Network.requestWillBeSent`).
+    async fn requested_urls(&self) -> Vec<String> {
+        let entries = self.command("/se/log", json!({ "type": "performance" })).await;
+        entries
+            .as_array()
+            .expect("a log")
+            .iter()
+            .filter_map(|e| serde_json::from_str::<Value>(e["message"].as_str()?).ok())
+            .filter(|m| m["message"]["method"] == "Network.requestWillBeSent")
+            .filter_map(|m| m["message"]["params"]["request"]["url"].as_str().map(String::from))
+            .collect()
     }
 
     async fn text(&self, id: &str) -> String {
@@ -255,6 +273,17 @@ async fn the_console_streams_survives_refresh_and_restart_and_stops() {
         )
         .await;
     assert_eq!(browser.text("output").await, first_text);
+
+    // No URL the page requested holds the token; the streams went on tickets.
+    let urls = browser.requested_urls().await;
+    let secret = &token[3..];
+    assert!(urls.iter().all(|u| !u.contains(secret)), "a requested URL holds the token: {urls:?}");
+    let streams: Vec<&String> = urls.iter().filter(|u| u.contains("/events")).collect();
+    assert!(streams.len() >= 3 && streams.iter().all(|u| u.contains("ticket=st_")), "{streams:?}");
+    assert!(urls.iter().any(|u| u.ends_with("/console.js")), "the script is a file of its own: {urls:?}");
+    // The old way, a long-lived token in the stream's URL, is refused.
+    let old = reqwest::get(format!("{url}v1/runs/{run}/events?access_token={token}")).await.unwrap();
+    assert_eq!(old.status(), 401);
     browser.quit().await;
     drop(web);
 }

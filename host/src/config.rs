@@ -58,6 +58,18 @@ pub enum Command {
     /// Manage WebAssembly plugins.
     #[command(subcommand)]
     Plugins(PluginsCommand),
+    /// The audit trail, oldest first: who did what and when.
+    Audit {
+        /// Only this tenant's rows (and the operator-wide ones).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Rows after this id.
+        #[arg(long)]
+        after: Option<i64>,
+        /// Rows at most (1-1000).
+        #[arg(long, default_value_t = 1000)]
+        limit: i64,
+    },
     /// Start, watch and cancel runs over the HTTP API.
     Runs {
         #[command(flatten)]
@@ -199,9 +211,17 @@ pub enum PluginsCommand {
         /// The manifest (JSON): granted tools and limits.
         #[arg(long)]
         manifest: Option<PathBuf>,
+        /// The tenant that owns it (visible to and runnable by it alone);
+        /// unset: published to every tenant.
+        #[arg(long)]
+        tenant: Option<String>,
     },
-    /// List plugins: name, digest, size, manifest.
-    List,
+    /// List plugins: name, digest, size, manifest (published ones, or what
+    /// a tenant may run).
+    List {
+        #[arg(long)]
+        tenant: Option<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -212,9 +232,50 @@ pub enum TokensCommand {
         user: String,
         #[arg(long)]
         tenant: String,
+        /// May upload the tenant's plugins, manage its tokens, read its audit trail.
         #[arg(long)]
         admin: bool,
+        /// An operator-level admin (implies --admin): every tenant's tokens
+        /// and audit trail, and plugins published to every tenant.
+        #[arg(long)]
+        operator: bool,
+        /// Expires after this long (`90s`, `15m`, `12h`, `30d`); unset: never.
+        #[arg(long, value_parser = parse_duration_s)]
+        expires_in: Option<i64>,
     },
+    /// List tokens: id, user, tenant, admin, created, last used, expiry,
+    /// revoked (never a secret).
+    List {
+        /// Only this tenant's.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Revoke a token by its id: every process refuses it at once.
+    Revoke { id: uuid::Uuid },
+}
+
+/// Longest `--expires-in`: ten years.
+pub const EXPIRES_IN_MAX_S: i64 = 10 * 365 * 86_400;
+
+/// `90s`, `15m`, `12h`, `30d` (or plain seconds) as seconds, 1 s to 10 years.
+pub fn parse_duration_s(raw: &str) -> Result<i64, String> {
+    let raw = raw.trim();
+    let (digits, unit) = match raw.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => raw.split_at(i),
+        None => (raw, "s"),
+    };
+    let n: i64 = digits.parse().map_err(|_| format!("{raw:?} is not a duration like 90s, 15m, 12h or 30d"))?;
+    let unit_s = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{raw:?}: the unit must be s, m, h or d")),
+    };
+    match n.checked_mul(unit_s) {
+        Some(s) if (1..=EXPIRES_IN_MAX_S).contains(&s) => Ok(s),
+        _ => Err(format!("{raw:?} must be between 1 second and 10 years")),
+    }
 }
 
 #[derive(Debug, Clone, Args)]
@@ -343,6 +404,21 @@ pub struct WorkerArgs {
     /// Running runs one tenant may have at most, across all processes (unset: no cap).
     #[arg(long, env = "AGENT_HOST_TENANT_MAX_RUNNING")]
     pub tenant_max_running: Option<u32>,
+    /// Queued runs one tenant may have at most, across all processes; past
+    /// it an enqueue answers 429 `quota_exceeded` (unset: no quota).
+    #[arg(long, env = "AGENT_HOST_TENANT_MAX_QUEUED")]
+    pub tenant_max_queued: Option<u32>,
+    /// Enqueues per second one tenant may make, per process (a token bucket;
+    /// a burst waits up to 2 s for its tokens, then 429). Unset: no limit.
+    #[arg(long, env = "AGENT_HOST_TENANT_ENQUEUE_PER_S")]
+    pub tenant_enqueue_per_s: Option<std::num::NonZeroU32>,
+    /// The enqueue bucket's size (default: one second's worth).
+    #[arg(long, env = "AGENT_HOST_TENANT_ENQUEUE_BURST")]
+    pub tenant_enqueue_burst: Option<std::num::NonZeroU32>,
+    /// Live event streams one user may hold at most, per process; past it
+    /// 429 `quota_exceeded` (unset: only `--sse-tails-max` bounds them).
+    #[arg(long, env = "AGENT_HOST_USER_MAX_STREAMS")]
+    pub user_max_streams: Option<u32>,
     /// This process's name in claims (default: hostname-pid).
     #[arg(long, env = "AGENT_HOST_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -389,7 +465,16 @@ impl WorkerArgs {
 
     /// The operator's rules for submissions.
     pub fn policy(&self) -> crate::service::submit::Policy {
-        crate::service::submit::Policy { webhook_allow: self.completion_webhook_allow.clone() }
+        let quotas = crate::service::quota::QuotaConfig {
+            tenant_max_queued: self.tenant_max_queued,
+            tenant_enqueue_per_s: self.tenant_enqueue_per_s,
+            tenant_enqueue_burst: self.tenant_enqueue_burst,
+            user_max_streams: self.user_max_streams,
+        };
+        crate::service::submit::Policy {
+            webhook_allow: self.completion_webhook_allow.clone(),
+            quotas: crate::service::quota::Quotas::new(quotas),
+        }
     }
 }
 

@@ -3,12 +3,11 @@
 //! opened, then serves, migrates, manages tokens and plugins, or drives a
 //! running host over HTTP (`client`).
 
-use anyhow::Context;
 use clap::{CommandFactory, Parser};
 use tracing_subscriber::EnvFilter;
 
 use agent_host::client;
-use agent_host::config::{Cli, Command, PluginsCommand, TokensCommand};
+use agent_host::config::{Cli, Command, PluginsCommand};
 use agent_host::{db, server};
 
 /// Where the benchmark went when it left the host's binary.
@@ -36,19 +35,13 @@ async fn main() -> anyhow::Result<()> {
             })
             .await
         }
-        Command::Tokens(TokensCommand::Create { user, tenant, admin }) => {
-            server::with_pool(&cli.db, |pool| async move {
-                let token = db::tokens::create(&pool, &user, &tenant, admin).await.context("creating the token")?;
-                println!("{token}");
-                Ok(())
-            })
-            .await
-        }
+        Command::Tokens(command) => server::tokens(&cli.db, command).await,
+        Command::Audit { tenant, after, limit } => server::audit(&cli.db, tenant.as_deref(), after, limit).await,
         Command::Bench { .. } => Cli::command().error(clap::error::ErrorKind::InvalidSubcommand, BENCH_MOVED).exit(),
-        Command::Plugins(PluginsCommand::Add { name, file, manifest }) => {
-            server::plugins_add(&cli.db, &name, &file, manifest.as_deref()).await
+        Command::Plugins(PluginsCommand::Add { name, file, manifest, tenant }) => {
+            server::plugins_add(&cli.db, &name, &file, manifest.as_deref(), tenant.as_deref()).await
         }
-        Command::Plugins(PluginsCommand::List) => server::plugins_list(&cli.db).await,
+        Command::Plugins(PluginsCommand::List { tenant }) => server::plugins_list(&cli.db, tenant.as_deref()).await,
         Command::Runs { api, command } => client::runs(&api, command).await,
         Command::Conversations { api, command } => client::conversations(&api, command).await,
         Command::Approvals { api, command } => client::approvals(&api, command).await,

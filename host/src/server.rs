@@ -64,6 +64,8 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let hub = (!args.worker.no_hub).then(|| Hub::start(database.listen_url.clone()));
     let sandbox = crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
     let agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(tools);
+    // One policy (and so one set of quota buckets) for the API and the scheduler.
+    let policy = config.policy.clone();
     let worker = Worker::start(pool.clone(), hub.clone(), agents.clone(), config).await?;
 
     let listener =
@@ -72,7 +74,7 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let mut state = AppState::new(pool.clone(), agents, hub).with_sse_tails_max(args.sse_tails_max);
     state.keepalive = std::time::Duration::from_millis(args.sse_keepalive_ms);
     state.stats = Some(worker.observer());
-    state.policy = std::sync::Arc::new(args.worker.policy());
+    state.policy = policy;
     let app = api::router(state);
     // A line scripts and tests read to find the port.
     println!("agent-host listening on http://{addr}");
@@ -165,6 +167,7 @@ pub async fn plugins_add(
     name: &str,
     file: &std::path::Path,
     manifest: Option<&std::path::Path>,
+    tenant: Option<&str>,
 ) -> anyhow::Result<()> {
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
     let manifest: serde_json::Value = match manifest {
@@ -179,8 +182,10 @@ pub async fn plugins_add(
     with_pool(db_args, |pool| async move {
         let sandbox: Arc<dyn crate::agent::Components> =
             crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
-        let row = crate::service::plugins::register(&pool, &sandbox, name, bytes, &manifest).await?;
-        println!("{} -> {} ({} bytes)", row.name, row.digest, row.size_bytes);
+        let actor = db::audit::Actor::cli();
+        let row = crate::service::plugins::register(&pool, &sandbox, &actor, tenant, name, bytes, &manifest).await?;
+        let scope = tenant.map_or("published".to_string(), |t| format!("tenant {t}"));
+        println!("{} -> {} ({} bytes, {scope})", row.name, row.digest, row.size_bytes);
         Ok(())
     })
     .await
@@ -189,20 +194,89 @@ pub async fn plugins_add(
 /// Plugins one `plugins list` read fetches.
 const PLUGINS_LIST_PAGE: i64 = 1000;
 
-/// `plugins list`: every registered plugin, a page at a time.
-pub async fn plugins_list(db_args: &DbArgs) -> anyhow::Result<()> {
+/// `plugins list`: every published plugin (or every one `tenant` may run),
+/// a page at a time.
+pub async fn plugins_list(db_args: &DbArgs, tenant: Option<&str>) -> anyhow::Result<()> {
     with_pool(db_args, |pool| async move {
         let mut after: Option<String> = None;
         loop {
-            let page = db::plugins::list(&pool, after.as_deref(), PLUGINS_LIST_PAGE).await?;
+            let page = db::plugins::list(&pool, tenant, after.as_deref(), PLUGINS_LIST_PAGE).await?;
             for p in &page {
-                println!("{}\t{}\t{} bytes\t{}", p.name, p.digest, p.size_bytes, p.manifest);
+                let scope = p.tenant_id.as_deref().unwrap_or("published");
+                println!("{}\t{}\t{} bytes\t{scope}\t{}", p.name, p.digest, p.size_bytes, p.manifest);
             }
             match page.last() {
                 Some(last) if page.len() as i64 == PLUGINS_LIST_PAGE => after = Some(last.name.clone()),
                 _ => return Ok(()),
             }
         }
+    })
+    .await
+}
+
+/// `tokens create | list | revoke`: the operator's command line, audited
+/// as `cli`. A list never prints a secret; only `create` prints one, once.
+pub async fn tokens(db_args: &DbArgs, command: crate::config::TokensCommand) -> anyhow::Result<()> {
+    use crate::config::TokensCommand;
+    with_pool(db_args, |pool| async move {
+        let actor = db::audit::Actor::cli();
+        match command {
+            TokensCommand::Create { user, tenant, admin, operator, expires_in } => {
+                let new = db::tokens::NewToken {
+                    user_id: &user,
+                    tenant_id: &tenant,
+                    admin,
+                    operator,
+                    expires_in_s: expires_in,
+                };
+                let (info, secret) =
+                    crate::service::tokens::create(&pool, &actor, &new).await.context("creating the token")?;
+                eprintln!("token {} for {}/{}", info.id, info.tenant_id, info.user_id);
+                println!("{secret}");
+            }
+            TokensCommand::List { tenant } => {
+                println!("id\tuser\ttenant\tadmin\tcreated\tlast_used\texpires\trevoked");
+                let when = |t: Option<chrono::DateTime<chrono::Utc>>| t.map_or("-".to_string(), |t| t.to_rfc3339());
+                for t in db::tokens::list(&pool, tenant.as_deref()).await? {
+                    let role = if t.operator {
+                        "operator"
+                    } else if t.admin {
+                        "admin"
+                    } else {
+                        "no"
+                    };
+                    println!(
+                        "{}\t{}\t{}\t{role}\t{}\t{}\t{}\t{}",
+                        t.id,
+                        t.user_id,
+                        t.tenant_id,
+                        t.created_at.to_rfc3339(),
+                        when(t.last_used_at),
+                        when(t.expires_at),
+                        when(t.revoked_at)
+                    );
+                }
+            }
+            TokensCommand::Revoke { id } => {
+                match crate::service::tokens::revoke(&pool, &actor, id, db::tokens::Scope::default()).await? {
+                    Some(true) => println!("token {id} revoked"),
+                    Some(false) => println!("token {id} was already revoked"),
+                    None => anyhow::bail!("no token {id}"),
+                }
+            }
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// `audit`: the trail as JSON lines, oldest first.
+pub async fn audit(db_args: &DbArgs, tenant: Option<&str>, after: Option<i64>, limit: i64) -> anyhow::Result<()> {
+    with_pool(db_args, |pool| async move {
+        for row in db::audit::list(&pool, tenant, after, limit).await? {
+            println!("{}", serde_json::to_string(&row)?);
+        }
+        Ok(())
     })
     .await
 }

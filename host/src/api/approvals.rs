@@ -89,6 +89,10 @@ pub async fn decide(
     let d = Decision { decision: &body.decision, args: body.args.as_ref(), reason, decided_by: &p.user_id };
     match suspensions::decide(&state.pool, run, &p.user_id, call, &d).await {
         Ok(view) => {
+            // The decision and the call, never its arguments or reason (free text).
+            let detail = json!({ "call_id": call, "decision": body.decision });
+            let target = format!("{run}/{call}");
+            super::audit::record(&state, &p, crate::db::audit::action::APPROVAL_DECIDED, target, detail).await;
             Ok((StatusCode::OK, Json(json!({ "run_id": run, "status": "queued", "decision": view }))).into_response())
         }
         Err(DecideError::NotFound) => Err(ApiError::not_found(format!("approval {call} of run {run}"))),

@@ -11,6 +11,7 @@ use axum::Json;
 use serde_json::json;
 
 use crate::service::plugins::RegisterError;
+use crate::service::quota::QuotaExceeded;
 use crate::service::submit::SubmitError;
 use crate::stream::tail::{TailError, TooManyTails};
 
@@ -44,6 +45,8 @@ pub enum ErrorCode {
     Unavailable,
     /// 503: the process serves as many live streams as it may; retry after.
     TooManyStreams,
+    /// 429: past a tenant's or user's quota or rate; retry after.
+    QuotaExceeded,
 }
 
 impl ErrorCode {
@@ -61,6 +64,7 @@ impl ErrorCode {
         ErrorCode::Internal,
         ErrorCode::Unavailable,
         ErrorCode::TooManyStreams,
+        ErrorCode::QuotaExceeded,
     ];
 
     /// The wire form, stable.
@@ -79,6 +83,7 @@ impl ErrorCode {
             ErrorCode::Internal => "internal",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::TooManyStreams => "too_many_streams",
+            ErrorCode::QuotaExceeded => "quota_exceeded",
         }
     }
 
@@ -94,6 +99,7 @@ impl ErrorCode {
             ErrorCode::Invalid => StatusCode::UNPROCESSABLE_ENTITY,
             ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorCode::Unavailable | ErrorCode::TooManyStreams => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 }
@@ -212,6 +218,7 @@ impl From<SubmitError> for ApiError {
             SubmitError::ConversationNotFound(_) => ApiError::new(ErrorCode::NotFound, message),
             SubmitError::IdempotencyKeyReused { .. } => ApiError::new(ErrorCode::IdempotencyKeyReused, message),
             SubmitError::IdempotencyKeyInUse => ApiError::conflict(message),
+            SubmitError::Quota(q) => q.into(),
             SubmitError::Db(e) => e.into(),
         }
     }
@@ -237,6 +244,12 @@ impl From<TailError> for ApiError {
         match e {
             TailError::Db(e) => e.into(),
         }
+    }
+}
+
+impl From<QuotaExceeded> for ApiError {
+    fn from(q: QuotaExceeded) -> Self {
+        ApiError { code: ErrorCode::QuotaExceeded, message: q.message, retry_after_s: Some(q.retry_after_s) }
     }
 }
 

@@ -1,4 +1,5 @@
-//! What every handler extracts, written once: the caller ([`Auth`]), a JSON
+//! What every handler extracts, written once: the caller ([`Auth`], or an
+//! admin: [`Admin`]), a JSON
 //! body and a query with the API's error shape ([`ApiJson`], [`ApiQuery`]),
 //! an id in the path ([`PathId`]: 400 naming what is not a UUID), and the
 //! one not-found answer ([`OrNotFound`]: 404, the same for a missing object
@@ -10,7 +11,7 @@ use axum::extract::{FromRef, FromRequest, FromRequestParts, Path, Query, Request
 use axum::http::request::Parts;
 use axum::Json;
 
-use crate::db::tokens::{self, Principal};
+use crate::db::tokens::{self, Principal, TokenId};
 use crate::db::{ConversationId, RunId};
 
 use super::{ApiError, AppState};
@@ -18,7 +19,12 @@ use super::{ApiError, AppState};
 /// Bytes of a bearer token.
 const TOKEN_BYTES_MAX: usize = 200;
 
-/// The caller, from `Authorization: Bearer <token>`.
+/// The caller, from `Authorization: Bearer <token>`, or on a run's event
+/// stream (only there) from `?ticket=`: a short-lived ticket for that run
+/// alone, minted by `POST /v1/runs/{id}/stream-ticket`, since a browser's
+/// EventSource cannot send headers. A long-lived token is never taken from
+/// a URL (`?access_token=` is refused). Every request reads the token's row:
+/// a revoked or expired one is refused by every process at once.
 pub struct Auth(pub Principal);
 
 impl<S> FromRequestParts<S> for Auth
@@ -30,26 +36,67 @@ where
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         let state = AppState::from_ref(state);
-        let token = match parts.headers.get(axum::http::header::AUTHORIZATION) {
-            Some(header) => header.to_str().ok().and_then(|h| h.strip_prefix("Bearer ")).map(str::trim),
-            // A browser's EventSource cannot set headers: a run's stream
-            // (only that route) also takes the token as `access_token`.
-            None if parts.uri.path().ends_with("/events") => stream_token(parts.uri.query()),
-            None => return Err(ApiError::unauthenticated("missing Authorization: Bearer <token>")),
-        };
-        let token = token
+        let query = parts.uri.query();
+        if query_param(query, "access_token").is_some() {
+            return Err(ApiError::unauthenticated(
+                "a token in a URL is refused; send Authorization: Bearer <token>, or for an EventSource a stream \
+                 ticket (POST /v1/runs/{id}/stream-ticket, then ?ticket=)",
+            ));
+        }
+        let header = parts.headers.get(axum::http::header::AUTHORIZATION);
+        if header.is_none() {
+            if let (Some(ticket), Some(run)) = (query_param(query, "ticket"), stream_run(parts.uri.path())) {
+                let ticket = Some(ticket)
+                    .filter(|t| !t.is_empty() && t.len() <= TOKEN_BYTES_MAX)
+                    .ok_or_else(|| ApiError::unauthenticated("malformed stream ticket"))?;
+                return match tokens::authenticate_ticket(&state.pool, ticket, run).await? {
+                    Some(p) => Ok(Auth(p)),
+                    None => Err(ApiError::unauthenticated("unknown or expired stream ticket for this run")),
+                };
+            }
+            return Err(ApiError::unauthenticated("missing Authorization: Bearer <token>"));
+        }
+        let token = header
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| h.strip_prefix("Bearer "))
+            .map(str::trim)
             .filter(|t| !t.is_empty() && t.len() <= TOKEN_BYTES_MAX)
             .ok_or_else(|| ApiError::unauthenticated("Authorization must be `Bearer <token>`"))?;
         match tokens::authenticate(&state.pool, token).await? {
             Some(p) => Ok(Auth(p)),
-            None => Err(ApiError::unauthenticated("unknown token")),
+            None => Err(ApiError::unauthenticated("unknown, expired or revoked token")),
         }
     }
 }
 
-/// The `access_token` query parameter (tokens are URL-safe: `ah_` and hex).
-fn stream_token(query: Option<&str>) -> Option<&str> {
-    query?.split('&').find_map(|pair| pair.strip_prefix("access_token="))
+/// A query parameter's raw value (tickets and tokens are URL-safe: a
+/// prefix and hex).
+fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
+    query?.split('&').find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
+}
+
+/// The run of `/v1/runs/{id}/events`, the one route a ticket opens.
+fn stream_run(path: &str) -> Option<RunId> {
+    path.strip_prefix("/v1/runs/")?.strip_suffix("/events")?.parse().ok()
+}
+
+/// An admin of some tenant, or refused (403).
+pub struct Admin(pub Principal);
+
+impl<S> FromRequestParts<S> for Admin
+where
+    AppState: FromRef<S>,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let Auth(p) = Auth::from_request_parts(parts, state).await?;
+        if !p.admin {
+            return Err(ApiError::forbidden("this needs an admin token"));
+        }
+        Ok(Admin(p))
+    }
 }
 
 /// An axum extractor whose rejections use the API's error shape: the
@@ -94,6 +141,10 @@ impl Resource for RunId {
 
 impl Resource for ConversationId {
     const NAME: &'static str = "conversation";
+}
+
+impl Resource for TokenId {
+    const NAME: &'static str = "token";
 }
 
 /// The `{id}` of a path, parsed: a malformed one is a 400 that names what

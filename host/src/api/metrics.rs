@@ -33,6 +33,19 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
         pending as f64,
     );
     e.gauge("agent_host_oldest_queued_age_seconds", "Age of the oldest queued run.", oldest);
+    let refusals: Vec<(String, f64)> = state
+        .policy
+        .quotas
+        .refusals()
+        .into_iter()
+        .map(|(tenant, limit, n)| (format!("tenant=\"{}\",limit=\"{limit}\"", label_value(&tenant)), n as f64))
+        .collect();
+    e.labelled(
+        "agent_host_quota_refusals_total",
+        "counter",
+        "Requests this process refused (429) past a tenant's quota or rate, or a user's stream bound.",
+        &refusals,
+    );
     if let Some(stats) = &state.stats {
         let w = &stats.worker;
         e.gauge("agent_host_runs_in_flight", "Runs this process is executing.", stats.in_flight() as f64);

@@ -5,6 +5,7 @@
 //! and encode; errors are one type with one enum of codes (`error`).
 
 mod approvals;
+mod audit;
 mod conversations;
 mod error;
 mod events;
@@ -16,6 +17,7 @@ mod responses;
 mod routes;
 mod runs;
 mod schedules;
+mod tokens;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +30,7 @@ use serde_json::json;
 use sqlx::PgPool;
 
 pub use error::{ApiError, ErrorCode};
-pub use extract::{ApiJson, ApiQuery, Auth, OrNotFound, PathId, Resource};
+pub use extract::{Admin, ApiJson, ApiQuery, Auth, OrNotFound, PathId, Resource};
 pub use routes::{openapi, Route, ROUTES};
 
 use crate::agent::AgentRegistry;

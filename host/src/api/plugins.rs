@@ -1,4 +1,6 @@
-//! Plugin upload (admins, through `service::plugins`) and the paged listing.
+//! Plugin upload (admins for their tenant, operators to every tenant,
+//! through `service::plugins`) and the paged listing of what the caller
+//! may run.
 
 use axum::extract::{Multipart, State};
 use axum::http::StatusCode;
@@ -7,6 +9,7 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use crate::db;
+use crate::db::audit::Actor;
 use crate::service::plugins::{self as registry, COMPONENT_BYTES_MAX};
 
 use super::paging::PageQuery;
@@ -27,7 +30,7 @@ pub async fn upload(
         return Err(ApiError::forbidden("uploading plugins needs an admin token"));
     }
     let sandbox = state.agents.sandbox().cloned().ok_or_else(|| ApiError::unavailable("this host runs no sandbox"))?;
-    let (mut name, mut component, mut manifest) = (None, None, None);
+    let (mut name, mut component, mut manifest, mut published) = (None, None, None, false);
     while let Some(field) =
         form.next_field().await.map_err(|e| ApiError::bad_request(format!("malformed multipart body: {e}")))?
     {
@@ -44,12 +47,23 @@ pub async fn upload(
         match field_name.as_str() {
             "name" => name = Some(String::from_utf8_lossy(&bytes).trim().to_string()),
             "component" => component = Some(bytes),
+            "published" => {
+                published = match String::from_utf8_lossy(&bytes).trim() {
+                    "true" => true,
+                    "false" => false,
+                    other => return Err(ApiError::invalid(format!("published must be true or false, not {other:?}"))),
+                }
+            }
             "manifest" => {
                 let v: Value = serde_json::from_slice(&bytes)
                     .map_err(|e| ApiError::invalid(format!("manifest is not JSON: {e}")))?;
                 manifest = Some(v);
             }
-            other => return Err(ApiError::invalid(format!("unknown field {other:?}; send name, component, manifest"))),
+            other => {
+                return Err(ApiError::invalid(format!(
+                    "unknown field {other:?}; send name, component, manifest, published"
+                )))
+            }
         }
     }
     let name = name.ok_or_else(|| ApiError::invalid("missing field `name`"))?;
@@ -57,26 +71,36 @@ pub async fn upload(
     // Name and manifest first: their refusals do not wait for the component.
     registry::check(&name, &manifest)?;
     let component = component.ok_or_else(|| ApiError::invalid("missing field `component` (the .wasm file)"))?;
-    let row = registry::register(&state.pool, &sandbox, &name, component.into(), &manifest).await?;
-    Ok((StatusCode::CREATED, Json(json!({ "name": row.name, "digest": row.digest, "manifest": row.manifest }))))
+    // A tenant's admin uploads for its tenant alone; only an operator publishes.
+    if published && !p.operator {
+        return Err(ApiError::forbidden("publishing a plugin to every tenant needs an operator token"));
+    }
+    let tenant = (!published).then_some(p.tenant_id.as_str());
+    let actor = Actor::from(&p);
+    let row = registry::register(&state.pool, &sandbox, &actor, tenant, &name, component.into(), &manifest).await?;
+    let body = json!({ "name": row.name, "digest": row.digest, "manifest": row.manifest, "tenant_id": row.tenant_id,
+                       "published": row.tenant_id.is_none() });
+    Ok((StatusCode::CREATED, Json(body)))
 }
 
-/// `GET /v1/plugins?limit&after`: registered plugins and the built-in
-/// agents whose names no plugin took, one list in byte order of the name
-/// (the cursor is the last name).
+/// `GET /v1/plugins?limit&after`: the plugins the caller's tenant may run
+/// (its own, then published ones; one per name) and the built-in agents
+/// whose names no plugin took, one list in byte order of the name (the
+/// cursor is the last name).
 pub async fn list(
     State(state): State<AppState>,
-    Auth(_): Auth,
+    Auth(p): Auth,
     ApiQuery(q): ApiQuery<PageQuery>,
 ) -> Result<impl IntoResponse, ApiError> {
     let page = q.page(PLUGINS_PAGE_DEFAULT)?;
     let after = page.after.as_deref();
-    let rows = db::plugins::list(&state.pool, after, page.fetch()).await?;
+    let rows = db::plugins::list(&state.pool, Some(&p.tenant_id), after, page.fetch()).await?;
     let mut plugins: Vec<(String, Value)> = rows
         .into_iter()
         .map(|p| {
             let v = json!({ "name": p.name, "digest": p.digest, "manifest": p.manifest,
-                            "size_bytes": p.size_bytes, "updated_at": p.updated_at, "builtin": false });
+                            "size_bytes": p.size_bytes, "updated_at": p.updated_at, "tenant_id": p.tenant_id,
+                            "builtin": false });
             (p.name, v)
         })
         .collect();

@@ -5,7 +5,9 @@ use axum::routing::{delete, get, post, MethodRouter};
 use serde_json::{json, Map, Value};
 
 use super::paging::LIMIT_MAX;
-use super::{approvals, conversations, events, metrics, plugins, responses, runs, schedules, AppState, ErrorCode};
+use super::{
+    approvals, audit, conversations, events, metrics, plugins, responses, runs, schedules, tokens, AppState, ErrorCode,
+};
 
 /// Builds a JSON schema.
 pub type Schema = fn() -> Value;
@@ -93,11 +95,45 @@ fn plugin_form() -> Value {
     json!({ "type": "object", "required": ["name", "component"], "properties": {
         "name": { "type": "string" },
         "component": { "type": "string", "format": "binary" },
-        "manifest": { "type": "string", "description": "JSON: {tools, limits}" } } })
+        "manifest": { "type": "string", "description": "JSON: {tools, limits}" },
+        "published": { "type": "string", "enum": ["true", "false"],
+            "description": "operator tokens only: publish to every tenant (default: the caller's tenant alone)" } } })
 }
 
-/// The console: one page, no build step, shipped inside the binary.
+fn token_body() -> Value {
+    json!({ "type": "object", "required": ["user_id"], "additionalProperties": false, "properties": {
+        "user_id": { "type": "string", "minLength": 1, "maxLength": 200 },
+        "tenant_id": { "type": "string", "description": "default: the caller's; only an operator names another" },
+        "admin": { "type": "boolean" },
+        "operator": { "type": "boolean", "description": "operator tokens only" },
+        "expires_in_s": { "type": "integer", "minimum": 1, "maximum": 315360000 } } })
+}
+
+/// The console's policy: its own files only, no inline script, no framing.
+pub const CONSOLE_CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
+                               img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+/// One of the console's files with its type and the policy.
+fn console_file(content_type: &'static str, body: &'static str) -> MethodRouter<AppState> {
+    use axum::http::header;
+    get(move || async move {
+        (
+            [
+                (header::CONTENT_TYPE, content_type),
+                (header::CONTENT_SECURITY_POLICY, CONSOLE_CSP),
+                (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+                (header::REFERRER_POLICY, "no-referrer"),
+            ],
+            body,
+        )
+    })
+}
+
+/// The console: one page, its script and its style, no build step, shipped
+/// inside the binary.
 const CONSOLE_HTML: &str = include_str!("console.html");
+const CONSOLE_JS: &str = include_str!("console.js");
+const CONSOLE_CSS: &str = include_str!("console.css");
 
 pub const ROUTES: &[Route] = &[
     Route {
@@ -106,7 +142,7 @@ pub const ROUTES: &[Route] = &[
         summary: "Enqueue a run (creates the conversation when absent); optional Idempotency-Key",
         auth: true,
         ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
-        errors: &[400, 404, 409, 413, 415, 422],
+        errors: &[400, 404, 409, 413, 415, 422, 429],
         query: &[],
         body: Some(("application/json", run_body)),
         handler: || post(runs::create_run),
@@ -134,10 +170,15 @@ pub const ROUTES: &[Route] = &[
                   SSE stream that ends at once); 503 too_many_streams with Retry-After past the process's bound",
         auth: true,
         ok: (200, "SSE frames, or {events, next_from, terminal}"),
-        errors: &[400, 404, 503],
+        errors: &[400, 404, 429, 503],
         query: &[
             ("from", "integer", "the last seq seen (default 0); Last-Event-ID, when sent, wins"),
-            ("access_token", "string", "the bearer token, for an EventSource (which cannot send headers)"),
+            (
+                "ticket",
+                "string",
+                "a stream ticket for this run (POST /v1/runs/{id}/stream-ticket), for an \
+                                  EventSource (which cannot send headers); a token in the URL is refused",
+            ),
         ],
         body: None,
         handler: || get(events::events),
@@ -380,7 +421,7 @@ pub const ROUTES: &[Route] = &[
         summary: "Enqueue the conversation's next turn; optional Idempotency-Key",
         auth: true,
         ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
-        errors: &[400, 404, 409, 413, 415, 422],
+        errors: &[400, 404, 409, 413, 415, 422, 429],
         query: &[],
         body: Some(("application/json", turn_body)),
         handler: || post(runs::create_run_in_conversation),
@@ -399,9 +440,10 @@ pub const ROUTES: &[Route] = &[
     Route {
         method: "get",
         path: "/v1/plugins",
-        summary: "Registered plugins and built-in agents, by name, 100 a page unless ?limit says otherwise",
+        summary: "The plugins the caller may run (its tenant's, then published ones) and built-in agents, by name, \
+                  100 a page unless ?limit says otherwise",
         auth: true,
-        ok: (200, "{plugins: [{name, digest, manifest, size_bytes, updated_at, builtin}], next_cursor}"),
+        ok: (200, "{plugins: [{name, digest, manifest, size_bytes, updated_at, tenant_id, builtin}], next_cursor}"),
         errors: &[400],
         query: PAGING,
         body: None,
@@ -410,7 +452,8 @@ pub const ROUTES: &[Route] = &[
     Route {
         method: "post",
         path: "/v1/plugins",
-        summary: "Register a WebAssembly component under a name (admin tokens only)",
+        summary: "Register a WebAssembly component under a name in the caller's tenant (admin tokens only), or \
+                  published to every tenant (operator tokens, published=true)",
         auth: true,
         ok: (201, "{name, digest, manifest}"),
         errors: &[400, 403, 413, 415, 422],
@@ -420,6 +463,73 @@ pub const ROUTES: &[Route] = &[
             post(plugins::upload)
                 .layer(axum::extract::DefaultBodyLimit::max(crate::service::plugins::COMPONENT_BYTES_MAX + 64 * 1024))
         },
+    },
+    Route {
+        method: "post",
+        path: "/v1/runs/{id}/stream-ticket",
+        summary: "A short-lived ticket that opens this run's event stream alone (?ticket=), so no token rides in a URL",
+        auth: true,
+        ok: (201, "{ticket, expires_at, url}"),
+        errors: &[400, 404],
+        query: &[],
+        body: None,
+        handler: || post(tokens::stream_ticket),
+    },
+    Route {
+        method: "get",
+        path: "/v1/tokens",
+        summary: "Tokens (admins: their tenant's; operators: all): id, user, tenant, admin, created, last used, \
+                  expiry, revoked; never a secret",
+        auth: true,
+        ok: (
+            200,
+            "{tokens: [{id, user_id, tenant_id, admin, operator, created_at, last_used_at, expires_at, revoked_at}]}",
+        ),
+        errors: &[403],
+        query: &[],
+        body: None,
+        handler: || get(tokens::list),
+    },
+    Route {
+        method: "post",
+        path: "/v1/tokens",
+        summary: "Create a token (admins: in their tenant; operators: anywhere); the secret is shown this once",
+        auth: true,
+        ok: (201, "{id, user_id, tenant_id, admin, operator, created_at, expires_at, token}"),
+        errors: &[400, 403, 415, 422],
+        query: &[],
+        body: Some(("application/json", token_body)),
+        handler: || post(tokens::create),
+    },
+    Route {
+        method: "post",
+        path: "/v1/tokens/{id}/revoke",
+        summary: "Revoke a token (operators: any; admins: their tenant's; others: their own): every process refuses \
+                  it at once, and its open streams end within a keepalive",
+        auth: true,
+        ok: (200, "{id, revoked: true}"),
+        errors: &[400, 404],
+        query: &[],
+        body: None,
+        handler: || post(tokens::revoke),
+    },
+    Route {
+        method: "get",
+        path: "/v1/audit",
+        summary: "The audit trail, oldest first (admins: their tenant's and operator-wide rows; operators: all)",
+        auth: true,
+        ok: (
+            200,
+            "{events: [{id, at, actor_user, actor_tenant, actor_token, tenant_id, action, target, detail}], \
+                   next_cursor}",
+        ),
+        errors: &[400, 403],
+        query: &[
+            ("limit", "integer", "1-1000 (default 1000)"),
+            ("after", "integer", "the next_cursor of the previous page"),
+        ],
+        body: None,
+        handler: || get(audit::list),
     },
     Route {
         method: "get",
@@ -463,7 +573,29 @@ pub const ROUTES: &[Route] = &[
         errors: &[],
         query: &[],
         body: None,
-        handler: || get(|| async { axum::response::Html(CONSOLE_HTML) }),
+        handler: || console_file("text/html; charset=utf-8", CONSOLE_HTML),
+    },
+    Route {
+        method: "get",
+        path: "/console.js",
+        summary: "The console's script",
+        auth: false,
+        ok: (200, "text/javascript"),
+        errors: &[],
+        query: &[],
+        body: None,
+        handler: || console_file("text/javascript; charset=utf-8", CONSOLE_JS),
+    },
+    Route {
+        method: "get",
+        path: "/console.css",
+        summary: "The console's style",
+        auth: false,
+        ok: (200, "text/css"),
+        errors: &[],
+        query: &[],
+        body: None,
+        handler: || console_file("text/css; charset=utf-8", CONSOLE_CSS),
     },
     Route {
         method: "get",
@@ -486,6 +618,7 @@ fn reason(status: u16) -> &'static str {
         400 => "malformed body or id",
         401 => "no or unknown token",
         403 => "not allowed",
+        429 => "past a quota or rate limit (see Retry-After)",
         404 => "unknown, or someone else's",
         409 => "conflict",
         413 => "too large",

@@ -14,7 +14,8 @@ use crate::db::tokens::Principal;
 use crate::db::{ConversationId, RunId, RunStatus};
 use crate::service::submit::{self, Busy, Submission};
 
-use super::{ApiError, ApiJson, AppState, Auth, OrNotFound, PathId};
+use super::{audit, ApiError, ApiJson, AppState, Auth, OrNotFound, PathId};
+use crate::db::audit::action;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -105,6 +106,10 @@ pub async fn cancel_run(
     id: PathId<RunId>,
 ) -> Result<impl IntoResponse, ApiError> {
     let done = lifecycle::cancel(&state.pool, id.0, &p.user_id).await?.or_not_found(id)?;
+    // A cancel that changed something is audited; a repeat on an ended run is not.
+    if !matches!(done, Cancelled::Terminal(..)) {
+        audit::record(&state, &p, action::RUN_CANCELLED, id.0, json!({})).await;
+    }
     let (code, status, cancel_requested) = match done {
         Cancelled::Queued | Cancelled::Waiting => {
             state.record_ended(1);
@@ -124,7 +129,10 @@ pub async fn retry_run(
     id: PathId<RunId>,
 ) -> Result<impl IntoResponse, ApiError> {
     match lifecycle::retry(&state.pool, id.0, &p.user_id).await {
-        Ok(enqueued) => Ok((StatusCode::ACCEPTED, Json(enqueued))),
+        Ok(enqueued) => {
+            audit::record(&state, &p, action::RUN_RETRIED, id.0, json!({ "new_run_id": enqueued.run_id })).await;
+            Ok((StatusCode::ACCEPTED, Json(enqueued)))
+        }
         Err(RetryError::NotFound) => Err(ApiError::not_found(id)),
         Err(RetryError::Conflict(m)) => Err(ApiError::conflict(m)),
         Err(RetryError::Db(e)) => Err(e.into()),

@@ -62,6 +62,8 @@ pub async fn create(
         webhook: b.webhook,
     };
     let created = service::create(&state.pool, &state.agents, &state.policy, &r).await?;
+    let detail = json!({ "plugin": r.plugin, "cron": r.cron, "timezone": r.timezone });
+    super::audit::record(&state, &p, crate::db::audit::action::SCHEDULE_CREATED, created.id, detail).await;
     Ok((StatusCode::CREATED, Json(created)))
 }
 
@@ -113,5 +115,6 @@ pub async fn delete(
     if !schedules::delete(&state.pool, id, &p.user_id).await? {
         return Err(ApiError::not_found(format!("schedule {id}")));
     }
+    super::audit::record(&state, &p, crate::db::audit::action::SCHEDULE_DELETED, id, json!({})).await;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -719,6 +719,9 @@ pub enum StrategyError {
     Busy(RunId),
     #[error(transparent)]
     Enqueue(#[from] super::enqueue::EnqueueError),
+    /// The tenant has `max` queued runs, its quota; nothing was written.
+    #[error("the tenant has {max} queued runs, its quota")]
+    QueueFull { max: u32 },
 }
 
 impl From<sqlx::Error> for StrategyError {
@@ -734,12 +737,14 @@ pub async fn enqueue_with(
     pool: &PgPool,
     new: &super::enqueue::NewRun<'_>,
     strategy: Busy,
+    tenant_max_queued: Option<u32>,
 ) -> Result<Enqueued, StrategyError> {
     let mut tx = pool.begin().await?;
     // A retry of a request already enqueued is answered as its first was
     // (the enqueue below hits the key): the strategy must not refuse or
     // stop its own run.
     let mut strategy = strategy;
+    let mut replay = false;
     if let Some(key) = new.idempotency_key {
         let used: bool =
             sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM agent_run WHERE owner_id = $1 AND idempotency_key = $2)")
@@ -750,6 +755,7 @@ pub async fn enqueue_with(
         if used {
             strategy = Busy::Enqueue;
         }
+        replay = used;
     }
     if let (Some(conversation), Busy::Reject | Busy::Interrupt) = (new.conversation_id, strategy) {
         let owned: Option<bool> = sqlx::query_scalar("SELECT owner_id = $2 FROM conversation WHERE id = $1 FOR UPDATE")
@@ -773,6 +779,24 @@ pub async fn enqueue_with(
             }
         } else {
             stop_in(&mut tx, conversation).await?;
+        }
+    }
+    // The tenant's queue quota: counted under a per-tenant lock held to the
+    // commit, so concurrent enqueues (in any process) cannot both take the
+    // last place; a refusal rolls back, writing nothing. A replay is
+    // answered as its first request was.
+    if let (Some(max), false) = (tenant_max_queued, replay) {
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('agent_run.queued:' || $1, 0))")
+            .bind(&new.owner.tenant_id)
+            .execute(&mut *tx)
+            .await?;
+        let queued: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE tenant_id = $1 AND status = 'queued'")
+                .bind(&new.owner.tenant_id)
+                .fetch_one(&mut *tx)
+                .await?;
+        if queued >= i64::from(max) {
+            return Err(StrategyError::QueueFull { max });
         }
     }
     let enqueued = super::enqueue::enqueue_in(&mut tx, new).await?;

@@ -20,11 +20,13 @@
 //! - [`runs`]: run reads as clients see them; [`responses`]: the Responses
 //!   API's reads of a run and its deletion mark.
 //! - [`plugins`]: content-addressed components and the names pointing at them.
-//! - [`tokens`]: bearer tokens.
+//! - [`tokens`]: bearer tokens (expiry, revocation) and stream tickets.
+//! - [`audit`]: the append-only audit trail.
 //! - [`webhooks`]: the completion-webhook outbox; [`schedules`]: cron
 //!   schedules and their firings.
 //! - [`cluster`]: the private PostgreSQL cluster; [`bench`]: the benchmark's SQL.
 
+pub mod audit;
 pub mod calls;
 pub mod cluster;
 pub mod conversations;
@@ -88,6 +90,10 @@ typed_id!(
 typed_id!(
     /// Identity of a transcript message.
     MessageId
+);
+typed_id!(
+    /// Identity of an API token (never its secret).
+    TokenId
 );
 typed_id!(
     /// The fence: stamped by the claim, presented by every worker write. A

@@ -1,11 +1,15 @@
 //! The plugin registry: content-addressed components and the names that
-//! point at them.
+//! point at them. A name belongs to a tenant (visible to and runnable by it
+//! alone) or is published to every tenant; a name resolves to the caller's
+//! tenant's plugin first, then a published one.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use serde_json::Value;
+use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use sqlx::{PgExecutor, PgPool};
+
+use super::audit::{self, action, Actor};
 
 /// A plugin name: 1-63 of a-z, 0-9, `_`, `-`, starting with a letter (the
 /// schema checks the same).
@@ -28,11 +32,40 @@ pub struct PluginRow {
     pub manifest: Value,
     pub size_bytes: i32,
     pub updated_at: DateTime<Utc>,
+    /// The tenant that owns it; `None`: published to every tenant.
+    pub tenant_id: Option<String>,
 }
 
-/// Stores the component (once per digest) and points `name` at it with
-/// `manifest`, in one transaction.
+const COLUMNS: &str = "p.name, p.digest, p.manifest, c.size_bytes, p.updated_at, p.tenant_id";
+
+/// Stores the component (once per digest) and publishes `name` (every
+/// tenant may run it) pointing at it with `manifest`, in one transaction.
+/// Unaudited: for setup by the library's users; the APIs call [`put_as`].
 pub async fn put(pool: &PgPool, name: &str, bytes: &[u8], manifest: &Value) -> Result<PluginRow, sqlx::Error> {
+    put_in(pool, None, name, bytes, manifest, None).await
+}
+
+/// [`put`] for `tenant` (`None`: published), with the audit row of `actor`
+/// (uploaded, re-pointed or published) in the same transaction.
+pub async fn put_as(
+    pool: &PgPool,
+    actor: &Actor,
+    tenant: Option<&str>,
+    name: &str,
+    bytes: &[u8],
+    manifest: &Value,
+) -> Result<PluginRow, sqlx::Error> {
+    put_in(pool, tenant, name, bytes, manifest, Some(actor)).await
+}
+
+async fn put_in(
+    pool: &PgPool,
+    tenant: Option<&str>,
+    name: &str,
+    bytes: &[u8],
+    manifest: &Value,
+    actor: Option<&Actor>,
+) -> Result<PluginRow, sqlx::Error> {
     let digest = digest_of(bytes);
     let mut tx = pool.begin().await?;
     sqlx::query(
@@ -44,42 +77,93 @@ pub async fn put(pool: &PgPool, name: &str, bytes: &[u8], manifest: &Value) -> R
     .bind(bytes.len() as i32)
     .execute(&mut *tx)
     .await?;
-    sqlx::query(
-        "INSERT INTO plugin (name, digest, manifest) VALUES ($1, $2, $3)
-         ON CONFLICT (name) DO UPDATE SET digest = excluded.digest, manifest = excluded.manifest, updated_at = now()",
+    // The name's row in this scope, locked: what it pointed at before.
+    let previous: Option<String> = sqlx::query_scalar(
+        "SELECT digest FROM plugin WHERE name = $1 AND tenant_id IS NOT DISTINCT FROM $2 FOR UPDATE",
     )
     .bind(name)
-    .bind(&digest)
-    .bind(manifest)
-    .execute(&mut *tx)
+    .bind(tenant)
+    .fetch_optional(&mut *tx)
     .await?;
-    let row = get(&mut *tx, name).await?.expect("just written");
+    // Each scope's own unique index (a partial one) is the conflict target.
+    let upsert = if tenant.is_some() {
+        "INSERT INTO plugin (name, digest, manifest, tenant_id) VALUES ($1, $2, $3, $4)
+         ON CONFLICT (tenant_id, name) WHERE tenant_id IS NOT NULL
+         DO UPDATE SET digest = excluded.digest, manifest = excluded.manifest, updated_at = now()"
+    } else {
+        "INSERT INTO plugin (name, digest, manifest, tenant_id) VALUES ($1, $2, $3, $4)
+         ON CONFLICT (name) WHERE tenant_id IS NULL
+         DO UPDATE SET digest = excluded.digest, manifest = excluded.manifest, updated_at = now()"
+    };
+    sqlx::query(upsert).bind(name).bind(&digest).bind(manifest).bind(tenant).execute(&mut *tx).await?;
+    if let Some(actor) = actor {
+        let what = match (&previous, tenant) {
+            (Some(_), _) => action::PLUGIN_REPOINTED,
+            (None, None) => action::PLUGIN_PUBLISHED,
+            (None, Some(_)) => action::PLUGIN_UPLOADED,
+        };
+        let detail = json!({ "digest": digest, "previous_digest": previous, "published": tenant.is_none() });
+        audit::record(&mut *tx, actor, what, tenant, name, detail).await?;
+    }
+    let row: PluginRow = sqlx::query_as(&format!(
+        "SELECT {COLUMNS} FROM plugin p JOIN plugin_component c ON c.digest = p.digest
+         WHERE p.name = $1 AND p.tenant_id IS NOT DISTINCT FROM $2"
+    ))
+    .bind(name)
+    .bind(tenant)
+    .fetch_one(&mut *tx)
+    .await?;
     tx.commit().await?;
     Ok(row)
 }
 
+/// The published plugin `name`.
 pub async fn get(db: impl PgExecutor<'_>, name: &str) -> Result<Option<PluginRow>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT p.name, p.digest, p.manifest, c.size_bytes, p.updated_at
-         FROM plugin p JOIN plugin_component c ON c.digest = p.digest WHERE p.name = $1",
-    )
+    sqlx::query_as(&format!(
+        "SELECT {COLUMNS} FROM plugin p JOIN plugin_component c ON c.digest = p.digest
+         WHERE p.name = $1 AND p.tenant_id IS NULL"
+    ))
     .bind(name)
     .fetch_optional(db)
     .await
 }
 
-/// Registered plugins in byte order of their names (`COLLATE "C"`, so
-/// callers can merge them with other names), at most `limit`, after the
-/// name `after` when given.
-pub async fn list(db: impl PgExecutor<'_>, after: Option<&str>, limit: i64) -> Result<Vec<PluginRow>, sqlx::Error> {
-    sqlx::query_as(
-        r#"SELECT p.name, p.digest, p.manifest, c.size_bytes, p.updated_at
-           FROM plugin p JOIN plugin_component c ON c.digest = p.digest
-           WHERE $1::text IS NULL OR p.name COLLATE "C" > $1
-           ORDER BY p.name COLLATE "C" LIMIT $2"#,
-    )
+/// What `name` resolves to for `tenant`: the tenant's own plugin first,
+/// then a published one. Another tenant's private plugin is not there.
+pub async fn resolve(db: impl PgExecutor<'_>, tenant: &str, name: &str) -> Result<Option<PluginRow>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "SELECT {COLUMNS} FROM plugin p JOIN plugin_component c ON c.digest = p.digest
+         WHERE p.name = $1 AND (p.tenant_id = $2 OR p.tenant_id IS NULL)
+         ORDER BY p.tenant_id IS NULL LIMIT 1"
+    ))
+    .bind(name)
+    .bind(tenant)
+    .fetch_optional(db)
+    .await
+}
+
+/// Plugins in byte order of their names (`COLLATE "C"`, so callers can
+/// merge them with other names), at most `limit`, after the name `after`
+/// when given: what `tenant` may run (one per name, its own before a
+/// published one), or with `None` the published ones only.
+pub async fn list(
+    db: impl PgExecutor<'_>,
+    tenant: Option<&str>,
+    after: Option<&str>,
+    limit: i64,
+) -> Result<Vec<PluginRow>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        r#"SELECT * FROM (
+             SELECT DISTINCT ON (p.name COLLATE "C") {COLUMNS}
+             FROM plugin p JOIN plugin_component c ON c.digest = p.digest
+             WHERE ($1::text IS NULL OR p.name COLLATE "C" > $1)
+               AND (p.tenant_id IS NULL OR p.tenant_id = $3)
+             ORDER BY p.name COLLATE "C", p.tenant_id IS NULL
+           ) v ORDER BY v.name COLLATE "C" LIMIT $2"#
+    ))
     .bind(after)
     .bind(limit)
+    .bind(tenant)
     .fetch_all(db)
     .await
 }

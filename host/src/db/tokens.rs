@@ -1,8 +1,18 @@
-//! Bearer tokens: the secret is shown once at creation; only its sha256 is stored.
+//! Bearer tokens and stream tickets: the secret is shown once at creation;
+//! only its sha256 is stored. A token may expire and may be revoked; every
+//! request reads the row (no cache), so a revocation holds in every process
+//! at once. A stream ticket is a short-lived, run-scoped secret an
+//! `EventSource` presents instead of the token (it cannot send headers).
 
+use chrono::{DateTime, Utc};
 use rand::RngCore;
+use serde::Serialize;
 use sha2::{Digest, Sha256};
 use sqlx::PgExecutor;
+use uuid::Uuid;
+
+use super::RunId;
+pub use super::TokenId;
 
 /// Who a valid token speaks for.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
@@ -10,36 +20,208 @@ pub struct Principal {
     pub user_id: String,
     pub tenant_id: String,
     pub admin: bool,
+    /// An operator-level admin: every tenant's tokens, published plugins.
+    pub operator: bool,
+    /// The token's id (never its secret).
+    pub token_id: Uuid,
 }
+
+/// What `tokens list` shows of a token: never its secret.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct TokenInfo {
+    pub id: Uuid,
+    pub user_id: String,
+    pub tenant_id: String,
+    pub admin: bool,
+    pub operator: bool,
+    pub created_at: DateTime<Utc>,
+    pub last_used_at: Option<DateTime<Utc>>,
+    pub expires_at: Option<DateTime<Utc>>,
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+/// A token to create.
+#[derive(Debug, Clone, Default)]
+pub struct NewToken<'a> {
+    pub user_id: &'a str,
+    pub tenant_id: &'a str,
+    pub admin: bool,
+    pub operator: bool,
+    /// Seconds until it expires; `None`: never.
+    pub expires_in_s: Option<i64>,
+}
+
+/// Seconds a stream ticket is good for.
+pub const TICKET_TTL_S: i64 = 60;
+/// Tokens one `list` answers at most.
+pub const LIST_MAX: i64 = 1000;
 
 fn hash(token: &str) -> Vec<u8> {
     Sha256::digest(token.as_bytes()).to_vec()
 }
 
-/// Creates a token and returns its secret (the only time it is visible).
+fn secret(prefix: &str) -> String {
+    let mut secret = [0u8; 24];
+    rand::thread_rng().fill_bytes(&mut secret);
+    format!("{prefix}{}", hex::encode(secret))
+}
+
+/// Creates a token that never expires and returns its secret (the only time
+/// it is visible).
 pub async fn create(
     db: impl PgExecutor<'_>,
     user_id: &str,
     tenant_id: &str,
     admin: bool,
 ) -> Result<String, sqlx::Error> {
-    let mut secret = [0u8; 24];
-    rand::thread_rng().fill_bytes(&mut secret);
-    let token = format!("ah_{}", hex::encode(secret));
-    sqlx::query("INSERT INTO api_token (token_hash, user_id, tenant_id, admin) VALUES ($1, $2, $3, $4)")
-        .bind(hash(&token))
-        .bind(user_id)
-        .bind(tenant_id)
-        .bind(admin)
-        .execute(db)
-        .await?;
-    Ok(token)
+    let new = NewToken { user_id, tenant_id, admin, ..NewToken::default() };
+    Ok(create_with(db, &new).await?.1)
 }
 
-/// The principal behind a presented token, if it is valid.
+/// Creates a token; its id and its secret (the only time it is visible).
+pub async fn create_with(db: impl PgExecutor<'_>, new: &NewToken<'_>) -> Result<(TokenInfo, String), sqlx::Error> {
+    let token = secret("ah_");
+    let info = sqlx::query_as(
+        "INSERT INTO api_token (token_hash, user_id, tenant_id, admin, operator, expires_at)
+         VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6::float8))
+         RETURNING id, user_id, tenant_id, admin, operator, created_at, last_used_at, expires_at, revoked_at",
+    )
+    .bind(hash(&token))
+    .bind(new.user_id)
+    .bind(new.tenant_id)
+    .bind(new.admin || new.operator)
+    .bind(new.operator)
+    .bind(new.expires_in_s.map(|s| s as f64))
+    .fetch_one(db)
+    .await?;
+    Ok((info, token))
+}
+
+/// The principal behind a presented token, if it is valid now (not revoked,
+/// not expired, by the database's clock). Marks it used, at most once a
+/// second per token, so a busy token does not write on every request.
 pub async fn authenticate(db: impl PgExecutor<'_>, token: &str) -> Result<Option<Principal>, sqlx::Error> {
-    sqlx::query_as("SELECT user_id, tenant_id, admin FROM api_token WHERE token_hash = $1")
-        .bind(hash(token))
-        .fetch_optional(db)
-        .await
+    sqlx::query_as(
+        "WITH t AS (
+             SELECT id, user_id, tenant_id, admin, operator, last_used_at FROM api_token
+             WHERE token_hash = $1 AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now())
+         ), used AS (
+             UPDATE api_token a SET last_used_at = now() FROM t
+             WHERE a.id = t.id AND (t.last_used_at IS NULL OR t.last_used_at < now() - interval '1 second')
+         )
+         SELECT user_id, tenant_id, admin, operator, id AS token_id FROM t",
+    )
+    .bind(hash(token))
+    .fetch_optional(db)
+    .await
+}
+
+/// Whether the token `id` is still valid (an open stream asks this at each
+/// keepalive).
+pub async fn is_valid(db: impl PgExecutor<'_>, id: Uuid) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM api_token
+                        WHERE id = $1 AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now()))",
+    )
+    .bind(id)
+    .fetch_one(db)
+    .await
+}
+
+/// Tokens, oldest first: of `tenant` when given, else all; at most [`LIST_MAX`].
+pub async fn list(db: impl PgExecutor<'_>, tenant: Option<&str>) -> Result<Vec<TokenInfo>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, user_id, tenant_id, admin, operator, created_at, last_used_at, expires_at, revoked_at
+         FROM api_token WHERE $1::text IS NULL OR tenant_id = $1 ORDER BY created_at, id LIMIT $2",
+    )
+    .bind(tenant)
+    .bind(LIST_MAX)
+    .fetch_all(db)
+    .await
+}
+
+/// Which tokens a caller may manage: of `tenant` and of `user`, each when given.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Scope<'a> {
+    pub tenant: Option<&'a str>,
+    pub user: Option<&'a str>,
+}
+
+/// One token's row, if it exists within `scope`.
+pub async fn get(db: impl PgExecutor<'_>, id: Uuid, scope: Scope<'_>) -> Result<Option<TokenInfo>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, user_id, tenant_id, admin, operator, created_at, last_used_at, expires_at, revoked_at
+         FROM api_token WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2) AND ($3::text IS NULL OR user_id = $3)",
+    )
+    .bind(id)
+    .bind(scope.tenant)
+    .bind(scope.user)
+    .fetch_optional(db)
+    .await
+}
+
+/// Revokes the token `id` within `scope`: `Some(true)` when this call
+/// revoked it, `Some(false)` when it already was, `None` when there is no
+/// such token.
+pub async fn revoke(db: impl PgExecutor<'_>, id: Uuid, scope: Scope<'_>) -> Result<Option<bool>, sqlx::Error> {
+    sqlx::query_scalar(
+        "WITH t AS (SELECT id, revoked_at FROM api_token
+                    WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2) AND ($3::text IS NULL OR user_id = $3)
+                    FOR UPDATE),
+              done AS (UPDATE api_token a SET revoked_at = now() FROM t
+                       WHERE a.id = t.id AND t.revoked_at IS NULL RETURNING a.id)
+         SELECT EXISTS (SELECT 1 FROM done) FROM t",
+    )
+    .bind(id)
+    .bind(scope.tenant)
+    .bind(scope.user)
+    .fetch_optional(db)
+    .await
+}
+
+/// Mints a ticket for `run`'s stream on behalf of the token `token_id`; the
+/// caller has checked the run is the token user's. Drops the token's expired
+/// tickets (so they cannot pile up).
+pub async fn mint_ticket(
+    db: &sqlx::PgPool,
+    token_id: Uuid,
+    run: RunId,
+) -> Result<(String, DateTime<Utc>), sqlx::Error> {
+    let ticket = secret("st_");
+    let mut tx = db.begin().await?;
+    sqlx::query("DELETE FROM stream_ticket WHERE token_id = $1 AND expires_at < now()")
+        .bind(token_id)
+        .execute(&mut *tx)
+        .await?;
+    let expires_at = sqlx::query_scalar(
+        "INSERT INTO stream_ticket (ticket_hash, token_id, run_id, expires_at)
+         VALUES ($1, $2, $3, now() + make_interval(secs => $4::float8)) RETURNING expires_at",
+    )
+    .bind(hash(&ticket))
+    .bind(token_id)
+    .bind(run)
+    .bind(TICKET_TTL_S as f64)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok((ticket, expires_at))
+}
+
+/// The principal behind a stream ticket, if it is for `run`, not expired,
+/// and its token is still valid.
+pub async fn authenticate_ticket(
+    db: impl PgExecutor<'_>,
+    ticket: &str,
+    run: RunId,
+) -> Result<Option<Principal>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT a.user_id, a.tenant_id, a.admin, a.operator, a.id AS token_id
+         FROM stream_ticket s JOIN api_token a ON a.id = s.token_id
+         WHERE s.ticket_hash = $1 AND s.run_id = $2 AND s.expires_at > now()
+           AND a.revoked_at IS NULL AND (a.expires_at IS NULL OR a.expires_at > now())",
+    )
+    .bind(hash(ticket))
+    .bind(run)
+    .fetch_optional(db)
+    .await
 }

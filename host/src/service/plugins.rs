@@ -2,7 +2,8 @@
 //! `agent-host plugins add` both call [`register`]. It checks the name and
 //! the manifest, validates the component against the world with the
 //! sandbox (off the async threads), then stores it content-addressed and
-//! points the name at it (`db::plugins::put`).
+//! points the name at it in its tenant or published (`db::plugins::put_as`,
+//! which writes the audit row in the same transaction).
 
 use std::sync::Arc;
 
@@ -10,6 +11,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use crate::agent::Components;
+use crate::db::audit::Actor;
 use crate::db::plugins::{self, PluginRow};
 use crate::run::manifest::Manifest;
 
@@ -52,10 +54,14 @@ pub fn check(name: &str, manifest: &Value) -> Result<(), RegisterError> {
     Ok(())
 }
 
-/// Checks, validates and stores `component` under `name` with `manifest`.
+/// Checks, validates and stores `component` under `name` with `manifest`,
+/// owned by `tenant` (`None`: published to every tenant), with `actor`'s
+/// audit row.
 pub async fn register(
     pool: &PgPool,
     sandbox: &Arc<dyn Components>,
+    actor: &Actor,
+    tenant: Option<&str>,
     name: &str,
     component: Vec<u8>,
     manifest: &Value,
@@ -70,5 +76,5 @@ pub async fn register(
         .await
         .map_err(|_| RegisterError::Interrupted)?
         .map_err(|e| RegisterError::InvalidComponent(e.to_string()))?;
-    Ok(plugins::put(pool, name, &component, manifest).await?)
+    Ok(plugins::put_as(pool, actor, tenant, name, &component, manifest).await?)
 }

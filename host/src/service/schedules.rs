@@ -86,7 +86,8 @@ pub async fn create(
     if !config.is_object() || config.to_string().len() > CONFIG_BYTES_MAX {
         return Err(invalid(format!("config must be a JSON object of at most {CONFIG_BYTES_MAX} bytes")));
     }
-    if !agents.contains(&r.plugin) && crate::db::plugins::get(pool, &r.plugin).await?.is_none() {
+    if !agents.contains(&r.plugin) && crate::db::plugins::resolve(pool, &r.owner.tenant_id, &r.plugin).await?.is_none()
+    {
         return Err(invalid(format!("unknown plugin {:?}", r.plugin)));
     }
     if let Some(url) = &r.webhook {

@@ -6,8 +6,10 @@
 //! idempotency key, and the storable-text rule), pinning the plugin to the
 //! (name, digest, manifest) its name points at now, the request snapshot, and
 //! the idempotency replay (the same key and request: the first answer again;
-//! the same key, another request: refused). The enqueue transaction itself is
-//! `db::enqueue::enqueue`.
+//! the same key, another request: refused), and the tenant's quotas
+//! (`service::quota`: the enqueue rate here, the queue quota inside the
+//! enqueue transaction). The enqueue transaction itself is
+//! `db::lifecycle::enqueue_with`.
 
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -18,6 +20,7 @@ pub use crate::db::lifecycle::Busy;
 use crate::db::lifecycle::{self, StrategyError};
 use crate::db::{ConversationId, RunId};
 
+use super::quota::{Limit, QuotaExceeded, Quotas, QUEUE_RETRY_AFTER_S};
 use super::storable::{self, Unstorable};
 
 /// Characters of a user message.
@@ -56,6 +59,8 @@ pub struct Policy {
     /// URL prefixes a run's completion webhook may start with
     /// (`--completion-webhook-allow`); empty: no webhooks.
     pub webhook_allow: Vec<String>,
+    /// Per-tenant queue quota and enqueue rate (off by default).
+    pub quotas: Quotas,
 }
 
 impl Policy {
@@ -130,6 +135,9 @@ pub enum SubmitError {
     /// A concurrent request with the key won, and its run is not readable yet.
     #[error("idempotency key in use; retry")]
     IdempotencyKeyInUse,
+    /// Past the tenant's queue quota or enqueue rate: nothing was written.
+    #[error(transparent)]
+    Quota(#[from] QuotaExceeded),
     /// For logs only; APIs answer a fixed message.
     #[error("database: {0}")]
     Db(#[from] sqlx::Error),
@@ -167,14 +175,17 @@ pub async fn submit(
     }
     // A registered plugin, pinned now to the digest (and manifest) its name
     // points at, so re-pointing the name later changes nothing for this run;
-    // else a built-in agent of that name.
+    // the tenant's own first, then a published one (another tenant's is not
+    // there); else a built-in agent of that name.
+    let tenant = &s.owner.tenant_id;
     let registered = match agents.sandbox() {
-        Some(_) => crate::db::plugins::get(pool, &s.plugin).await?,
+        Some(_) => crate::db::plugins::resolve(pool, tenant, &s.plugin).await?,
         None => None,
     };
     if registered.is_none() && !agents.contains(&s.plugin) {
         let mut available = agents.names();
-        available.extend(crate::db::plugins::list(pool, None, AVAILABLE_NAMES_MAX).await?.into_iter().map(|p| p.name));
+        let visible = crate::db::plugins::list(pool, Some(tenant), None, AVAILABLE_NAMES_MAX).await?;
+        available.extend(visible.into_iter().map(|p| p.name));
         available.sort();
         available.dedup();
         return Err(SubmitError::UnknownPlugin { plugin: s.plugin.clone(), available });
@@ -206,8 +217,19 @@ pub async fn submit(
         idempotency_key: key,
         webhook: s.webhook.as_deref(),
     };
-    match lifecycle::enqueue_with(pool, &new, s.strategy).await {
+    // The tenant's rate: a burst waits for its tokens, up to a bound.
+    policy.quotas.enqueue_token(tenant).await?;
+    match lifecycle::enqueue_with(pool, &new, s.strategy, policy.quotas.config.tenant_max_queued).await {
         Ok(e) => Ok(Submitted::Created(e)),
+        Err(StrategyError::QueueFull { max }) => Err(policy
+            .quotas
+            .refuse(
+                tenant,
+                Limit::QueuedRuns,
+                format!("tenant {tenant:?} has {max} queued runs, the most its quota allows; retry when some start"),
+                QUEUE_RETRY_AFTER_S,
+            )
+            .into()),
         Err(StrategyError::Busy(run)) => {
             Err(SubmitError::Busy { conversation: s.conversation_id.expect("busy needs a conversation"), run })
         }
@@ -267,7 +289,7 @@ mod tests {
     /// pool has none behind it).
     #[test]
     fn webhook_urls_are_compared_parsed_not_as_text() {
-        let policy = Policy { webhook_allow: vec!["https://hooks.example.com/acme".into()] };
+        let policy = Policy { webhook_allow: vec!["https://hooks.example.com/acme".into()], ..Policy::default() };
         assert!(policy.allows_webhook("https://hooks.example.com/acme"));
         assert!(policy.allows_webhook("https://hooks.example.com/acme/run-done?x=1"));
         assert!(policy.allows_webhook("https://hooks.example.com:443/acme/x"));

@@ -1,0 +1,522 @@
+//! Operator controls: token lifecycle (revocation seen by two processes at
+//! once, an open stream ended within its keepalive, expiry, a list that
+//! never shows a secret), stream tickets instead of tokens in URLs, tenant
+//! quotas and rate limits (429 with Retry-After, nothing written), plugins
+//! owned by a tenant, and the append-only audit trail.
+
+mod support;
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agent_host::db::tokens::{self, NewToken};
+use agent_host::db::RunId;
+use agent_host::service::quota::{QuotaConfig, Quotas};
+use agent_host::service::submit::Policy;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use sqlx::PgPool;
+use support::http::{multipart, oneshot, TestHost};
+use support::process::{HostProcess, FAST};
+use support::sse::SseClient;
+use support::*;
+
+/// A token of `user` in `tenant`: (id, secret).
+async fn token(pool: &PgPool, user: &str, tenant: &str, admin: bool, operator: bool) -> (uuid::Uuid, String) {
+    let new = NewToken { user_id: user, tenant_id: tenant, admin, operator, expires_in_s: None };
+    let (info, secret) = tokens::create_with(pool, &new).await.unwrap();
+    (info.id, secret)
+}
+
+async fn get(client: &reqwest::Client, url: &str, token: &str) -> StatusCode {
+    client.get(url).bearer_auth(token).send().await.unwrap().status()
+}
+
+/// Rows of the tables an enqueue writes.
+async fn written(pool: &PgPool) -> (i64, i64, i64) {
+    sqlx::query_as(
+        "SELECT (SELECT count(*) FROM agent_run), (SELECT count(*) FROM message), (SELECT count(*) FROM run_event)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// A revoked token is refused at the next request by either of two host
+/// processes, and a stream it holds open ends within the keepalive interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_token_is_refused_by_every_process_and_its_open_stream_ends() {
+    let db = TestDb::new().await;
+    let keepalive_ms = 400;
+    let mut args = FAST.to_vec();
+    let keepalive = keepalive_ms.to_string();
+    args.extend(["--sse-keepalive-ms", &keepalive]);
+    let a = HostProcess::spawn(&db.url, "A", &args);
+    let b = HostProcess::spawn(&db.url, "B", &args);
+    let (alice_id, alice) = token(&db.pool, "alice", "acme", false, false).await;
+    let (_, admin) = token(&db.pool, "root", "acme", true, false).await;
+    let client = reqwest::Client::new();
+
+    // A long run, and its stream open on A.
+    let res = client
+        .post(format!("http://{}/v1/runs", a.addr))
+        .bearer_auth(&alice)
+        .json(&json!({ "content": "slowly", "plugin": "sleep", "config": { "steps": 10000, "step_ms": 50 } }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::ACCEPTED);
+    let run: RunId = res.json::<Value>().await.unwrap()["run_id"].as_str().unwrap().parse().unwrap();
+    let mut stream = SseClient::connect(&format!("http://{}/v1/runs/{run}/events", a.addr), &alice, None).await;
+    let first = stream.next(LONG).await.expect("a first frame");
+    assert_eq!(first.event, "user_message_created");
+    for host in [&a, &b] {
+        assert_eq!(get(&client, &format!("http://{}/v1/runs/{run}", host.addr), &alice).await, StatusCode::OK);
+    }
+
+    // Revoked through the admin API on B.
+    let res =
+        client.post(format!("http://{}/v1/tokens/{alice_id}/revoke", b.addr)).bearer_auth(&admin).send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK, "{}", res.text().await.unwrap());
+    let revoked_at = Instant::now();
+    for host in [&a, &b] {
+        let res = client.get(format!("http://{}/v1/runs/{run}", host.addr)).bearer_auth(&alice).send().await.unwrap();
+        assert_eq!(res.status(), StatusCode::UNAUTHORIZED, "process {}", host.worker_id);
+        let body: Value = res.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "unauthenticated");
+    }
+    // The open stream ends by itself (the run goes on): within one
+    // keepalive interval, with slack for a loaded machine.
+    while stream.next(LONG).await.is_some() {}
+    let ended_after = revoked_at.elapsed();
+    assert!(
+        ended_after < Duration::from_millis(keepalive_ms * 2 + 1000),
+        "the stream outlived its revoked token by {ended_after:?}"
+    );
+    assert_eq!(status(&db.pool, run).await, "running", "revoking a token does not touch its runs");
+    // A repeat revoke is idempotent; another tenant's admin cannot see it.
+    let (_, other_admin) = token(&db.pool, "eve", "evil", true, false).await;
+    let res = client
+        .post(format!("http://{}/v1/tokens/{alice_id}/revoke", a.addr))
+        .bearer_auth(&other_admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::NOT_FOUND);
+    let res = client.post(format!("http://{}/v1/runs/{run}/cancel", a.addr)).bearer_auth(&admin).send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::NOT_FOUND, "the admin is not the run's owner");
+}
+
+/// `tokens create --expires-in`, `tokens list` (no secret) and `tokens
+/// revoke` at the command line; an expired token is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_expire_and_the_list_never_shows_a_secret() {
+    let db = TestDb::new().await;
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+            .args(["--database-url", &db.url, "tokens"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        (String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (short, _) = cli(&["create", "--user", "temp", "--tenant", "acme", "--expires-in", "1h"]);
+    let short = short.trim().to_string();
+    let (long, _) = cli(&["create", "--user", "keeper", "--tenant", "acme", "--admin"]);
+    let long = long.trim().to_string();
+    assert!(short.starts_with("ah_") && long.starts_with("ah_"));
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+        .args(["--database-url", &db.url, "tokens", "create", "--user", "u", "--tenant", "t", "--expires-in", "soon"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success(), "a malformed duration is refused");
+
+    let host = TestHost::builtins(&db).await;
+    assert_eq!(host.call_as(&short, "GET", "/v1/conversations", None).await.0, StatusCode::OK);
+    let (listed, _) = cli(&["list"]);
+    for secret in [&short, &long, &host.token] {
+        assert!(!listed.contains(secret.as_str()), "the list shows a secret: {listed}");
+        assert!(!listed.contains(&secret[3..]), "the list shows part of a secret");
+    }
+    assert!(listed.contains("temp") && listed.contains("keeper") && listed.contains("admin"), "{listed}");
+    let temp_line = listed.lines().find(|l| l.contains("\ttemp\t")).unwrap().to_string();
+    let fields: Vec<&str> = temp_line.split('\t').collect();
+    assert_ne!(fields[5], "-", "the short token was used: {temp_line}");
+    assert_ne!(fields[6], "-", "it has an expiry: {temp_line}");
+    // The HTTP list says the same, without secrets either.
+    let (code, body) = host.call_as(&long, "GET", "/v1/tokens", None).await;
+    assert_eq!(code, StatusCode::OK);
+    assert!(!body.to_string().contains(&short[3..]) && !body.to_string().contains(&long[3..]));
+    assert_eq!(body["tokens"].as_array().unwrap().len(), 3);
+    assert_eq!(host.call("GET", "/v1/tokens", None).await.0, StatusCode::FORBIDDEN, "not an admin");
+
+    let ahead: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM expires_at - now())::float8 FROM api_token WHERE user_id = 'temp'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(ahead > 3500.0 && ahead <= 3600.0, "--expires-in 1h: {ahead}");
+    // Past its expiry (by the database's clock): refused.
+    sqlx::query("UPDATE api_token SET expires_at = now() - interval '1 second' WHERE user_id = 'temp'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let (code, body) = host.call_as(&short, "GET", "/v1/conversations", None).await;
+    assert_eq!(code, StatusCode::UNAUTHORIZED, "{body}");
+    // Revoked at the command line.
+    let id = fields[0];
+    let (said, _) = cli(&["revoke", id]);
+    assert!(said.contains("revoked"), "{said}");
+    let (listed, _) = cli(&["list", "--tenant", "acme"]);
+    let line = listed.lines().find(|l| l.starts_with(id)).unwrap();
+    assert_ne!(line.split('\t').nth(7).unwrap(), "-", "the list shows when it was revoked: {line}");
+    host.stop().await;
+}
+
+/// A stream ticket opens its own run's stream only, until it expires; a
+/// token in the URL is refused; the console is served under a CSP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_tickets_open_one_run_until_they_expire_and_tokens_in_urls_are_refused() {
+    let db = TestDb::new().await;
+    let host = TestHost::builtins(&db).await;
+    let run_of = |body: Value| -> RunId { body["run_id"].as_str().unwrap().parse().unwrap() };
+    let (_, a) = host.call("POST", "/v1/runs", Some(json!({ "content": "a", "plugin": "echo" }))).await;
+    let (_, b) = host.call("POST", "/v1/runs", Some(json!({ "content": "b", "plugin": "echo" }))).await;
+    let (a, b) = (run_of(a), run_of(b));
+    wait_terminal(&db.pool, a, LONG).await;
+    let (code, ticket) = host.call("POST", &format!("/v1/runs/{a}/stream-ticket"), None).await;
+    assert_eq!(code, StatusCode::CREATED, "{ticket}");
+    let t = ticket["ticket"].as_str().unwrap().to_string();
+    assert!(!t.contains(&host.token[3..]), "a ticket is not the token");
+    assert_eq!(ticket["url"], format!("/v1/runs/{a}/events?ticket={t}"));
+    let client = reqwest::Client::new();
+    let open = |run: RunId, query: String| {
+        let client = client.clone();
+        let url = format!("{}/v1/runs/{run}/events?{query}", host.base);
+        async move { client.get(url).header("Accept", "text/event-stream").send().await.unwrap() }
+    };
+    // Its run's stream, whole, with no header at all.
+    let res = open(a, format!("ticket={t}")).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    let body = res.text().await.unwrap();
+    assert!(body.contains("event: complete"), "{body}");
+    // Not another run's, not another route's.
+    assert_eq!(open(b, format!("ticket={t}")).await.status(), StatusCode::UNAUTHORIZED);
+    let res = client.get(format!("{}/v1/runs/{a}?ticket={t}", host.base)).send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::UNAUTHORIZED, "a ticket opens the stream route only");
+    // The long-lived token in the URL is refused, even with a valid ticket beside it.
+    let res = open(a, format!("access_token={}", host.token)).await;
+    assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+    let body: Value = res.json().await.unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("stream ticket"), "{body}");
+    assert_eq!(open(a, format!("ticket={t}&access_token={}", host.token)).await.status(), StatusCode::UNAUTHORIZED);
+    // Another user cannot mint one for alice's run.
+    let (_, bob) = token(&db.pool, "bob", "acme", false, false).await;
+    assert_eq!(host.call_as(&bob, "POST", &format!("/v1/runs/{a}/stream-ticket"), None).await.0, StatusCode::NOT_FOUND);
+    // It expires (by the database's clock; its lifetime is a minute).
+    let left: f64 = sqlx::query_scalar("SELECT extract(epoch FROM expires_at - now())::float8 FROM stream_ticket")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(left > 0.0 && left <= tokens::TICKET_TTL_S as f64, "{left}");
+    sqlx::query("UPDATE stream_ticket SET expires_at = now() - interval '1 second'").execute(&db.pool).await.unwrap();
+    assert_eq!(open(a, format!("ticket={t}")).await.status(), StatusCode::UNAUTHORIZED);
+
+    // The console: its own script only.
+    let res = client.get(format!("{}/", host.base)).send().await.unwrap();
+    let csp = res.headers()["content-security-policy"].to_str().unwrap().to_string();
+    assert!(csp.contains("script-src 'self'") && !csp.contains("unsafe-inline"), "{csp}");
+    let html = res.text().await.unwrap();
+    assert!(html.contains(r#"<script src="/console.js"></script>"#) && !html.contains("<script>"), "no inline script");
+    let js = client.get(format!("{}/console.js", host.base)).send().await.unwrap();
+    assert!(js.headers()["content-type"].to_str().unwrap().starts_with("text/javascript"));
+    assert!(!js.text().await.unwrap().contains("access_token"));
+    host.stop().await;
+}
+
+/// Quotas: past the tenant's queue quota, 429 with Retry-After and nothing
+/// written, another tenant unaffected; a burst past the enqueue rate is
+/// shaped (every request lands, spread out); a user's live streams are bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quotas_refuse_with_429_and_write_nothing_and_rates_shape_bursts() {
+    let db = TestDb::new().await;
+    let quotas =
+        Quotas::new(QuotaConfig { tenant_max_queued: Some(2), user_max_streams: Some(1), ..QuotaConfig::default() });
+    let host = TestHost::undispatched(&db, |s| s.policy = Arc::new(Policy { quotas, ..Policy::default() })).await;
+    let run = json!({ "content": "hello", "plugin": "echo" });
+    let (c1, first) = host.call("POST", "/v1/runs", Some(run.clone())).await;
+    let (c2, _) = host.call("POST", "/v1/runs", Some(run.clone())).await;
+    assert_eq!((c1, c2), (StatusCode::ACCEPTED, StatusCode::ACCEPTED));
+    let before = written(&db.pool).await;
+    let res = host
+        .client
+        .post(format!("{}/v1/runs", host.base))
+        .bearer_auth(&host.token)
+        .json(&json!({ "content": "one too many", "plugin": "echo" }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry_after: u64 = res.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(retry_after >= 1);
+    let body: Value = res.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "quota_exceeded", "{body}");
+    assert_eq!(written(&db.pool).await, before, "a refused enqueue writes no run, message or event");
+    let content: i64 = sqlx::query_scalar("SELECT count(*) FROM message WHERE content = 'one too many'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(content, 0);
+    // Another tenant is not affected.
+    let (_, other) = token(&db.pool, "olga", "other", false, false).await;
+    assert_eq!(host.call_as(&other, "POST", "/v1/runs", Some(run.clone())).await.0, StatusCode::ACCEPTED);
+    let metrics = host.scrape().await;
+    assert_eq!(metrics[r#"agent_host_quota_refusals_total{tenant="acme",limit="queued_runs"}"#], 1.0);
+    // Concurrent enqueues cannot both take the last place (the count is
+    // taken under a per-tenant lock in the enqueue transaction).
+    let (_, racer) = token(&db.pool, "rita", "race", false, false).await;
+    let racing = (0..5).map(|i| {
+        let body = json!({ "content": format!("race {i}"), "plugin": "echo" });
+        let (host, racer) = (&host, &racer);
+        async move { host.call_as(racer, "POST", "/v1/runs", Some(body)).await.0 }
+    });
+    let codes = futures::future::join_all(racing).await;
+    let accepted = codes.iter().filter(|c| **c == StatusCode::ACCEPTED).count();
+    let refused = codes.iter().filter(|c| **c == StatusCode::TOO_MANY_REQUESTS).count();
+    assert_eq!((accepted, refused), (2, 3), "{codes:?}");
+
+    // One live stream per user on this process.
+    let first: RunId = first["run_id"].as_str().unwrap().parse().unwrap();
+    let url = host.events_url(first);
+    let _open = SseClient::connect(&url, &host.token, None).await;
+    let res =
+        host.client.get(&url).bearer_auth(&host.token).header("Accept", "text/event-stream").send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(res.headers().contains_key("retry-after"));
+    host.stop().await;
+
+    // A burst of 6 at 5/s with a bucket of 1 (another host, rates only):
+    // shaped, not failed.
+    let rates = Quotas::new(QuotaConfig {
+        tenant_enqueue_per_s: NonZeroU32::new(5),
+        tenant_enqueue_burst: NonZeroU32::new(1),
+        ..QuotaConfig::default()
+    });
+    let host =
+        TestHost::undispatched(&db, |s| s.policy = Arc::new(Policy { quotas: rates, ..Policy::default() })).await;
+    let (_, fast) = token(&db.pool, "fiona", "fast", false, false).await;
+    let started = Instant::now();
+    let burst = (0..6).map(|i| {
+        let body = json!({ "content": format!("burst {i}"), "plugin": "echo" });
+        let (host, fast) = (&host, &fast);
+        async move { host.call_as(fast, "POST", "/v1/runs", Some(body)).await.0 }
+    });
+    let codes = futures::future::join_all(burst).await;
+    assert!(codes.iter().all(|c| *c == StatusCode::ACCEPTED), "{codes:?}");
+    assert!(started.elapsed() >= Duration::from_millis(900), "the burst was spread out: {:?}", started.elapsed());
+    host.stop().await;
+}
+
+/// Tenant B cannot see, run or overwrite tenant A's private plugin; an
+/// operator's published plugin runs for both; a queued run keeps its digest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugins_belong_to_a_tenant_and_published_ones_run_for_all() {
+    let db = TestDb::new().await;
+    let (agents, router) = sandboxed_router(&db);
+    let (_, admin_a) = token(&db.pool, "ann", "a", true, false).await;
+    let (_, admin_b) = token(&db.pool, "ben", "b", true, false).await;
+    let (_, operator) = token(&db.pool, "ops", "ops", true, true).await;
+    let upload = |token: String, name: &'static str, wasm: &'static str, published: bool| {
+        let router = router.clone();
+        async move {
+            let component = plugin_wasm(wasm);
+            let mut fields: Vec<(&str, &[u8])> = vec![("name", name.as_bytes()), ("component", component.as_slice())];
+            if published {
+                fields.push(("published", "true".as_bytes()));
+            }
+            let (ct, body) = multipart(&fields);
+            oneshot(&router, "POST", "/v1/plugins", Some(&token), &[], Some((&ct, body))).await
+        }
+    };
+    let a = upload(admin_a.clone(), "private", "echo", false).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text());
+    assert_eq!(a.json()["tenant_id"], "a");
+    let a_digest = a.json()["digest"].as_str().unwrap().to_string();
+    // An admin cannot publish; an operator can.
+    assert_eq!(upload(admin_a.clone(), "shared", "echo", true).await.status, StatusCode::FORBIDDEN);
+    let published = upload(operator.clone(), "shared", "echo", true).await;
+    assert_eq!(published.status, StatusCode::CREATED, "{}", published.text());
+    assert_eq!(published.json()["published"], true);
+
+    // B does not see A's plugin, and cannot run it: unknown, listing only
+    // what B may use.
+    let list = oneshot(&router, "GET", "/v1/plugins", Some(&admin_b), &[], None).await.json();
+    let names: Vec<&str> = list["plugins"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert!(names.contains(&"shared") && !names.contains(&"private"), "{names:?}");
+    let host = TestHost::start(&db, None, agents, fast_config("w")).await;
+    let enqueue = |token: String, plugin: &'static str| {
+        let host = &host;
+        async move { host.call_as(&token, "POST", "/v1/runs", Some(json!({ "content": "hi", "plugin": plugin }))).await }
+    };
+    let (code, refused) = enqueue(admin_b.clone(), "private").await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY, "{refused}");
+    let message = refused["error"]["message"].as_str().unwrap();
+    assert!(message.contains("unknown plugin") && message.contains("shared"), "{message}");
+    assert!(!message.contains("private,") && !message.ends_with("private"), "B is not told A's plugin: {message}");
+
+    // B's upload of the same name is B's own: A's is untouched.
+    let b = upload(admin_b.clone(), "private", "fixtures", false).await;
+    assert_eq!(b.status, StatusCode::CREATED, "{}", b.text());
+    let b_digest = b.json()["digest"].as_str().unwrap().to_string();
+    assert_ne!(a_digest, b_digest);
+    let row: String = sqlx::query_scalar("SELECT digest FROM plugin WHERE tenant_id = 'a' AND name = 'private'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(row, a_digest, "B did not overwrite A's plugin");
+
+    // Each tenant's name resolves to its own; the published one runs for both.
+    let (_, run_a) = enqueue(admin_a.clone(), "private").await;
+    let digest = |run: &Value| {
+        let pool = db.pool.clone();
+        let id: RunId = run["run_id"].as_str().unwrap().parse().unwrap();
+        async move {
+            let d: String = sqlx::query_scalar("SELECT plugin_digest FROM agent_run WHERE id = $1")
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            (id, d)
+        }
+    };
+    let (run_a, pinned) = digest(&run_a).await;
+    assert_eq!(pinned, a_digest);
+    for t in [&admin_a, &admin_b] {
+        let (code, run) = enqueue(t.clone(), "shared").await;
+        assert_eq!(code, StatusCode::ACCEPTED, "{run}");
+        let (id, d) = digest(&run).await;
+        assert_eq!(d, published.json()["digest"].as_str().unwrap());
+        assert_eq!(wait_terminal(&db.pool, id, LONG).await, "completed");
+    }
+    assert_eq!(wait_terminal(&db.pool, run_a, LONG).await, "completed");
+    // Re-pointing A's name does not change what an already enqueued run
+    // executes: one queued behind a slow turn, re-pointed while it waits.
+    let (_, slow) = host
+        .call_as(
+            &admin_a,
+            "POST",
+            "/v1/runs",
+            Some(json!({ "content": "wait", "plugin": "sleep", "config": { "steps": 30, "step_ms": 100 } })),
+        )
+        .await;
+    let conversation = slow["conversation_id"].as_str().unwrap();
+    let (_, queued) = host
+        .call_as(
+            &admin_a,
+            "POST",
+            &format!("/v1/conversations/{conversation}/runs"),
+            Some(json!({ "content": "hi", "plugin": "private" })),
+        )
+        .await;
+    let (queued, _) = digest(&queued).await;
+    let repointed = upload(admin_a.clone(), "private", "fixtures", false).await;
+    assert_eq!(repointed.status, StatusCode::CREATED);
+    assert_ne!(repointed.json()["digest"].as_str().unwrap(), a_digest);
+    assert_eq!(wait_terminal(&db.pool, queued, LONG).await, "completed");
+    assert_eq!(digest(&json!({ "run_id": queued })).await.1, a_digest, "the run kept its pinned digest");
+    host.stop().await;
+}
+
+/// Every audited action leaves exactly one row, readable by admins, and no
+/// row holds a secret or message text; the table refuses edits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_audited_action_leaves_one_row_without_secrets() {
+    let db = TestDb::new().await;
+    let (_, router) = sandboxed_router(&db);
+    let host = TestHost::undispatched(&db, |_| {}).await;
+    let (_, admin) = token(&db.pool, "root", "acme", true, false).await;
+    let secret_text = "the launch code is 0000";
+
+    // Token created and revoked over HTTP.
+    let (code, created) =
+        host.call_as(&admin, "POST", "/v1/tokens", Some(json!({ "user_id": "carol", "expires_in_s": 3600 }))).await;
+    assert_eq!(code, StatusCode::CREATED, "{created}");
+    let carol = created["token"].as_str().unwrap().to_string();
+    let carol_id = created["id"].as_str().unwrap().to_string();
+    assert_eq!(
+        host.call_as(&admin, "POST", "/v1/tokens", Some(json!({ "user_id": "x", "tenant_id": "other" }))).await.0,
+        StatusCode::FORBIDDEN,
+        "an admin creates tokens in its own tenant only"
+    );
+    // Plugin uploaded, then re-pointed.
+    for wasm in ["echo", "fixtures"] {
+        let component = plugin_wasm(wasm);
+        let fields: [(&str, &[u8]); 2] = [("name", "tool".as_bytes()), ("component", component.as_slice())];
+        let (ct, body) = multipart(&fields);
+        assert_eq!(oneshot(&router, "POST", "/v1/plugins", Some(&admin), &[], Some((&ct, body))).await.status, 201);
+    }
+    // A run cancelled (queued: nothing dispatches), its conversation stopped, the run retried.
+    let (_, run) = host.call("POST", "/v1/runs", Some(json!({ "content": secret_text, "plugin": "echo" }))).await;
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    let conversation = run["conversation_id"].as_str().unwrap().to_string();
+    assert_eq!(host.call("POST", &format!("/v1/runs/{run_id}/cancel"), None).await.0, StatusCode::ACCEPTED);
+    assert_eq!(host.call("POST", &format!("/v1/runs/{run_id}/cancel"), None).await.0, StatusCode::OK, "a repeat");
+    let (code, retried) = host.call("POST", &format!("/v1/runs/{run_id}/retry"), None).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{retried}");
+    assert_eq!(host.call("POST", &format!("/v1/conversations/{conversation}/stop"), None).await.0, StatusCode::OK);
+    // A schedule created and deleted.
+    let schedule = json!({ "plugin": "echo", "content": secret_text, "cron": "0 0 1 1 *" });
+    let (code, s) = host.call("POST", "/v1/schedules", Some(schedule)).await;
+    assert_eq!(code, StatusCode::CREATED, "{s}");
+    let sid = s["id"].as_str().unwrap();
+    assert_eq!(host.call("DELETE", &format!("/v1/schedules/{sid}"), None).await.0, StatusCode::NO_CONTENT);
+    let (code, _) = host.call_as(&admin, "POST", &format!("/v1/tokens/{carol_id}/revoke"), None).await;
+    assert_eq!(code, StatusCode::OK);
+    assert_eq!(host.call_as(&admin, "POST", &format!("/v1/tokens/{carol_id}/revoke"), None).await.0, StatusCode::OK);
+
+    let (code, trail) = host.call_as(&admin, "GET", "/v1/audit", None).await;
+    assert_eq!(code, StatusCode::OK, "{trail}");
+    let rows = trail["events"].as_array().unwrap();
+    let actions: Vec<&str> = rows.iter().map(|r| r["action"].as_str().unwrap()).collect();
+    for action in [
+        "token.created",
+        "token.revoked",
+        "plugin.uploaded",
+        "plugin.repointed",
+        "run.cancelled",
+        "run.retried",
+        "conversation.stopped",
+        "schedule.created",
+        "schedule.deleted",
+    ] {
+        assert_eq!(actions.iter().filter(|a| **a == action).count(), 1, "{action} in {actions:?}");
+    }
+    assert_eq!(rows.len(), 9, "{actions:?}");
+    let cancelled = rows.iter().find(|r| r["action"] == "run.cancelled").unwrap();
+    assert_eq!((cancelled["target"].as_str().unwrap(), cancelled["actor_user"].as_str().unwrap()), (&*run_id, "alice"));
+    let text = trail.to_string();
+    for secret in [carol.as_str(), &carol[3..], &admin[3..], &host.token[3..], secret_text, "launch code"] {
+        assert!(!text.contains(secret), "an audit row holds {secret:?}: {text}");
+    }
+    // Admins only, and their tenant's rows only.
+    assert_eq!(host.call("GET", "/v1/audit", None).await.0, StatusCode::FORBIDDEN);
+    let (_, other_admin) = token(&db.pool, "olaf", "other", true, false).await;
+    let (_, theirs) = host.call_as(&other_admin, "GET", "/v1/audit", None).await;
+    assert_eq!(theirs["events"], json!([]), "another tenant's admin sees none of them");
+    // Append-only in the schema.
+    for sql in ["UPDATE audit_event SET target = 'x'", "DELETE FROM audit_event"] {
+        let err = sqlx::query(sql).execute(&db.pool).await.unwrap_err();
+        assert!(err.to_string().contains("append-only"), "{err}");
+    }
+    // The command line reads the same trail.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+        .args(["--database-url", &db.url, "audit", "--tenant", "acme"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 9);
+    host.stop().await;
+}
