@@ -14,6 +14,7 @@
 mod approvals;
 mod durable;
 mod figures;
+mod graphile;
 mod library;
 mod queue;
 mod sandbox;
@@ -97,6 +98,20 @@ pub struct BenchArgs {
     /// The throwaway database created (dropped first if it exists) beside the given one.
     #[arg(long, default_value = "agent_host_bench")]
     pub bench_database: String,
+    /// Another queue drained on the same server in the same sitting, when
+    /// Node is present: `graphile` (graphile-worker, pinned in
+    /// bench/graphile, installed into a cache outside the clone) or `none`.
+    #[arg(long, value_enum, default_value_t = Compare::Graphile)]
+    pub compare: Compare,
+    /// Only the queue's figures (enqueue, pickup, drain, the comparison).
+    #[arg(long)]
+    pub queue_only: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Compare {
+    Graphile,
+    None,
 }
 
 impl BenchArgs {
@@ -179,9 +194,16 @@ async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow
     println!("agent-host bench: {} cores, database {}", figures::num_cpus(), figures::redact(&url));
 
     queue::enqueue_latency(&pool, args).await?;
-    queue::pickup_latency(&pool, &url, args, true).await?;
+    let pickup_p50 = queue::pickup_latency(&pool, &url, args, true).await?;
     queue::pickup_latency(&pool, &url, args, false).await?;
-    queue::throughput(&pool, &url, args).await?;
+    let drained = queue::throughput(&pool, &url, args).await?;
+    if args.compare == Compare::Graphile {
+        graphile::compare(server_url, args, &drained, pickup_p50).await?;
+    }
+    if args.queue_only {
+        pool.close().await;
+        return Ok(());
+    }
     stream::stream_latency(&pool, &url).await?;
     queue::sigkill_to_failed(&pool, &url, db_args, args).await?;
     durable::durable(&pool, &url, db_args, args).await?;

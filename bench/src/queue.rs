@@ -79,7 +79,8 @@ pub async fn enqueue_latency(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<
 const HUB_DOWN_POLL: Duration = Duration::from_millis(100);
 const HUB_DOWN_SAMPLES_MAX: usize = 50;
 
-pub async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: bool) -> anyhow::Result<()> {
+/// Returns the p50 in milliseconds.
+pub async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: bool) -> anyhow::Result<f64> {
     sql::reset(pool).await?;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut agents = AgentRegistry::default();
@@ -116,26 +117,46 @@ pub async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: 
         "pickup, enqueue commit to agent start, idle worker, {how}, {samples} runs: {}",
         percentiles(&mut latencies)
     );
-    Ok(())
+    // Sorted by `percentiles`.
+    Ok(latencies[(latencies.len() - 1) / 2].as_secs_f64() * 1e3)
 }
 
-pub async fn throughput(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<()> {
+pub async fn throughput(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<Drained> {
     let (mut e2e, mut floor, mut batched) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut commits, mut wal, mut claims, mut endings) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for pass in 1..=args.passes {
-        let rate = drain_pass(pool, url, args).await?;
-        e2e.push(rate);
+        let d = drain_costs(pool, url, args.runs, args.in_flight, None).await?;
+        e2e.push(d.rate);
+        commits.push(d.commits_per_run);
+        wal.push(d.wal_bytes_per_run);
+        claims.push(d.runs_per_claim);
+        endings.push(d.runs_per_ending_commit);
         let f = floor_pass(pool, args).await?;
         floor.push(f);
         let b = batched_floor_pass(pool, args).await?;
         batched.push(b);
         println!(
-            "  pass {pass}: end to end {rate:.0} runs/s, SQL floor {f:.0} runs/s, batched SQL floor {b:.0} runs/s"
+            "  pass {pass}: end to end {:.0} runs/s ({:.2} commits, {:.0} WAL bytes per run), SQL floor {f:.0} runs/s, \
+             batched SQL floor {b:.0} runs/s",
+            d.rate, d.commits_per_run, d.wal_bytes_per_run
         );
     }
     let (e, f, b) = (median(&mut e2e), median(&mut floor), median(&mut batched));
     println!(
         "drain {} pre-enqueued no-op runs, {} in flight: median {e:.0} runs/s over {} passes",
         args.runs, args.in_flight, args.passes
+    );
+    let drained = Drained {
+        rate: e,
+        commits_per_run: median(&mut commits),
+        wal_bytes_per_run: median(&mut wal),
+        runs_per_claim: median(&mut claims),
+        runs_per_ending_commit: median(&mut endings),
+    };
+    println!(
+        "drain costs per run (medians): {:.3} commits (transactions that wrote), {:.0} WAL bytes; \
+         {:.1} runs per claim statement, {:.1} runs per ending commit",
+        drained.commits_per_run, drained.wal_bytes_per_run, drained.runs_per_claim, drained.runs_per_ending_commit
     );
     println!(
         "SQL floor, {n} connections each claiming one run and finishing it: median {f:.0} runs/s",
@@ -146,11 +167,21 @@ pub async fn throughput(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::R
         n = args.in_flight
     );
     println!("ratio end to end / SQL floor: {:.2}; end to end / batched SQL floor: {:.2}", e / f, e / b);
-    Ok(())
+    Ok(drained)
 }
 
-async fn drain_pass(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<f64> {
-    drain_noops(pool, url, args.runs, args.in_flight, None).await
+/// One drain's rate and what it wrote.
+#[derive(Debug, Clone, Copy)]
+pub struct Drained {
+    pub rate: f64,
+    /// Transactions that wrote (one commit record and one WAL flush each), per run.
+    pub commits_per_run: f64,
+    /// WAL the server wrote during the drain, per run.
+    pub wal_bytes_per_run: f64,
+    /// Runs claimed per claim statement.
+    pub runs_per_claim: f64,
+    /// Runs ended per group-committed ending statement.
+    pub runs_per_ending_commit: f64,
 }
 
 /// Pre-enqueues `runs` no-op runs (with `manifest` pinned on each), then
@@ -163,8 +194,21 @@ pub async fn drain_noops(
     in_flight: usize,
     manifest: Option<&str>,
 ) -> anyhow::Result<f64> {
+    Ok(drain_costs(pool, url, runs, in_flight, manifest).await?.rate)
+}
+
+/// [`drain_noops`], with the commits and WAL the drain cost (the server's
+/// counters read before the worker starts and after its last ending).
+pub async fn drain_costs(
+    pool: &PgPool,
+    url: &str,
+    runs: usize,
+    in_flight: usize,
+    manifest: Option<&str>,
+) -> anyhow::Result<Drained> {
     sql::reset(pool).await?;
     enqueue_noops(pool, runs, manifest).await?;
+    let (wal0, xid0) = sql::write_marks(pool).await?;
     let t0 = Instant::now();
     let hub = Some(Hub::start(url.to_string()));
     let worker = Worker::start(pool.clone(), hub, AgentRegistry::with_builtins(), worker_config(in_flight)).await?;
@@ -175,8 +219,17 @@ pub async fn drain_noops(
         anyhow::ensure!(t0.elapsed() < DRAIN_MAX, "drain pass took over {DRAIN_MAX:?}");
     }
     let took = t0.elapsed();
+    let (wal1, xid1) = sql::write_marks(pool).await?;
     worker.drain().await;
-    Ok(runs as f64 / took.as_secs_f64())
+    let n = runs as f64;
+    let per = |a: u64| if a == 0 { f64::NAN } else { n / a as f64 };
+    Ok(Drained {
+        rate: n / took.as_secs_f64(),
+        commits_per_run: (xid1 - xid0) as f64 / n,
+        wal_bytes_per_run: (wal1 - wal0) as f64 / n,
+        runs_per_claim: per(stats.claim_rounds.load(Ordering::Relaxed)),
+        runs_per_ending_commit: per(stats.finish_commits.load(Ordering::Relaxed)),
+    })
 }
 
 /// The floor: the worker's own statements (claim one, finish it) on

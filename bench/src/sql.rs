@@ -106,3 +106,17 @@ pub async fn analyze(db: impl PgExecutor<'_>) -> Result<(), sqlx::Error> {
     sqlx::query("VACUUM ANALYZE agent_run").execute(db).await?;
     Ok(())
 }
+
+/// The server's write position and its next transaction id: the difference
+/// of two readings is the WAL written (bytes, every database of the server)
+/// and the transactions that wrote (each one commit record, the fsync a
+/// commit waits for) in between. Read-only transactions take no id and
+/// write no commit. Neither read takes a transaction id itself.
+pub async fn write_marks(db: impl PgExecutor<'_>) -> Result<(i64, i64), sqlx::Error> {
+    sqlx::query_as(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint,
+                pg_snapshot_xmax(pg_current_snapshot())::text::bigint",
+    )
+    .fetch_one(db)
+    .await
+}

@@ -28,6 +28,8 @@ fn help_lists_the_benchmark_flags() {
         "--decisions",
         "--waiting",
         "--database-url",
+        "--compare",
+        "--queue-only",
     ] {
         assert!(help.contains(flag), "--help does not list {flag}:\n{help}");
     }
@@ -49,6 +51,8 @@ fn a_small_run_prints_every_figure() {
     cmd.args(["--runs", "40", "--in-flight", "4", "--passes", "1", "--samples", "3", "--parked", "3", "--kills", "1"])
         .args(["--resume-runs", "40", "--replays", "2", "--replay-calls", "20", "--decisions", "3", "--waiting", "5"])
         .args(["--bench-database", &database])
+        // The graphile-worker comparison installs npm packages: not in the test command.
+        .args(["--compare", "none"])
         .arg("--plugin-dir")
         .arg(root.join("plugins/target/wasm32-wasip2/release"))
         .arg("--cache-dir")
@@ -88,6 +92,7 @@ fn a_small_run_prints_every_figure() {
         "pickup, enqueue commit to agent start, idle worker, hub down, poll tick 100ms, 3 runs: p50 ",
         "  pass 1: end to end ",
         "drain 40 pre-enqueued no-op runs, 4 in flight: median ",
+        "drain costs per run (medians): ",
         "SQL floor, 4 connections each claiming one run and finishing it: median ",
         "batched SQL floor, one claim of up to 4 runs, finished on 4 connections: median ",
         "ratio end to end / SQL floor: ",

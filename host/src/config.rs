@@ -419,6 +419,10 @@ pub struct WorkerArgs {
     /// 429 `quota_exceeded` (unset: only `--sse-tails-max` bounds them).
     #[arg(long, env = "AGENT_HOST_USER_MAX_STREAMS")]
     pub user_max_streams: Option<u32>,
+    /// Group commit of endings: how long a batch of terminal writes waits for
+    /// more after its first (0: only endings already queued share a commit).
+    #[arg(long, env = "AGENT_HOST_FINISH_WINDOW_MS", default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=crate::worker::FINISH_WINDOW_MAX.as_millis() as u64))]
+    pub finish_window_ms: u64,
     /// This process's name in claims (default: hostname-pid).
     #[arg(long, env = "AGENT_HOST_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -460,6 +464,7 @@ impl WorkerArgs {
             ),
             schedule_tick: ms(self.schedule_tick_ms),
             policy: std::sync::Arc::new(self.policy()),
+            finish_window: ms(self.finish_window_ms),
         }
     }
 

@@ -11,9 +11,9 @@
 //! | from    | to        | function                         | caller                                   |
 //! |---------|-----------|----------------------------------|------------------------------------------|
 //! | (none)  | queued    | [`super::enqueue::enqueue`], [`retry`] (a new run) | HTTP API, demo, bench; HTTP retry |
-//! | queued  | running   | [`claim`]                        | dispatcher                               |
+//! | queued  | running   | [`claim_batch`] ([`claim`])      | dispatcher                               |
 //! | queued  | cancelled | [`cancel`], [`stop_conversation`] | HTTP cancel, HTTP stop                  |
-//! | running | completed, failed, cancelled | [`finish`] (fenced) | run task                          |
+//! | running | completed, failed, cancelled | [`finish_many`] (group commit, each row fenced), [`finish`] (fenced) | run task (through the worker's finisher) |
 //! | running | failed    | [`backstop`] (fenced)            | run task, when the run's own task died   |
 //! | running | failed    | [`reap_or_resume`] (lease lapsed past the grace, re-checked in the write) | reaper, boot reconciler |
 //! | running | queued    | [`reap_or_resume`], [`hand_back`] (fenced): a resumable run with attempts left, `attempt` raised | reaper, boot reconciler; run task at a drain timeout |
@@ -165,6 +165,8 @@ heads AS (
           AND ($4 = false OR NOT EXISTS (      -- the pre-filter (an optimisation)
               SELECT 1 FROM agent_run b
               WHERE b.conversation_id = q.conversation_id AND b.status IN ('running', 'waiting')))
+          -- Conversations the index turned away earlier in this claim.
+          AND NOT (q.conversation_id = ANY($7::uuid[]))
         ORDER BY q.queue_pos
         LIMIT $1
         FOR UPDATE SKIP LOCKED                 -- contended rows turn invisible
@@ -217,6 +219,15 @@ SELECT c.*, msg.content FROM claimed c JOIN msg ON msg.id = c.user_message_id";
 /// index turning away a turn the pre-filter could not see: it means "claimed
 /// nothing this round", and the caller simply claims again.
 pub async fn claim(db: impl PgExecutor<'_>, claim: &Claim<'_>) -> Result<Vec<ClaimedRun>, sqlx::Error> {
+    claim_except(db, claim, &[]).await
+}
+
+/// [`claim`], passing over the conversations in `except`.
+async fn claim_except(
+    db: impl PgExecutor<'_>,
+    claim: &Claim<'_>,
+    except: &[uuid::Uuid],
+) -> Result<Vec<ClaimedRun>, sqlx::Error> {
     sqlx::query_as::<_, ClaimedRun>(CLAIM_SQL)
         .bind(claim.limit)
         .bind(claim.lease.as_secs_f64())
@@ -224,8 +235,62 @@ pub async fn claim(db: impl PgExecutor<'_>, claim: &Claim<'_>) -> Result<Vec<Cla
         .bind(claim.prefilter)
         .bind(claim.tenant_max_running)
         .bind(RUN_STARTED)
+        .bind(except)
         .fetch_all(db)
         .await
+}
+
+/// What [`claim_batch`] claimed, and how often the index turned a row away.
+#[derive(Debug, Default)]
+pub struct Batch {
+    pub runs: Vec<ClaimedRun>,
+    /// Statements the one-running-per-conversation index refused.
+    pub conflicts: u32,
+}
+
+/// Re-claims after index conflicts in one [`claim_batch`], each passing over
+/// one more conversation: bounded, so a claim always ends.
+pub const CLAIM_CONFLICTS_MAX: u32 = 8;
+
+/// queued -> running, for the dispatcher: [`claim`] of up to `limit` rows
+/// (the caller's free slots) in which a conflict claims fewer rows instead of
+/// failing. A conflict is the one-running-per-conversation index turning away
+/// a turn the pre-filter could not see (it rolls back the whole statement);
+/// the claim is made again at once, passing over that conversation, so its
+/// neighbours in the batch are still claimed. The index keeps the last word:
+/// nothing here decides that a turn may run. After [`CLAIM_CONFLICTS_MAX`]
+/// conflicts (or one whose conversation cannot be read from the error) it
+/// claims nothing this round.
+pub async fn claim_batch(pool: &PgPool, claim: &Claim<'_>) -> Result<Batch, sqlx::Error> {
+    // Every attempt on one connection: PostgreSQL reports an error before it
+    // aborts the transaction, so an attempt on another connection could still
+    // find the rows the failed one locked, and skip them.
+    let mut conn = pool.acquire().await?;
+    let mut except = Vec::new();
+    let mut conflicts = 0;
+    loop {
+        match claim_except(&mut *conn, claim, &except).await {
+            Ok(runs) => return Ok(Batch { runs, conflicts }),
+            Err(e) if is_running_conflict(&e) => {
+                conflicts += 1;
+                match conflict_conversation(&e) {
+                    Some(c) if conflicts < CLAIM_CONFLICTS_MAX => except.push(c),
+                    _ => return Ok(Batch { runs: Vec::new(), conflicts }),
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The conversation a running-conflict names: PostgreSQL's detail reads
+/// `Key (conversation_id)=(<uuid>) already exists.`
+fn conflict_conversation(e: &sqlx::Error) -> Option<uuid::Uuid> {
+    let sqlx::Error::Database(d) = e else { return None };
+    let detail = d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?.detail()?;
+    let (_, rest) = detail.split_once("=(")?;
+    let (id, _) = rest.split_once(')')?;
+    id.parse().ok()
 }
 
 /// Whether a claim error was the index turning away a second running turn.
@@ -363,6 +428,95 @@ pub async fn finish(
     Ok(applied.is_some())
 }
 
+/// One ending of a batch for [`finish_many`]: the run, the token it was
+/// claimed with, and how it ends.
+#[derive(Debug, Clone)]
+pub struct Ending {
+    pub run: RunId,
+    pub token: ClaimToken,
+    pub status: RunStatus,
+    pub error: Option<String>,
+    pub assistant: Option<(String, MessageStatus)>,
+    pub usage: Option<Value>,
+}
+
+/// Endings one [`finish_many`] statement writes at most.
+pub const FINISH_BATCH_MAX: usize = 256;
+
+/// running -> completed | failed | cancelled for several runs in ONE
+/// statement (one commit), for the worker's group commit. Each row is
+/// [`finish`] exactly: fenced by its own token (`claim_token = token AND
+/// status = 'running'`), with its `complete` event (its own max(seq)+1), its
+/// assistant message and the wake of its conversation. A fenced row matches
+/// nothing and drops out alone: the answer lists the runs whose ending was
+/// written, and a run missing from it was ended by someone else. At most
+/// [`FINISH_BATCH_MAX`] endings; a run appears at most once.
+pub async fn finish_many(db: impl PgExecutor<'_>, endings: &[Ending]) -> Result<Vec<RunId>, sqlx::Error> {
+    if endings.is_empty() {
+        return Ok(Vec::new());
+    }
+    assert!(endings.len() <= FINISH_BATCH_MAX, "a batch of {} endings", endings.len());
+    debug_assert!(endings.iter().all(|e| e.status.is_terminal()));
+    let col = |f: &dyn Fn(&Ending) -> Option<String>| endings.iter().map(f).collect::<Vec<Option<String>>>();
+    let ids: Vec<uuid::Uuid> = endings.iter().map(|e| e.run.0).collect();
+    let tokens: Vec<uuid::Uuid> = endings.iter().map(|e| e.token.0).collect();
+    let statuses = col(&|e| Some(e.status.as_str().to_string()));
+    let errors = col(&|e| e.error.clone());
+    let texts = col(&|e| e.assistant.as_ref().map(|(t, _)| t.clone()));
+    let message_statuses = col(&|e| e.assistant.as_ref().map(|(_, s)| s.as_str().to_string()));
+    let usages = col(&|e| e.usage.as_ref().map(|u| u.to_string()));
+    let payloads = col(&|e| Some(complete_payload(e.status, e.error.as_deref()).to_string()));
+    let message_ids: Vec<uuid::Uuid> = endings.iter().map(|_| MessageId::new().0).collect();
+    sqlx::query_scalar(
+        "WITH e AS (
+             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::text[],
+                                  $7::text[], $8::text[], $9::uuid[])
+                 AS e(id, token, status, error, text, message_status, usage, payload, message_id)
+         ),
+         fin AS (
+             -- finished_at is the statement clock (see the module's Clocks).
+             UPDATE agent_run r SET status = e.status, error = e.error, finished_at = clock_timestamp(),
+                                    usage = e.usage::jsonb
+             FROM e
+             WHERE r.id = e.id AND r.claim_token = e.token AND r.status = 'running'   -- the fence, per row
+             RETURNING r.id, r.conversation_id
+         ),
+         ev AS (
+             INSERT INTO run_event (run_id, seq, type, payload)
+             SELECT f.id, (SELECT coalesce(max(seq), 0) + 1 FROM run_event WHERE run_id = f.id), $10, e.payload::jsonb
+             FROM fin f JOIN e ON e.id = f.id
+         ),
+         msg AS (
+             INSERT INTO message (id, conversation_id, run_id, role, content, status)
+             SELECT e.message_id, f.conversation_id, f.id, 'assistant', e.text, e.message_status
+             FROM fin f JOIN e ON e.id = f.id WHERE e.text IS NOT NULL
+         ),
+         -- The wake chain, as in `finish`: knock once per conversation that
+         -- has a turn waiting on one of these runs.
+         wake AS (
+             SELECT pg_notify($11, c.conversation_id::text)
+             FROM (SELECT DISTINCT conversation_id FROM fin) c
+             WHERE EXISTS (SELECT 1 FROM agent_run q
+                           WHERE q.conversation_id = c.conversation_id AND q.status = 'queued')
+         )
+         -- Referencing `wake` is what makes it run.
+         SELECT f.id FROM fin f WHERE (SELECT count(*) FROM wake) >= 0",
+    )
+    .bind(ids)
+    .bind(tokens)
+    .bind(statuses)
+    .bind(errors)
+    .bind(texts)
+    .bind(message_statuses)
+    .bind(usages)
+    .bind(payloads)
+    .bind(message_ids)
+    .bind(COMPLETE)
+    .bind(RUN_ENQUEUED)
+    .fetch_all(db)
+    .await
+}
+
 /// running -> failed, for the run task's backstop: the run's own task died
 /// (panic, error) without an ending. Fenced like [`finish`], which it is with
 /// no answer and no usage; `reason` is the run's error text.
@@ -416,7 +570,9 @@ pub struct Expired {
 
 /// The reaper's read (and the boot reconciler's): running runs whose lease
 /// lapsed more than `grace` ago (by the database's clock). A snapshot, stale
-/// the instant it is returned; [`reap`] re-checks in its write.
+/// the instant it is returned; [`reap`] re-checks in its write. Served by
+/// `one_running_per_conversation`, whose entries are the active runs only
+/// (migration 0009 dropped the lease index every claim and heartbeat wrote).
 pub async fn find_expired(db: impl PgExecutor<'_>, grace: Duration, limit: i64) -> Result<Vec<Expired>, sqlx::Error> {
     sqlx::query_as(
         "SELECT id, claim_token FROM agent_run

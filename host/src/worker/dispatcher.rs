@@ -1,6 +1,9 @@
 //! The claim loop. Acquire-before-pull: a slot is taken before a row is
 //! claimed, so a saturated process never strands a claimed row it has no
-//! capacity to run; overload shows up as queue depth instead.
+//! capacity to run; overload shows up as queue depth instead. A dispatcher
+//! with k free slots holds k permits and claims up to k rows in one
+//! statement (`db::lifecycle::claim_batch`): never more rows than slots, and
+//! an index conflict claims fewer rows rather than none.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -51,20 +54,25 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             prefilter: true,
             tenant_max_running: shared.config.tenant_max_running.map(i64::from),
         };
-        let result = db::lifecycle::claim(&shared.pool, &claim).await;
+        let result = db::lifecycle::claim_batch(&shared.pool, &claim).await;
         shared.stats.claim_rounds.fetch_add(1, Ordering::Relaxed);
         let claimed = match result {
-            Ok(rows) => rows,
-            Err(e) if db::lifecycle::is_running_conflict(&e) => {
-                shared.stats.claim_conflicts.fetch_add(1, Ordering::Relaxed);
-                drop(permits);
-                conflicts += 1;
-                if conflicts <= CONFLICT_RETRIES_MAX {
+            Ok(batch) => {
+                shared.stats.claim_conflicts.fetch_add(u64::from(batch.conflicts), Ordering::Relaxed);
+                if batch.runs.is_empty() && batch.conflicts > 0 {
+                    // Every candidate was turned away: its turn is running
+                    // elsewhere and ends with a wake. Try again a few times
+                    // at once, then wait for that wake.
+                    drop(permits);
+                    conflicts += 1;
+                    if conflicts <= CONFLICT_RETRIES_MAX {
+                        continue;
+                    }
+                    conflicts = 0;
+                    idle_wait(&shared, wakes.as_mut(), shared.config.poll_tick).await;
                     continue;
                 }
-                conflicts = 0;
-                idle_wait(&shared, wakes.as_mut(), shared.config.poll_tick).await;
-                continue;
+                batch.runs
             }
             Err(e) => {
                 tracing::warn!(error = %e, "claim failed");

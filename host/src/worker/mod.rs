@@ -3,6 +3,7 @@
 
 mod canceller;
 mod dispatcher;
+mod finisher;
 mod heartbeat;
 mod reaper;
 mod retention;
@@ -28,6 +29,7 @@ use crate::agent::AgentRegistry;
 use crate::db::{ClaimToken, ConversationId, RunId};
 use crate::hub::Hub;
 
+pub use finisher::{FINISH_BATCH_MAX, FINISH_WINDOW_DEFAULT, FINISH_WINDOW_MAX};
 pub use reaper::sweep as reap_sweep;
 
 /// Article defaults.
@@ -87,6 +89,10 @@ pub struct WorkerConfig {
     pub schedule_tick: Duration,
     /// The operator's rules for what schedules enqueue (allowed webhooks).
     pub policy: Arc<crate::service::submit::Policy>,
+    /// Group commit of endings: how long a batch of terminal writes waits for
+    /// more after its first (at most [`FINISH_WINDOW_MAX`]; zero: only what
+    /// is already queued shares a commit).
+    pub finish_window: Duration,
 }
 
 impl Default for WorkerConfig {
@@ -111,6 +117,7 @@ impl Default for WorkerConfig {
             webhooks: None,
             schedule_tick: SCHEDULE_TICK_DEFAULT,
             policy: Arc::default(),
+            finish_window: FINISH_WINDOW_DEFAULT,
         }
     }
 }
@@ -132,6 +139,8 @@ pub enum ConfigError {
     MaxRuns(usize),
     #[error("worker id must be 1-200 bytes")]
     WorkerId,
+    #[error("finish window must be at most {max:?}, not {0:?}", max = FINISH_WINDOW_MAX)]
+    FinishWindow(Duration),
 }
 
 impl WorkerConfig {
@@ -164,6 +173,9 @@ impl WorkerConfig {
         }
         if self.worker_id.is_empty() || self.worker_id.len() > 200 {
             return Err(ConfigError::WorkerId);
+        }
+        if self.finish_window > FINISH_WINDOW_MAX {
+            return Err(ConfigError::FinishWindow(self.finish_window));
         }
         Ok(())
     }
@@ -213,6 +225,8 @@ pub struct WorkerStats {
     pub backstopped: AtomicU64,
     pub reaped: AtomicU64,
     pub claim_conflicts: AtomicU64,
+    /// Statements that wrote endings (group commit: several runs each).
+    pub finish_commits: AtomicU64,
     pub heartbeat_errors: AtomicU64,
     /// Resumable runs the reaper put back in the queue (their worker was lost).
     pub requeued: AtomicU64,
@@ -274,6 +288,8 @@ pub(crate) struct Shared {
     journal_stats: Arc<crate::run::journal::JournalStats>,
     /// Conversations whose run this process just ended, for the waker.
     ended: mpsc::Sender<(RunId, ConversationId)>,
+    /// Endings for the group commit.
+    finisher: mpsc::Sender<finisher::Request>,
 }
 
 /// What `/metrics` reads of a running worker.
@@ -317,6 +333,7 @@ impl Worker {
     ) -> Result<Worker, ConfigError> {
         config.validate()?;
         let (ended, ended_rx) = mpsc::channel(waker::QUEUE_MAX);
+        let (finisher, finisher_rx) = mpsc::channel(finisher::QUEUE_MAX);
         let shared = Arc::new(Shared {
             pool,
             agents,
@@ -331,6 +348,7 @@ impl Worker {
             stats: Arc::new(WorkerStats::default()),
             journal_stats: Arc::new(crate::run::journal::JournalStats::default()),
             ended,
+            finisher,
         });
         // The boot reconciler: a full-cluster restart leaves orphans no
         // running loop noticed. Errors here are not fatal; the loop retries.
@@ -341,6 +359,7 @@ impl Worker {
             tokio::spawn(heartbeat::run(shared.clone())),
             tokio::spawn(reaper::run(shared.clone())),
             tokio::spawn(waker::run(shared.clone(), ended_rx)),
+            tokio::spawn(finisher::run(shared.clone(), finisher_rx)),
             tokio::spawn(retention::run(shared.clone())),
             tokio::spawn(schedules::run(shared.clone())),
         ];

@@ -11,7 +11,7 @@ use tracing::Instrument;
 
 use crate::agent::registry::HISTORY_MESSAGES_MAX;
 use crate::agent::{AgentError, FailReason, HostError, Message, Resolved, RunHost, RunInput, Usage};
-use crate::db::{self, lifecycle::ClaimedRun, lifecycle::Finish, MessageStatus, RunStatus};
+use crate::db::{self, lifecycle::ClaimedRun, lifecycle::Ending, MessageStatus, RunStatus};
 use crate::run::host::RunHostParts;
 use crate::run::journal::{Journal, JournalConfig, FIRST_RUN_SEQ};
 use crate::run::record::{Recording, RecordingParts};
@@ -297,12 +297,11 @@ async fn finalize(
         shared.journal_stats.nul_replaced.fetch_add(replaced as u64, Ordering::Relaxed);
     }
     let usage = usage.map(|u| serde_json::to_value(u).expect("usage serializes"));
-    let finish =
-        Finish { status, error: error.as_deref(), assistant: assistant.as_ref().map(|(t, s)| (t.as_str(), *s)), usage };
+    let ending = Ending { run: row.id, token: row.claim_token, status, error, assistant, usage };
     // No more heartbeats for a run that is ending: one landing after our
     // terminal write would find the claim gone and cry wolf.
     shared.held.lock().unwrap().remove(&row.id);
-    match db::lifecycle::finish(&shared.pool, row.id, row.claim_token, &finish).await {
+    match group_commit(shared, ending).await {
         Ok(true) => {
             shared.stats.record_end(status, reason);
             Outcome::Finalized
@@ -315,6 +314,20 @@ async fn finalize(
             Outcome::Unfinalized(FailReason::Host.message("the run's ending could not be written"))
         }
     }
+}
+
+/// The terminal write, group-committed with the endings of runs that end
+/// in the same window (see `finisher`). Should the finisher be gone (a
+/// worker dropped without its drain), the ending is written on its own.
+async fn group_commit(shared: &Shared, ending: Ending) -> Result<bool, sqlx::Error> {
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let request = super::finisher::Request { ending: ending.clone(), reply };
+    if shared.finisher.send(request).await.is_ok() {
+        if let Ok(written) = answer.await {
+            return written;
+        }
+    }
+    Ok(!db::lifecycle::finish_many(&shared.pool, std::slice::from_ref(&ending)).await?.is_empty())
 }
 
 /// The recording of a resumable run: its call log and what its earlier

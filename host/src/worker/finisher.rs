@@ -1,0 +1,98 @@
+//! Group commit of endings: the terminal writes of runs that end within a
+//! short window share one statement and one commit
+//! (`db::lifecycle::finish_many`), each row still fenced by its own token and
+//! still with its `complete` event, its assistant message and its wake.
+//!
+//! Bounds: a batch is written once [`FINISH_BATCH_MAX`] endings are in it,
+//! once the window (`WorkerConfig::finish_window`, at most
+//! [`FINISH_WINDOW_MAX`]) since its first ending has passed, or at once when
+//! every run this process holds is already in it (nothing else could join:
+//! a full drain commits without waiting). The queue in front is bounded
+//! ([`QUEUE_MAX`]); a run task waits when it is full. One batch is written at
+//! a time; endings arriving meanwhile form the next one, so under load the
+//! batch grows instead of the latency.
+//!
+//! A fenced row drops out of its batch alone (its run task is told `false`).
+//! If the batch statement itself fails, each of its endings is written on its
+//! own, so one bad row never fails its neighbours.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::db::{self, lifecycle::Ending, RunId};
+
+use super::Shared;
+
+/// Endings one statement writes at most.
+pub const FINISH_BATCH_MAX: usize = 64;
+const _: () = assert!(FINISH_BATCH_MAX <= db::lifecycle::FINISH_BATCH_MAX);
+/// The default window: how long a batch waits for more endings after its first.
+pub const FINISH_WINDOW_DEFAULT: Duration = Duration::from_millis(2);
+/// The longest window a configuration may ask for.
+pub const FINISH_WINDOW_MAX: Duration = Duration::from_millis(10);
+/// Endings waiting for the finisher; run tasks wait when it is full.
+pub(super) const QUEUE_MAX: usize = 1024;
+
+/// One ending and whom to tell: `Ok(true)` written, `Ok(false)` fenced.
+pub(super) struct Request {
+    pub ending: Ending,
+    pub reply: oneshot::Sender<Result<bool, sqlx::Error>>,
+}
+
+pub(super) async fn run(shared: Arc<Shared>, mut queue: mpsc::Receiver<Request>) {
+    let mut batch: Vec<Request> = Vec::with_capacity(FINISH_BATCH_MAX);
+    loop {
+        // The first ending of a batch; the finisher ends once the worker's
+        // services stop and nothing is queued (run tasks stop before them).
+        tokio::select! {
+            biased;
+            n = queue.recv_many(&mut batch, FINISH_BATCH_MAX) => if n == 0 { return },
+            _ = shared.stop_services.cancelled() => {
+                queue.close();
+                if queue.recv_many(&mut batch, FINISH_BATCH_MAX).await == 0 {
+                    return;
+                }
+            }
+        }
+        let deadline = tokio::time::Instant::now() + shared.config.finish_window;
+        while batch.len() < FINISH_BATCH_MAX && !everyone_ending(&shared) {
+            let room = FINISH_BATCH_MAX - batch.len();
+            tokio::select! {
+                biased;
+                n = queue.recv_many(&mut batch, room) => if n == 0 { break },
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        write(&shared, &mut batch).await;
+    }
+}
+
+/// Whether every run this process holds has its ending in the batch (the
+/// run task drops its `held` entry before it asks): no one else can join.
+fn everyone_ending(shared: &Shared) -> bool {
+    shared.held.lock().unwrap().is_empty()
+}
+
+async fn write(shared: &Shared, batch: &mut Vec<Request>) {
+    let endings: Vec<Ending> = batch.iter().map(|r| r.ending.clone()).collect();
+    match db::lifecycle::finish_many(&shared.pool, &endings).await {
+        Ok(written) => {
+            shared.stats.finish_commits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let written: std::collections::HashSet<RunId> = written.into_iter().collect();
+            for r in batch.drain(..) {
+                let _ = r.reply.send(Ok(written.contains(&r.ending.run)));
+            }
+        }
+        Err(e) => {
+            // One by one, so a row the database refuses fails alone.
+            tracing::warn!(error = %e, endings = batch.len(), "group-committed endings failed; writing them one by one");
+            for r in batch.drain(..) {
+                let one = db::lifecycle::finish_many(&shared.pool, std::slice::from_ref(&r.ending)).await;
+                shared.stats.finish_commits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let _ = r.reply.send(one.map(|w| !w.is_empty()));
+            }
+        }
+    }
+}

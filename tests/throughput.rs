@@ -1,0 +1,332 @@
+//! Throughput mechanisms against a real PostgreSQL, each with the invariant
+//! it must keep: batch claims (never more rows than slots, FIFO and one
+//! running turn per conversation, a conflict claims fewer rows, fairness
+//! across tenants) and group-committed endings (each row fenced alone, each
+//! run its `complete`, its answer and its wake).
+//!
+//! Which rows one statement wrote is read from the rows themselves: rows
+//! inserted by one transaction share its `xmin`, and journal rows are never
+//! updated, so the `run_started` rows of one claim, or the `complete` rows of
+//! one group commit, share one `xmin`.
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
+use agent_host::db::enqueue;
+use agent_host::db::lifecycle::{self, Claim, Ending, Expired};
+use agent_host::db::{MessageStatus, RunId, RunStatus};
+use agent_host::worker::WorkerConfig;
+use async_trait::async_trait;
+use serde_json::json;
+use support::*;
+
+fn claim_args(worker_id: &str, limit: i64, prefilter: bool) -> Claim<'_> {
+    Claim { limit, lease: Duration::from_secs(30), worker_id, prefilter, tenant_max_running: None }
+}
+
+fn tenant(name: &str) -> enqueue::Owner {
+    enqueue::Owner { user_id: format!("{name}-user"), tenant_id: name.into() }
+}
+
+/// Rows per writing transaction among the journal rows of `kind`, largest first.
+async fn rows_per_commit(pool: &sqlx::PgPool, kind: &str) -> Vec<i64> {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM run_event WHERE type = $1 GROUP BY xmin::text::bigint ORDER BY count(*) DESC",
+    )
+    .bind(kind)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Holds each run until the test opens the gate, and records the most runs
+/// the database showed running while one of its runs was starting.
+struct Gate {
+    gate: Arc<tokio::sync::Semaphore>,
+    started: Arc<AtomicUsize>,
+    most_running: Arc<AtomicUsize>,
+    pool: sqlx::PgPool,
+}
+
+#[async_trait]
+impl Agent for Gate {
+    async fn run(&self, _host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
+        let running: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'running'")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap();
+        self.most_running.fetch_max(running as usize, Ordering::SeqCst);
+        self.started.fetch_add(1, Ordering::SeqCst);
+        self.gate.acquire().await.unwrap().forget();
+        Ok("done".into())
+    }
+}
+
+/// A dispatcher with k free slots claims up to k rows in one statement, and
+/// never more rows than slots: the database never shows more running than
+/// the worker has slots, and no claim statement took more than that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_claim_never_holds_more_rows_than_slots() {
+    const SLOTS: usize = 4;
+    const RUNS: usize = 24;
+    let db = TestDb::new().await;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (started, most_running) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let mut agents = AgentRegistry::default();
+    let agent = Gate {
+        gate: gate.clone(),
+        started: started.clone(),
+        most_running: most_running.clone(),
+        pool: db.pool.clone(),
+    };
+    agents.insert("gate", Arc::new(agent));
+    let mut runs = Vec::new();
+    for _ in 0..RUNS {
+        runs.push(enqueue(&db.pool, None, "gate", json!({})).await.run_id);
+    }
+    let w = start_worker_with(&db, agents, WorkerConfig { max_runs: SLOTS, ..fast_config("batch") }).await;
+    // Release the runs a slot-full at a time: each wave frees every slot at
+    // once, so the next claim takes several rows in one statement.
+    for wave in 1..=RUNS / SLOTS {
+        let s = started.clone();
+        wait_for("a full wave of runs to start", LONG, || {
+            let s = s.clone();
+            async move { s.load(Ordering::SeqCst) == wave * SLOTS }
+        })
+        .await;
+        let running: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'running'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(running as usize, SLOTS, "wave {wave}: running rows beside {SLOTS} slots");
+        gate.add_permits(SLOTS);
+    }
+    for run in &runs {
+        wait_status(&db.pool, *run, "completed", LONG).await;
+    }
+    w.drain().await;
+    assert!(
+        most_running.load(Ordering::SeqCst) <= SLOTS,
+        "{} running with {SLOTS} slots",
+        most_running.load(Ordering::SeqCst)
+    );
+    let claims = rows_per_commit(&db.pool, "run_started").await;
+    assert_eq!(claims.iter().sum::<i64>(), RUNS as i64);
+    assert!(claims[0] <= SLOTS as i64, "one claim took {} rows with {SLOTS} slots", claims[0]);
+    assert!(claims[0] > 1, "no claim took more than one row: {claims:?}");
+}
+
+/// A batch that reaches two turns of one conversation claims only the
+/// first; and when the index turns a row away (here the pre-filter is off,
+/// so the claim reaches for a turn whose conversation is running), the
+/// claim takes the other rows instead of failing.
+#[tokio::test]
+async fn a_batch_containing_two_turns_of_one_conversation_claims_only_the_first() {
+    let db = TestDb::new().await;
+    let a1 = enqueue(&db.pool, None, "noop", json!({})).await;
+    let a2 = enqueue(&db.pool, Some(a1.conversation_id), "noop", json!({})).await;
+    let b1 = enqueue(&db.pool, None, "noop", json!({})).await;
+    let batch = lifecycle::claim_batch(&db.pool, &claim_args("w", 10, true)).await.unwrap();
+    let mut ids: Vec<RunId> = batch.runs.iter().map(|r| r.id).collect();
+    ids.sort_by_key(|r| r.0);
+    let mut want = vec![a1.run_id, b1.run_id];
+    want.sort_by_key(|r| r.0);
+    assert_eq!(ids, want, "the batch took a later turn of a conversation");
+    assert_eq!(batch.conflicts, 0);
+    assert_eq!(status(&db.pool, a2.run_id).await, "queued");
+
+    // a1 runs; without the pre-filter a2 is a candidate, and the index turns
+    // it away. The claim is made again without a2's conversation: c1 is
+    // claimed, nothing errs, a2 stays queued.
+    let c1 = enqueue(&db.pool, None, "noop", json!({})).await;
+    let batch = lifecycle::claim_batch(&db.pool, &claim_args("w", 10, false)).await.unwrap();
+    assert_eq!(batch.runs.iter().map(|r| r.id).collect::<Vec<_>>(), vec![c1.run_id], "{batch:?}");
+    assert_eq!(batch.conflicts, 1, "the index did not turn a2 away");
+    assert_eq!(status(&db.pool, a2.run_id).await, "queued");
+    let running: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE conversation_id = $1 AND status = 'running'")
+            .bind(a1.conversation_id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(running, 1);
+}
+
+/// A fenced row inside a group-committed batch of endings changes nothing
+/// (the run keeps the ending its reaper wrote, with no second `complete` and
+/// no answer), and its neighbours end normally in the same commit, each with
+/// its `complete` event, its assistant message and its wake.
+#[tokio::test]
+async fn a_fenced_row_in_a_group_committed_batch_changes_nothing_and_its_neighbours_end() {
+    let db = TestDb::new().await;
+    let mut turns = Vec::new();
+    for _ in 0..3 {
+        let first = enqueue(&db.pool, None, "noop", json!({})).await;
+        // A second turn in each conversation: the ending must wake it.
+        let next = enqueue(&db.pool, Some(first.conversation_id), "noop", json!({})).await;
+        turns.push((first, next));
+    }
+    let claimed = lifecycle::claim_batch(&db.pool, &claim_args("w", 10, true)).await.unwrap().runs;
+    assert_eq!(claimed.len(), 3);
+    // The middle run's worker is lost: its lease lapses and the reaper ends it.
+    let fenced = claimed[1].clone();
+    update_run(&db.pool, fenced.id, "claim_expires_at = now() - interval '1 hour'").await;
+    let expired = Expired { id: fenced.id, claim_token: fenced.claim_token };
+    assert!(lifecycle::reap(&db.pool, expired, Duration::from_secs(1)).await.unwrap());
+
+    let mut listener = sqlx::postgres::PgListener::connect(&db.url).await.unwrap();
+    listener.listen(agent_host::db::notify::RUN_ENQUEUED).await.unwrap();
+    let endings: Vec<Ending> = claimed
+        .iter()
+        .map(|c| Ending {
+            run: c.id,
+            token: c.claim_token,
+            status: RunStatus::Completed,
+            error: None,
+            assistant: Some((format!("answer of {}", c.id), MessageStatus::Complete)),
+            usage: Some(json!({ "input_tokens": 1, "output_tokens": 2 })),
+        })
+        .collect();
+    let written = lifecycle::finish_many(&db.pool, &endings).await.unwrap();
+    let mut want = vec![claimed[0].id, claimed[2].id];
+    want.sort_by_key(|r| r.0);
+    let mut got = written.clone();
+    got.sort_by_key(|r| r.0);
+    assert_eq!(got, want, "the fenced row did not drop out alone");
+
+    assert_eq!(status(&db.pool, fenced.id).await, "failed", "the fenced row was changed");
+    assert!(run_error(&db.pool, fenced.id).await.contains("worker lost"));
+    let answers: i64 = sqlx::query_scalar("SELECT count(*) FROM message WHERE run_id = $1 AND role = 'assistant'")
+        .bind(fenced.id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(answers, 0, "a fenced run got an answer");
+    for c in claimed.iter().filter(|c| c.id != fenced.id) {
+        assert_eq!(status(&db.pool, c.id).await, "completed");
+        let (content, message_status): (String, String) =
+            sqlx::query_as("SELECT content, status FROM message WHERE run_id = $1 AND role = 'assistant'")
+                .bind(c.id)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!((content.as_str(), message_status.as_str()), (format!("answer of {}", c.id).as_str(), "complete"));
+    }
+    // One `complete` per run, in seq order after what the run journaled.
+    for c in &claimed {
+        let journal = assert_journal_sound(&db.pool, c.id).await;
+        assert_eq!(journal.iter().filter(|(_, k)| k == "complete").count(), 1, "{journal:?}");
+        assert_eq!(journal.last().unwrap().1, "complete");
+    }
+    // The two endings shared one commit.
+    let ids: Vec<uuid::Uuid> = want.iter().map(|r| r.0).collect();
+    let commits: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT xmin::text) FROM run_event WHERE run_id = ANY($1) AND type = 'complete'",
+    )
+    .bind(&ids)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(commits, 1);
+    // Each ended run's conversation was woken for its next turn.
+    let mut woken = std::collections::HashSet::new();
+    let want_woken: std::collections::HashSet<String> =
+        claimed.iter().filter(|c| c.id != fenced.id).map(|c| c.conversation_id.to_string()).collect();
+    while !want_woken.is_subset(&woken) {
+        let n = tokio::time::timeout(LONG, listener.recv()).await.expect("a wake within the deadline").unwrap();
+        woken.insert(n.payload().to_string());
+    }
+}
+
+/// The worker's group commit, end to end: a drain of many short runs ends
+/// them in fewer commits than runs, and the wake chain still starts every
+/// next turn at once (the poll tick is far longer than the whole drain).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_committed_endings_keep_every_complete_answer_and_wake() {
+    const CONVERSATIONS: usize = 12;
+    const TURNS: usize = 3;
+    let db = TestDb::new().await;
+    let mut runs = Vec::new();
+    for _ in 0..CONVERSATIONS {
+        let mut conversation = None;
+        for _ in 0..TURNS {
+            let e = enqueue(&db.pool, conversation, "echo", json!({})).await;
+            conversation = Some(e.conversation_id);
+            runs.push(e.run_id);
+        }
+    }
+    let config = WorkerConfig { max_runs: 8, poll_tick: Duration::from_secs(60), ..fast_config("group") };
+    let w = start_worker(&db, config).await;
+    for run in &runs {
+        wait_status(&db.pool, *run, "completed", Duration::from_secs(30)).await;
+    }
+    let stats = w.stats();
+    w.drain().await;
+    for run in &runs {
+        let journal = assert_journal_sound(&db.pool, *run).await;
+        assert_eq!(journal.iter().filter(|(_, k)| k == "complete").count(), 1);
+        let answers: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM message WHERE run_id = $1 AND role = 'assistant' AND status = 'complete'",
+        )
+        .bind(run)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(answers, 1);
+    }
+    let endings = rows_per_commit(&db.pool, "complete").await;
+    assert_eq!(endings.iter().sum::<i64>(), runs.len() as i64);
+    assert!(endings.len() < runs.len(), "no two endings shared a commit: {endings:?}");
+    assert!(endings[0] <= agent_host::worker::FINISH_BATCH_MAX as i64);
+    let commits = stats.finish_commits.load(Ordering::Relaxed);
+    assert_eq!(commits as usize, endings.len(), "the worker's count of ending commits");
+    assert_eq!(stats.poll_wakeups.load(Ordering::Relaxed), 0, "a turn waited for the poll tick");
+}
+
+/// A tenant flooding the queue cannot starve a trickling one with batch
+/// claims on: with eight slots a claim takes several rows, ranked by the
+/// load each tenant would carry, so the trickle's runs go first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_tenant_cannot_starve_a_trickle_with_batch_claims() {
+    const SLOTS: usize = 8;
+    let db = TestDb::new().await;
+    let pool = &db.pool;
+    let quick = json!({ "steps": 1, "step_ms": 10 });
+    let mut flood = Vec::new();
+    for _ in 0..300 {
+        flood.push(enqueue_as(pool, &tenant("flood"), None, "sleep", quick.clone()).await.run_id);
+    }
+    let w = start_worker(&db, WorkerConfig { max_runs: SLOTS, ..fast_config("fair") }).await;
+    for run in &flood[..20] {
+        wait_status(pool, *run, "completed", LONG).await;
+    }
+    let mut trickle = Vec::new();
+    for _ in 0..5 {
+        trickle.push(enqueue_as(pool, &tenant("trickle"), None, "sleep", quick.clone()).await.run_id);
+    }
+    for run in &trickle {
+        wait_status(pool, *run, "completed", LONG).await;
+    }
+    let order: Vec<String> = sqlx::query_scalar(
+        "SELECT tenant_id FROM agent_run
+         WHERE started_at >= (SELECT min(created_at) FROM agent_run WHERE tenant_id = 'trickle')
+         ORDER BY started_at, queue_pos",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let last = order.iter().rposition(|t| t == "trickle").unwrap();
+    // At most the slots in flight when the trickle arrived, plus one claim's
+    // worth of flood rows beside the trickle's, plus the trickle itself.
+    assert!(last < 2 * SLOTS + 5, "trickle starved: {order:?}");
+    let waiting: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'queued'").fetch_one(pool).await.unwrap();
+    assert!(waiting > 150, "the flood was still queued while the trickle ran ({waiting} left)");
+    w.drain().await;
+    let claims = rows_per_commit(pool, "run_started").await;
+    assert!(claims[0] > 1 && claims[0] <= SLOTS as i64, "claims took {claims:?} rows");
+}
