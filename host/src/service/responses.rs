@@ -34,6 +34,7 @@ use crate::db::responses::{self as rows, ResponseRow};
 use crate::db::ConversationId;
 use crate::stream::responses::{function_calls, parse_response_id, view, REQUEST_KEY};
 use crate::stream::tail::{TailError, Tails};
+use crate::tools::{valid_tool_name, TOOL_NAME_BYTES_MAX};
 
 use super::submit::{self, Busy, Policy, Submission, SubmitError};
 
@@ -41,8 +42,6 @@ use super::submit::{self, Busy, Policy, Submission, SubmitError};
 pub const INPUT_ITEMS_MAX: usize = 256;
 /// Function tools of one request.
 pub const TOOLS_MAX: usize = 128;
-/// Characters of a function tool's name.
-pub const TOOL_NAME_CHARS_MAX: usize = 64;
 /// Metadata pairs, and the characters of a key and of a value (the
 /// specification's bounds).
 pub const METADATA_PAIRS_MAX: usize = 16;
@@ -174,7 +173,14 @@ pub async fn create(
         config.insert("system".into(), json!(system.join("\n\n")));
     }
     if !offered.is_empty() {
-        config.insert("tools".into(), json!(offered));
+        // Beside any tools the plugin's own config (extra_body) offers.
+        let mut all = match config.get("tools") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(t)) => t.clone(),
+            Some(_) => return Err(invalid("config", "config.tools must be a list")),
+        };
+        all.extend(offered);
+        config.insert("tools".into(), json!(all));
         config.insert("client_tools".into(), json!(client_tools));
     }
     // One user message is the turn's content itself; anything more goes as messages.
@@ -285,13 +291,10 @@ fn tools(tools: Option<&[Value]>) -> Result<(Vec<Value>, Vec<Value>, Vec<String>
             return Err(invalid("tools", format!("tools of type {kind:?} are not supported; only \"function\"")));
         }
         let name = t.get("name").and_then(Value::as_str).unwrap_or_default();
-        let good = !name.is_empty()
-            && name.chars().count() <= TOOL_NAME_CHARS_MAX
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-        if !good {
+        if !valid_tool_name(name) {
             return Err(invalid(
                 "tools",
-                format!("a function's name is 1-{TOOL_NAME_CHARS_MAX} of a-z, A-Z, 0-9, _ and -, not {name:?}"),
+                format!("a function's name is 1-{TOOL_NAME_BYTES_MAX} of a-z, A-Z, 0-9, _ and -, not {name:?}"),
             ));
         }
         if names.iter().any(|n| n == name) {
