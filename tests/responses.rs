@@ -313,3 +313,53 @@ async fn another_users_token_finds_nothing_and_a_dropped_wait_leaves_the_run_goi
     assert_ne!(last, run);
     wait_status(&db.pool, last, "completed", LONG).await;
 }
+
+/// What the request maps to, as the run keeps it: function tools beside the
+/// plugin config's own, none offered for `tool_choice: "none"`; a request too
+/// big for the run's config is told what counts; `previous_response_id`
+/// naming an older response (a branch) is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_request_maps_onto_the_runs_config_and_refuses_what_it_cannot_keep() {
+    let db = TestDb::new().await;
+    let host = TestHost::builtins(&db).await;
+    let config_of = |id: &str| {
+        let run: RunId = id.strip_prefix("resp_").unwrap().parse().unwrap();
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, Value>("SELECT config FROM agent_run WHERE id = $1")
+                .bind(run)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let tool = json!({ "type": "function", "name": "get_weather", "parameters": { "type": "object" } });
+    let body = json!({ "model": "echo", "input": "hi", "background": true, "tools": [tool],
+                       "config": { "tools": [{ "name": "own" }] } });
+    let (status, r) = host.call("POST", "/v1/responses", Some(body)).await;
+    assert_eq!(status, 200, "{r}");
+    let config = config_of(r["id"].as_str().unwrap()).await;
+    let names: Vec<&str> = config["tools"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["own", "get_weather"], "{config}");
+    assert_eq!(config["client_tools"], json!(["get_weather"]));
+    let body = json!({ "model": "echo", "input": "hi", "background": true, "tools": [tool], "tool_choice": "none" });
+    let (_, r) = host.call("POST", "/v1/responses", Some(body)).await;
+    let config = config_of(r["id"].as_str().unwrap()).await;
+    assert!(config.get("tools").is_none() && config.get("client_tools").is_none(), "{config}");
+    assert_eq!(r["tool_choice"], "none");
+
+    let body = json!({ "model": "echo", "input": "hi", "instructions": "x".repeat(20 * 1024) });
+    let (status, err) = host.call("POST", "/v1/responses", Some(body)).await;
+    assert_eq!(status, 400, "{err}");
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.contains("instructions, tools") && message.contains("limit is 16384"), "{message}");
+    assert_eq!(err["error"]["param"], Value::Null, "{err}");
+
+    let (_, first) = host.call("POST", "/v1/responses", Some(json!({ "model": "echo", "input": "one" }))).await;
+    let first = first["id"].as_str().unwrap().to_string();
+    let next = |prev: &str, input: &str| json!({ "model": "echo", "input": input, "previous_response_id": prev });
+    let (status, second) = host.call("POST", "/v1/responses", Some(next(&first, "two"))).await;
+    assert_eq!((status.as_u16(), second["status"].as_str()), (200, Some("completed")), "{second}");
+    let (status, err) = host.call("POST", "/v1/responses", Some(next(&first, "a branch"))).await;
+    assert_eq!((status.as_u16(), err["error"]["param"].as_str()), (400, Some("previous_response_id")), "{err}");
+}

@@ -77,9 +77,9 @@ impl From<RequestError> for ResponsesError {
                          {n} bytes of run config; the limit is {}",
                         crate::service::submit::CONFIG_BYTES_MAX
                     );
-                    return ResponsesError { error: ApiError { message, ..ApiError::from(e) }, param: None };
+                    return ApiError { message, ..ApiError::from(e) }.into();
                 }
-                ResponsesError { error: ApiError::from(e), param }
+                ResponsesError { param, ..ApiError::from(e).into() }
             }
             RequestError::Tail(e) => ApiError::from(e).into(),
         }

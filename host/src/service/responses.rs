@@ -143,12 +143,26 @@ pub async fn create(
         return Err(invalid("conversation", "give previous_response_id or conversation, not both"));
     }
     let metadata = metadata(req.metadata.as_ref())?;
-    let (tools, offered, client_tools) = tools(req.tools.as_deref())?;
+    let (tools, mut offered, mut client_tools) = tools(req.tools.as_deref())?;
+    // `tool_choice: "none"` is honoured by offering nothing; any other
+    // choice is the model's to follow (echoed, not enforced).
+    if req.tool_choice.as_ref().and_then(Value::as_str) == Some("none") {
+        (offered, client_tools) = (Vec::new(), Vec::new());
+    }
     let mut turn = input(req.input.as_ref())?;
 
     let (conversation_id, conversation) = match (&req.previous_response_id, &req.conversation) {
         (Some(prev), _) => {
             let row = previous(pool, owner, prev).await?;
+            if !rows::is_latest_turn(pool, row.id).await? {
+                return Err(invalid(
+                    "previous_response_id",
+                    format!(
+                        "{prev} is not the latest response of its conversation: a conversation continues at its \
+                         end (branching is not supported); name the latest response"
+                    ),
+                ));
+            }
             put_back_calls(&mut turn, &function_calls(&view(tails, pool, &row).await?));
             (Some(row.conversation_id), Value::Null)
         }
