@@ -9,10 +9,12 @@
 //!   more than one user message the plugin also gets it as chat messages
 //!   (config `input`); `instructions` and system or developer messages are
 //!   its system prompt (config `system`); `function` tools are offered to
-//!   the model (config `tools`) and named as the client's (config
+//!   the model (config `tools`, after the plugin config's own; none for
+//!   `tool_choice: "none"`) and named as the client's (config
 //!   `client_tools`: a call of one ends the turn with a `function_call` item);
-//! - `previous_response_id` or `conversation` continue a conversation (its
-//!   next turn queues behind a running one); a `function_call_output` that
+//! - `previous_response_id` (the latest response of its conversation: no
+//!   branches) or `conversation` continue a conversation (its next turn
+//!   queues behind a running one); a `function_call_output` that
 //!   answers a call of the previous response gets that call put back before
 //!   it, so the model sees its own call and the answer;
 //! - `store: false` is refused: every response is a durable run;

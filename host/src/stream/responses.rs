@@ -16,7 +16,7 @@
 //! - `run_queued` -> `response.queued`; `run_started` -> `response.in_progress`;
 //! - `content_delta` -> `response.output_text.delta` (the first one of a
 //!   message after `response.output_item.added` and `response.content_part.added`);
-//! - `function_call` (emitted by a plugin, [`FUNCTION_CALL`]) -> the open
+//! - `function_call` (the host's, from a turn's client calls: [`FUNCTION_CALL`]) -> the open
 //!   message is closed, then a `function_call` item (added, arguments delta and
 //!   done, done): a call the client runs;
 //! - `complete` -> the open message is closed (`output_text.done`,
