@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use agent_host::db::{plugins, tokens, RunId};
+use agent_host::stream::tail::LiveTails;
 use serde_json::{json, Value};
+use support::http::TestHost;
 use support::process::{HostProcess, FAST};
 use support::*;
 
@@ -130,9 +132,11 @@ async fn llm_comply_passes_every_non_compaction_test() {
 async fn a_stream_cut_by_a_killed_process_resumes_on_another_without_gap_or_duplicate() {
     let (db, token) = setup().await;
     let b = spawn(&db, "B");
-    // Only B runs work when the run is claimed; A then joins to serve the stream.
+    // Only B exists when the run is claimed (so B runs it); A then joins to
+    // serve the stream. Long enough (8 s) to be live when A is killed, which
+    // the client checks right before the kill.
     let body = json!({ "model": "sleep", "input": "count", "background": true,
-                       "config": { "steps": 60, "step_ms": 50 } });
+                       "config": { "steps": 200, "step_ms": 40 } });
     let res = reqwest::Client::new()
         .post(format!("http://{}/v1/responses", b.addr))
         .bearer_auth(&token)
@@ -145,12 +149,6 @@ async fn a_stream_cut_by_a_killed_process_resumes_on_another_without_gap_or_dupl
     let id = created["id"].as_str().unwrap().to_string();
     let run: RunId = id.strip_prefix("resp_").unwrap().parse().unwrap();
     wait_status(&db.pool, run, "running", LONG).await;
-    let worker: Option<String> = sqlx::query_scalar("SELECT worker_id FROM agent_run WHERE id = $1")
-        .bind(run)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(worker.as_deref(), Some("B"));
     let a = spawn(&db, "A");
     let env = [
         ("AGENT_HOST_TOKEN", token),
@@ -238,4 +236,130 @@ async fn responses_benchmark() {
     ];
     let out = client(&venv().join("bin/python"), &["responses_bench.py"], &env, &[&a]).await;
     println!("{out}");
+}
+
+/// A create that would wait or stream while this process's live tails are
+/// all taken is refused before it enqueues anything: the SDKs retry a 503,
+/// and without an Idempotency-Key a retry after enqueue would be a second
+/// run. A background create needs no tail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_refused_for_want_of_a_tail_enqueues_nothing() {
+    let db = TestDb::new().await;
+    let host = TestHost::undispatched(&db, |s| s.live_tails = LiveTails::new(0)).await;
+    for body in [json!({ "model": "echo", "input": "hi" }), json!({ "model": "echo", "input": "hi", "stream": true })] {
+        let (status, err) = host.call("POST", "/v1/responses", Some(body)).await;
+        assert_eq!(status, 503, "{err}");
+        assert_eq!(err["error"]["type"], "server_error", "{err}");
+    }
+    let runs: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(runs, 0, "a refused create enqueued nothing");
+    let body = json!({ "model": "echo", "input": "hi", "background": true });
+    let (status, r) = host.call("POST", "/v1/responses", Some(body)).await;
+    assert_eq!((status.as_u16(), r["status"].as_str()), (200, Some("queued")), "{r}");
+}
+
+/// Another user's token finds none of alice's responses: get, stream,
+/// cancel, delete, input_items and previous_response_id all answer 404 (and
+/// change nothing). A blocking create whose client goes away leaves its run
+/// going to its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_users_token_finds_nothing_and_a_dropped_wait_leaves_the_run_going() {
+    let db = TestDb::new().await;
+    let host = TestHost::builtins(&db).await;
+    let bob = tokens::create(&db.pool, "bob", "acme", false).await.unwrap();
+    let body = json!({ "model": "sleep", "input": "long", "background": true,
+                       "config": { "steps": 100000, "step_ms": 20 } });
+    let (status, r) = host.call("POST", "/v1/responses", Some(body)).await;
+    assert_eq!(status, 200, "{r}");
+    let id = r["id"].as_str().unwrap().to_string();
+    let run: RunId = id.strip_prefix("resp_").unwrap().parse().unwrap();
+    wait_status(&db.pool, run, "running", LONG).await;
+    for (method, path) in [
+        ("GET", format!("/v1/responses/{id}")),
+        ("GET", format!("/v1/responses/{id}?stream=true")),
+        ("GET", format!("/v1/responses/{id}/input_items")),
+        ("POST", format!("/v1/responses/{id}/cancel")),
+        ("DELETE", format!("/v1/responses/{id}")),
+    ] {
+        let (status, err) = host.call_as(&bob, method, &path, None).await;
+        assert_eq!(status, 404, "{method} {path}: {err}");
+        assert_eq!(err["error"]["code"], "not_found", "{method} {path}: {err}");
+    }
+    let next = json!({ "model": "echo", "input": "mine now", "previous_response_id": id });
+    let (status, err) = host.call_as(&bob, "POST", "/v1/responses", Some(next)).await;
+    assert_eq!((status.as_u16(), err["error"]["param"].as_str()), (404, Some("previous_response_id")), "{err}");
+    assert_eq!(support::status(&db.pool, run).await, "running", "bob's cancel and delete changed nothing");
+    let (status, own) = host.call("GET", &format!("/v1/responses/{id}"), None).await;
+    assert_eq!((status.as_u16(), own["status"].as_str()), (200, Some("in_progress")), "{own}");
+    let (status, _) = host.call("POST", &format!("/v1/responses/{id}/cancel"), None).await;
+    assert_eq!(status, 200);
+    wait_status(&db.pool, run, "cancelled", LONG).await;
+
+    // A blocking create dropped by its client: the run still ends completed.
+    let body = json!({ "model": "sleep", "input": "short", "config": { "steps": 20, "step_ms": 50 } });
+    let dropped = host
+        .client
+        .post(format!("{}/v1/responses", host.base))
+        .bearer_auth(&host.token)
+        .json(&body)
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(dropped.is_err_and(|e| e.is_timeout()), "the client gave up before the run's end");
+    let last: RunId = sqlx::query_scalar("SELECT id FROM agent_run ORDER BY created_at DESC LIMIT 1")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_ne!(last, run);
+    wait_status(&db.pool, last, "completed", LONG).await;
+}
+
+/// What the request maps to, as the run keeps it: function tools beside the
+/// plugin config's own, none offered for `tool_choice: "none"`; a request too
+/// big for the run's config is told what counts; `previous_response_id`
+/// naming an older response (a branch) is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_request_maps_onto_the_runs_config_and_refuses_what_it_cannot_keep() {
+    let db = TestDb::new().await;
+    let host = TestHost::builtins(&db).await;
+    let config_of = |id: &str| {
+        let run: RunId = id.strip_prefix("resp_").unwrap().parse().unwrap();
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, Value>("SELECT config FROM agent_run WHERE id = $1")
+                .bind(run)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let tool = json!({ "type": "function", "name": "get_weather", "parameters": { "type": "object" } });
+    let body = json!({ "model": "echo", "input": "hi", "background": true, "tools": [tool],
+                       "config": { "tools": [{ "name": "own" }] } });
+    let (status, r) = host.call("POST", "/v1/responses", Some(body)).await;
+    assert_eq!(status, 200, "{r}");
+    let config = config_of(r["id"].as_str().unwrap()).await;
+    let names: Vec<&str> = config["tools"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["own", "get_weather"], "{config}");
+    assert_eq!(config["client_tools"], json!(["get_weather"]));
+    let body = json!({ "model": "echo", "input": "hi", "background": true, "tools": [tool], "tool_choice": "none" });
+    let (_, r) = host.call("POST", "/v1/responses", Some(body)).await;
+    let config = config_of(r["id"].as_str().unwrap()).await;
+    assert!(config.get("tools").is_none() && config.get("client_tools").is_none(), "{config}");
+    assert_eq!(r["tool_choice"], "none");
+
+    let body = json!({ "model": "echo", "input": "hi", "instructions": "x".repeat(20 * 1024) });
+    let (status, err) = host.call("POST", "/v1/responses", Some(body)).await;
+    assert_eq!(status, 400, "{err}");
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.contains("instructions, tools") && message.contains("limit is 16384"), "{message}");
+    assert_eq!(err["error"]["param"], Value::Null, "{err}");
+
+    let (_, first) = host.call("POST", "/v1/responses", Some(json!({ "model": "echo", "input": "one" }))).await;
+    let first = first["id"].as_str().unwrap().to_string();
+    let next = |prev: &str, input: &str| json!({ "model": "echo", "input": input, "previous_response_id": prev });
+    let (status, second) = host.call("POST", "/v1/responses", Some(next(&first, "two"))).await;
+    assert_eq!((status.as_u16(), second["status"].as_str()), (200, Some("completed")), "{second}");
+    let (status, err) = host.call("POST", "/v1/responses", Some(next(&first, "a branch"))).await;
+    assert_eq!((status.as_u16(), err["error"]["param"].as_str()), (400, Some("previous_response_id")), "{err}");
 }

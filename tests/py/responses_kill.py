@@ -19,11 +19,15 @@ try:
     for e in A.responses.retrieve(rid, stream=True):
         seen.append(e)
         if e.type == "response.output_text.delta" and len([x for x in seen if x.type == e.type]) == 2:
+            # The run is live (in_progress, on B) right before A dies.
+            live = B.responses.retrieve(rid).status
+            check(live == "in_progress", f"the run is in progress when A is killed, not {live}")
             os.kill(int(os.environ["HOST_A_PID"]), signal.SIGKILL)
 except Exception as err:  # whatever the transport raises for a body cut off
     print(f"responses_kill: the stream broke as the process died: {type(err).__name__}", file=sys.stderr)
 
 check(seen and seen[-1].type != "response.completed", f"killed mid-stream, after {len(seen)} events")
+check(B.responses.retrieve(rid).status == "in_progress", "the run outlived the process that served its stream")
 last = seen[-1].sequence_number
 rest = list(B.responses.retrieve(rid, stream=True, starting_after=last))
 whole = list(B.responses.retrieve(rid, stream=True))

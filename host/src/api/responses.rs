@@ -27,14 +27,13 @@ use futures::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::db::lifecycle::{self, Cancelled};
 use crate::db::responses::{self as rows, ResponseRow};
 use crate::db::tokens::Principal;
 use crate::service::responses::{self as service, CreateResponse, RequestError};
 use crate::service::submit::SubmitError;
 use crate::stream::responses::{self as view, parse_response_id, response_id, StreamItem};
 
-use super::runs::owner;
+use super::runs::{cancel as cancel_run, idempotency_key, owner};
 use super::{ApiError, ApiJson, AppState, Auth, ErrorCode};
 
 /// An error in the specification's shape: the API's error, and the request
@@ -69,10 +68,18 @@ impl From<RequestError> for ResponsesError {
                     SubmitError::EmptyContent | SubmitError::ContentTooLong(_) | SubmitError::Unstorable(_) => {
                         Some("input")
                     }
-                    SubmitError::ConfigTooLarge(_) => Some("input"),
                     _ => None,
                 };
-                ResponsesError { error: ApiError::from(e), param }
+                if let SubmitError::ConfigTooLarge(n) = e {
+                    // The run's config is what this request asks the plugin for.
+                    let message = format!(
+                        "instructions, tools, input messages, metadata and config (the agent-host extension) come to \
+                         {n} bytes of run config; the limit is {}",
+                        crate::service::submit::CONFIG_BYTES_MAX
+                    );
+                    return ApiError { message, ..ApiError::from(e) }.into();
+                }
+                ResponsesError { param, ..ApiError::from(e).into() }
             }
             RequestError::Tail(e) => ApiError::from(e).into(),
         }
@@ -131,17 +138,27 @@ pub async fn create(
         let param = e.to_string().contains("`model`").then_some("model");
         ResponsesError { error: ApiError::bad_request(e.to_string()), param }
     })?;
-    // Bytes that are not text fail the key's check in the enqueue service.
-    let key = headers.get("idempotency-key").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let key = idempotency_key(&headers);
     let tails = state.tails();
+    let (stream, background) = (req.stream.unwrap_or(false), req.background.unwrap_or(false));
+    // A stream or a wait takes its place under the bound of live tails
+    // first: once the run is enqueued, nothing answers 5xx (the SDKs retry
+    // a 5xx, and without an Idempotency-Key a retry is another run).
+    let place = if stream || !background { Some(tails.reserve().map_err(ApiError::from)?) } else { None };
     let created = service::create(&state.pool, &state.agents, &state.policy, &tails, &owner(&p), key, &req).await?;
-    let mut res = if req.stream.unwrap_or(false) {
-        sse(view::follow(&tails, &state.pool, &created.row, None).map_err(ApiError::from)?).into_response()
-    } else if req.background.unwrap_or(false) {
-        Json(view::as_created(&created.row)).into_response()
-    } else {
-        let done = view::settle(&tails, &state.pool, &created.row).await.map_err(ApiError::from)?;
-        Json(done.map_err(ApiError::from)?).into_response()
+    let mut res = match place {
+        Some(place) if stream => {
+            sse(view::follow_reserved(&tails, &state.pool, &created.row, None, place)).into_response()
+        }
+        Some(place) => match view::settle(&tails, &state.pool, &created.row, place).await {
+            Ok(done) => Json(done).into_response(),
+            Err(e) => {
+                // The run goes on: the client reads it by id.
+                tracing::warn!(error = %e, run = %created.row.id, "waiting for a response failed; answering it as created");
+                Json(view::as_created(&created.row)).into_response()
+            }
+        },
+        None => Json(view::as_created(&created.row)).into_response(),
     };
     if created.replayed {
         res.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
@@ -198,9 +215,7 @@ pub async fn cancel(
 ) -> Result<Response> {
     let p = caller(auth)?;
     let row = find(&state, &p, &id).await?;
-    if let Some(Cancelled::Queued | Cancelled::Waiting) = lifecycle::cancel(&state.pool, row.id, &p.user_id).await? {
-        state.record_ended(1);
-    }
+    cancel_run(&state, &p, row.id).await?;
     let row = find(&state, &p, &id).await?;
     Ok(Json(view::current(&state.tails(), &state.pool, &row).await.map_err(ApiError::from)?).into_response())
 }
@@ -215,10 +230,7 @@ pub async fn delete(
     let p = caller(auth)?;
     let row = find(&state, &p, &id).await?;
     if !row.status.is_terminal() {
-        if let Some(Cancelled::Queued | Cancelled::Waiting) = lifecycle::cancel(&state.pool, row.id, &p.user_id).await?
-        {
-            state.record_ended(1);
-        }
+        cancel_run(&state, &p, row.id).await?;
     }
     rows::mark_deleted(&state.pool, row.id).await?;
     Ok(Json(json!({ "id": response_id(row.id), "object": "response", "deleted": true })).into_response())

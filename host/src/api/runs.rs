@@ -76,8 +76,7 @@ async fn enqueue(
         content: body.content,
         plugin: body.plugin,
         config: body.config,
-        // Bytes that are not text fail the key's check in the service.
-        idempotency_key: headers.get("idempotency-key").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
+        idempotency_key: idempotency_key(&headers),
         webhook: body.webhook,
         strategy: body.multitask_strategy,
     };
@@ -105,20 +104,33 @@ pub async fn cancel_run(
     Auth(p): Auth,
     id: PathId<RunId>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let done = lifecycle::cancel(&state.pool, id.0, &p.user_id).await?.or_not_found(id)?;
-    // A cancel that changed something is audited; a repeat on an ended run is not.
-    if !matches!(done, Cancelled::Terminal(..)) {
-        audit::record(&state, &p, action::RUN_CANCELLED, id.0, json!({})).await;
-    }
+    let done = cancel(&state, &p, id.0).await?.or_not_found(id)?;
     let (code, status, cancel_requested) = match done {
-        Cancelled::Queued | Cancelled::Waiting => {
-            state.record_ended(1);
-            (StatusCode::ACCEPTED, RunStatus::Cancelled, true)
-        }
+        Cancelled::Queued | Cancelled::Waiting => (StatusCode::ACCEPTED, RunStatus::Cancelled, true),
         Cancelled::Flagged => (StatusCode::ACCEPTED, RunStatus::Running, true),
         Cancelled::Terminal(s, flagged) => (StatusCode::OK, s, flagged),
     };
     Ok((code, Json(json!({ "id": id.0, "status": status.as_str(), "cancel_requested": cancel_requested }))))
+}
+
+/// The request's `Idempotency-Key` (bytes that are not text fail the key's
+/// check in the enqueue service).
+pub(super) fn idempotency_key(headers: &HeaderMap) -> Option<String> {
+    headers.get("idempotency-key").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+}
+
+/// Cancels a run its owner names (both APIs): a run that ends at once (queued
+/// or waiting) is counted as ended; a running one is flagged for its worker.
+pub(super) async fn cancel(state: &AppState, p: &Principal, run: RunId) -> Result<Option<Cancelled>, sqlx::Error> {
+    let done = lifecycle::cancel(&state.pool, run, &p.user_id).await?;
+    if let Some(Cancelled::Queued | Cancelled::Waiting) = done {
+        state.record_ended(1);
+    }
+    // A cancel that changed something is audited; a repeat on an ended run is not.
+    if matches!(done, Some(Cancelled::Queued | Cancelled::Waiting | Cancelled::Flagged)) {
+        audit::record(state, p, action::RUN_CANCELLED, run, json!({})).await;
+    }
+    Ok(done)
 }
 
 /// `POST /v1/runs/{id}/retry`: a new run for the same user message, asked for

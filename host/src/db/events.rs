@@ -38,9 +38,11 @@ pub const APPROVAL_DECIDED: &str = "approval_decided";
 pub const WAIT_STARTED: &str = "wait_started";
 /// Its time came: `{call_id, decision: "elapsed", decided_at}`.
 pub const WAIT_ELAPSED: &str = "wait_elapsed";
-/// Emitted by a plugin (not reserved): the model asked for a function the
-/// client runs, and the turn ends with it as an output item of its response
-/// (the Responses API): `{call_id, name, arguments}`, the arguments a JSON text.
+/// Written by the host (reserved) from the client calls a 0.2.0 guest's turn
+/// ends with, once checked against the turn's client tools: the model asked
+/// for a function the client runs, and the turn ends with it as an output
+/// item of its response (the Responses API): `{call_id, name, arguments}`,
+/// the arguments a JSON text.
 pub const FUNCTION_CALL: &str = "function_call";
 /// The run's one ending: [`complete_payload`].
 pub const COMPLETE: &str = "complete";
@@ -67,6 +69,7 @@ pub const RESERVED: &[&str] = &[
     COMPLETE,
     TOOL_CALL_STARTED,
     TOOL_CALL_FINISHED,
+    FUNCTION_CALL,
     KEEPALIVE,
 ];
 

@@ -43,6 +43,19 @@ pub async fn get(db: impl PgExecutor<'_>, id: RunId, owner_id: &str) -> Result<O
     .await
 }
 
+/// Whether no turn of its conversation was enqueued after this run (a
+/// conversation continues at its end: it does not branch).
+pub async fn is_latest_turn(db: impl PgExecutor<'_>, id: RunId) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT NOT EXISTS (SELECT 1 FROM agent_run l, agent_run r
+                            WHERE r.id = $1 AND l.conversation_id = r.conversation_id
+                              AND l.created_at > r.created_at)",
+    )
+    .bind(id)
+    .fetch_one(db)
+    .await
+}
+
 /// Marks a response deleted (idempotent); later reads do not find it.
 pub async fn mark_deleted(db: impl PgExecutor<'_>, id: RunId) -> Result<(), sqlx::Error> {
     sqlx::query("INSERT INTO response_deleted (run_id) VALUES ($1) ON CONFLICT DO NOTHING")

@@ -297,6 +297,16 @@ impl RunHost {
         self.emit_event(CONTENT_DELTA, json!({ "delta": delta })).await
     }
 
+    /// Journals a call of a client's function the turn ended with
+    /// (`function_call`, reserved: only the host writes it, once it has
+    /// checked the call against the turn's client tools), in the agent's order.
+    pub async fn journal_function_call(&self, payload: Value) -> Result<(), HostError> {
+        self.check_payload_size("function call", "exceeds", crate::run::text::json_bytes(&payload))?;
+        self.count_event()?;
+        self.ended()?;
+        self.append(crate::db::events::FUNCTION_CALL, payload, true).await
+    }
+
     /// Appends one event in the run's append order (numbered). What an
     /// earlier attempt of a resumed run journaled is not written again; the
     /// readings an agent's event may depend on are recorded before it.

@@ -94,6 +94,28 @@ fn client_tools(config: &serde_json::Value) -> Vec<wit_types_v2::ClientTool> {
         .collect()
 }
 
+/// Bytes of a client call's `call_id`.
+pub const CALL_ID_BYTES_MAX: usize = 128;
+
+/// The client calls a guest's turn ends with, checked before anything is
+/// journaled: each names one of the turn's client tools, and has a call id
+/// (1-[`CALL_ID_BYTES_MAX`] bytes) no other call of the turn has.
+fn check_client_calls(calls: &[wit_types_v2::ClientCall], client_tools: &[String]) -> Result<(), String> {
+    let mut seen = std::collections::HashSet::new();
+    for c in calls {
+        if !client_tools.contains(&c.name) {
+            return Err(format!("the turn ended with a call of {:?}, which is not one of its client tools", c.name));
+        }
+        if c.call_id.is_empty() || c.call_id.len() > CALL_ID_BYTES_MAX {
+            return Err(format!("a client call's call_id must be 1-{CALL_ID_BYTES_MAX} bytes"));
+        }
+        if !seen.insert(c.call_id.as_str()) {
+            return Err(format!("the turn ended with two client calls with call_id {:?}", c.call_id));
+        }
+    }
+    Ok(())
+}
+
 /// Guest stdout and stderr kept for the host's log, per stream.
 pub const GUEST_OUTPUT_BYTES_MAX: usize = 64 * 1024;
 
@@ -278,6 +300,7 @@ impl WasmAgent {
         let (run_id, conversation_id, config) =
             (input.run_id.to_string(), input.conversation_id.to_string(), input.config.to_string());
         let tools = client_tools(&input.config);
+        let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
         let content = input.content;
         let wall = Duration::from_millis(limits.wall_ms);
         let live = &self.live;
@@ -346,12 +369,13 @@ impl WasmAgent {
         };
         drop(store);
         let (text, calls) = result?;
+        check_client_calls(&calls, &names).map_err(|m| AgentError::failed(FailReason::Plugin, m))?;
         // The calls of client functions the turn ends with, journaled in
         // order (the Responses API shows them as `function_call` items).
         for call in calls {
             let payload =
                 serde_json::json!({ "call_id": call.call_id, "name": call.name, "arguments": call.arguments });
-            host.emit_event(crate::db::events::FUNCTION_CALL, payload).await?;
+            host.journal_function_call(payload).await?;
         }
         Ok(text)
     }
@@ -436,5 +460,33 @@ pub struct Guest {
 impl WasiView for Guest {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(id: &str, name: &str) -> wit_types_v2::ClientCall {
+        wit_types_v2::ClientCall { call_id: id.into(), name: name.into(), arguments: "{}".into() }
+    }
+
+    #[test]
+    fn a_turns_client_calls_name_its_client_tools_with_unique_ids() {
+        let tools = ["get_weather".to_string()];
+        assert!(check_client_calls(&[call("c1", "get_weather"), call("c2", "get_weather")], &tools).is_ok());
+        for bad in [
+            vec![call("c1", "rm_rf")],
+            vec![call("", "get_weather")],
+            vec![call(&"x".repeat(CALL_ID_BYTES_MAX + 1), "get_weather")],
+            vec![call("c1", "get_weather"), call("c1", "get_weather")],
+        ] {
+            assert!(
+                check_client_calls(&bad, &tools).is_err(),
+                "{:?}",
+                bad.iter().map(|c| &c.call_id).collect::<Vec<_>>()
+            );
+        }
+        assert!(crate::db::events::RESERVED.contains(&crate::db::events::FUNCTION_CALL), "guests cannot forge calls");
     }
 }

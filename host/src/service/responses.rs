@@ -9,10 +9,12 @@
 //!   more than one user message the plugin also gets it as chat messages
 //!   (config `input`); `instructions` and system or developer messages are
 //!   its system prompt (config `system`); `function` tools are offered to
-//!   the model (config `tools`) and named as the client's (config
+//!   the model (config `tools`, after the plugin config's own; none for
+//!   `tool_choice: "none"`) and named as the client's (config
 //!   `client_tools`: a call of one ends the turn with a `function_call` item);
-//! - `previous_response_id` or `conversation` continue a conversation (its
-//!   next turn queues behind a running one); a `function_call_output` that
+//! - `previous_response_id` (the latest response of its conversation: no
+//!   branches) or `conversation` continue a conversation (its next turn
+//!   queues behind a running one); a `function_call_output` that
 //!   answers a call of the previous response gets that call put back before
 //!   it, so the model sees its own call and the answer;
 //! - `store: false` is refused: every response is a durable run;
@@ -34,6 +36,7 @@ use crate::db::responses::{self as rows, ResponseRow};
 use crate::db::ConversationId;
 use crate::stream::responses::{function_calls, parse_response_id, view, REQUEST_KEY};
 use crate::stream::tail::{TailError, Tails};
+use crate::tools::{valid_tool_name, TOOL_NAME_BYTES_MAX};
 
 use super::submit::{self, Busy, Policy, Submission, SubmitError};
 
@@ -41,8 +44,6 @@ use super::submit::{self, Busy, Policy, Submission, SubmitError};
 pub const INPUT_ITEMS_MAX: usize = 256;
 /// Function tools of one request.
 pub const TOOLS_MAX: usize = 128;
-/// Characters of a function tool's name.
-pub const TOOL_NAME_CHARS_MAX: usize = 64;
 /// Metadata pairs, and the characters of a key and of a value (the
 /// specification's bounds).
 pub const METADATA_PAIRS_MAX: usize = 16;
@@ -144,12 +145,26 @@ pub async fn create(
         return Err(invalid("conversation", "give previous_response_id or conversation, not both"));
     }
     let metadata = metadata(req.metadata.as_ref())?;
-    let (tools, offered, client_tools) = tools(req.tools.as_deref())?;
+    let (tools, mut offered, mut client_tools) = tools(req.tools.as_deref())?;
+    // `tool_choice: "none"` is honoured by offering nothing; any other
+    // choice is the model's to follow (echoed, not enforced).
+    if req.tool_choice.as_ref().and_then(Value::as_str) == Some("none") {
+        (offered, client_tools) = (Vec::new(), Vec::new());
+    }
     let mut turn = input(req.input.as_ref())?;
 
     let (conversation_id, conversation) = match (&req.previous_response_id, &req.conversation) {
         (Some(prev), _) => {
             let row = previous(pool, owner, prev).await?;
+            if !rows::is_latest_turn(pool, row.id).await? {
+                return Err(invalid(
+                    "previous_response_id",
+                    format!(
+                        "{prev} is not the latest response of its conversation: a conversation continues at its \
+                         end (branching is not supported); name the latest response"
+                    ),
+                ));
+            }
             put_back_calls(&mut turn, &function_calls(&view(tails, pool, &row).await?));
             (Some(row.conversation_id), Value::Null)
         }
@@ -174,7 +189,14 @@ pub async fn create(
         config.insert("system".into(), json!(system.join("\n\n")));
     }
     if !offered.is_empty() {
-        config.insert("tools".into(), json!(offered));
+        // Beside any tools the plugin's own config (extra_body) offers.
+        let mut all = match config.get("tools") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(t)) => t.clone(),
+            Some(_) => return Err(invalid("config", "config.tools must be a list")),
+        };
+        all.extend(offered);
+        config.insert("tools".into(), json!(all));
         config.insert("client_tools".into(), json!(client_tools));
     }
     // One user message is the turn's content itself; anything more goes as messages.
@@ -285,13 +307,10 @@ fn tools(tools: Option<&[Value]>) -> Result<(Vec<Value>, Vec<Value>, Vec<String>
             return Err(invalid("tools", format!("tools of type {kind:?} are not supported; only \"function\"")));
         }
         let name = t.get("name").and_then(Value::as_str).unwrap_or_default();
-        let good = !name.is_empty()
-            && name.chars().count() <= TOOL_NAME_CHARS_MAX
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-        if !good {
+        if !valid_tool_name(name) {
             return Err(invalid(
                 "tools",
-                format!("a function's name is 1-{TOOL_NAME_CHARS_MAX} of a-z, A-Z, 0-9, _ and -, not {name:?}"),
+                format!("a function's name is 1-{TOOL_NAME_BYTES_MAX} of a-z, A-Z, 0-9, _ and -, not {name:?}"),
             ));
         }
         if names.iter().any(|n| n == name) {

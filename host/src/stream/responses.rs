@@ -16,7 +16,7 @@
 //! - `run_queued` -> `response.queued`; `run_started` -> `response.in_progress`;
 //! - `content_delta` -> `response.output_text.delta` (the first one of a
 //!   message after `response.output_item.added` and `response.content_part.added`);
-//! - `function_call` (emitted by a plugin, [`FUNCTION_CALL`]) -> the open
+//! - `function_call` (the host's, from a turn's client calls: [`FUNCTION_CALL`]) -> the open
 //!   message is closed, then a `function_call` item (added, arguments delta and
 //!   done, done): a call the client runs;
 //! - `complete` -> the open message is closed (`output_text.done`,
@@ -40,7 +40,7 @@ use crate::db::events::{COMPLETE, CONTENT_DELTA, CONTENT_ROLLBACK, FUNCTION_CALL
 use crate::db::journal::Event;
 use crate::db::responses::{self as rows, ResponseRow};
 use crate::db::{RunId, RunStatus};
-use crate::stream::tail::{Item, TailError, TailStream, Tails, TooManyTails};
+use crate::stream::tail::{Item, Reserved, TailError, TailStream, Tails, TooManyTails};
 
 /// The prefix of a response id (`resp_` and the run id's 32 hex digits).
 pub const RESPONSE_ID_PREFIX: &str = "resp_";
@@ -374,8 +374,12 @@ impl View {
     /// stream: a cancel may be pending, a claim may not be journaled yet).
     pub fn with_status(&self, row: &ResponseRow) -> Value {
         let mut s = self.snapshot();
-        if self.ending.is_none() {
-            s["status"] = json!(status_word(row.status));
+        // The row may have been read before the journal was: a status the
+        // fold has already passed is not shown (queued with deltas out).
+        let rank = |w: &str| ["queued", "in_progress"].iter().position(|x| *x == w).unwrap_or(2);
+        let row_word = status_word(row.status);
+        if self.ending.is_none() && rank(row_word) > rank(self.status) {
+            s["status"] = json!(row_word);
         }
         s
     }
@@ -476,11 +480,22 @@ pub fn follow(
     row: &ResponseRow,
     after: Option<u64>,
 ) -> Result<impl Stream<Item = Result<StreamItem, TailError>> + Send + 'static, TooManyTails> {
-    let tail = tails.follow(row.id, 0)?;
+    Ok(follow_reserved(tails, pool, row, after, tails.reserve()?))
+}
+
+/// [`follow`] in a place under the bound taken before the run was created.
+pub fn follow_reserved(
+    tails: &Tails,
+    pool: &PgPool,
+    row: &ResponseRow,
+    after: Option<u64>,
+    place: Reserved,
+) -> impl Stream<Item = Result<StreamItem, TailError>> + Send + 'static {
+    let tail = tails.follow_reserved(row.id, 0, place);
     let mut s = Streamer { pool: pool.clone(), tail, view: View::new(row), ready: VecDeque::new(), after, done: false };
     let first = s.view.start();
     s.push(first);
-    Ok(futures::stream::unfold(s, |mut s| async move { s.next().await.map(|i| (i, s)) }))
+    futures::stream::unfold(s, |mut s| async move { s.next().await.map(|i| (i, s)) })
 }
 
 /// The response as it was enqueued (`queued`, no output): the answer to a
@@ -498,15 +513,12 @@ pub async fn current(tails: &Tails, pool: &PgPool, row: &ResponseRow) -> Result<
 }
 
 /// Follows the response to its ending and returns the final snapshot (the
-/// mode that neither streams nor runs in the background). A dropped client
-/// drops this future; the run goes on.
-pub async fn settle(tails: &Tails, pool: &PgPool, row: &ResponseRow) -> Result<Result<Value, TooManyTails>, TailError> {
-    let tail = match tails.follow(row.id, 0) {
-        Ok(t) => t,
-        Err(e) => return Ok(Err(e)),
-    };
-    let view = fold(tail, pool, row).await?;
-    Ok(Ok(view.snapshot()))
+/// mode that neither streams nor runs in the background), in a place under
+/// the bound taken before the run was created. A dropped client drops this
+/// future; the run goes on.
+pub async fn settle(tails: &Tails, pool: &PgPool, row: &ResponseRow, place: Reserved) -> Result<Value, TailError> {
+    let view = fold(tails.follow_reserved(row.id, 0, place), pool, row).await?;
+    Ok(view.snapshot())
 }
 
 async fn fold(mut tail: TailStream, pool: &PgPool, row: &ResponseRow) -> Result<View, TailError> {
@@ -638,6 +650,22 @@ mod tests {
         assert_eq!(types(&end), ["response.incomplete"]);
         assert_eq!(end[0]["response"]["status"], "cancelled");
         assert_eq!(function_calls(&v), [("c1".to_string(), "f".to_string(), "{}".to_string())]);
+    }
+
+    #[test]
+    fn a_read_never_shows_a_status_the_journal_has_passed() {
+        let mut r = row();
+        let mut v = View::new(&r);
+        v.start();
+        v.apply(&ev(3, RUN_STARTED, json!({})));
+        v.apply(&ev(4, CONTENT_DELTA, json!({ "delta": "a" })));
+        // The row was read queued, before the claim's journal rows.
+        assert_eq!(v.with_status(&r)["status"], "in_progress");
+        r.status = RunStatus::Cancelled;
+        assert_eq!(v.with_status(&r)["status"], "cancelled");
+        let fresh = View::new(&r);
+        r.status = RunStatus::Running;
+        assert_eq!(fresh.with_status(&r)["status"], "in_progress");
     }
 
     #[test]

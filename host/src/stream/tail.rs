@@ -178,11 +178,25 @@ impl Tails {
     /// Catches up, then follows the run live until its ending, with
     /// keepalives. Counted against the process's bound until dropped.
     pub fn follow(&self, run: RunId, after_seq: i32) -> Result<TailStream, TooManyTails> {
-        let permit = self.live.acquire()?;
-        let follow = Follow { hub: self.hub.clone(), wakes: None, last_sent: Instant::now(), _permit: permit };
-        Ok(TailStream::new(Reader::new(self, run, after_seq, Some(follow))))
+        Ok(self.follow_reserved(run, after_seq, self.reserve()?))
+    }
+
+    /// A place under the bound taken before the run to follow exists (so a
+    /// request is refused before it enqueues anything, not after).
+    pub fn reserve(&self) -> Result<Reserved, TooManyTails> {
+        Ok(Reserved(self.live.acquire()?))
+    }
+
+    /// [`Tails::follow`] in a place taken by [`Tails::reserve`].
+    pub fn follow_reserved(&self, run: RunId, after_seq: i32, place: Reserved) -> TailStream {
+        let follow = Follow { hub: self.hub.clone(), wakes: None, last_sent: Instant::now(), _permit: place.0 };
+        TailStream::new(Reader::new(self, run, after_seq, Some(follow)))
     }
 }
+
+/// A live tail's place under the process's bound, not yet used.
+#[derive(Debug)]
+pub struct Reserved(Permit);
 
 /// A tail: `Result<Item, TailError>`s, ending after [`Item::End`] or an error.
 pub struct TailStream(BoxStream<'static, Result<Item, TailError>>);

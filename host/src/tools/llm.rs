@@ -113,10 +113,10 @@ pub(crate) fn parse_args(args: &Value) -> Result<LlmArgs, HostError> {
         }
     }
     for (i, t) in parsed.tools.iter().enumerate() {
-        let name_ok = (1..=64).contains(&t.name.len())
-            && t.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if !name_ok {
-            return Err(invalid(format!("tools[{i}].name must be 1-64 characters of a-z, A-Z, 0-9, _ and -")));
+        if !valid_tool_name(&t.name) {
+            return Err(invalid(format!(
+                "tools[{i}].name must be 1-{TOOL_NAME_BYTES_MAX} characters of a-z, A-Z, 0-9, _ and -"
+            )));
         }
         if t.parameters.as_ref().is_some_and(|p| !p.is_object()) {
             return Err(invalid(format!("tools[{i}].parameters must be a JSON schema object")));
@@ -180,6 +180,16 @@ pub(crate) struct OpenAi {
     model: String,
     timeout: Duration,
     idle_timeout: Duration,
+}
+
+/// Bytes of a tool's name the model is offered.
+pub const TOOL_NAME_BYTES_MAX: usize = 64;
+
+/// A tool name a model can be offered: 1-[`TOOL_NAME_BYTES_MAX`] of a-z,
+/// A-Z, 0-9, `_` and `-`.
+pub fn valid_tool_name(name: &str) -> bool {
+    (1..=TOOL_NAME_BYTES_MAX).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 fn failed(message: impl Into<String>) -> HostError {

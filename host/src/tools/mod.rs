@@ -23,6 +23,7 @@ use crate::db::RunId;
 use crate::error::HostError;
 
 pub use config::{load_tools_file, LlmConfig, WebhookConfig};
+pub use llm::{valid_tool_name, TOOL_NAME_BYTES_MAX};
 
 /// The tokens an `llm` answer says it used: (prompt, completion).
 pub(crate) fn llm_tokens(answer: &Value) -> (u64, u64) {
