@@ -330,3 +330,49 @@ async fn a_flooding_tenant_cannot_starve_a_trickle_with_batch_claims() {
     let claims = rows_per_commit(pool, "run_started").await;
     assert!(claims[0] > 1 && claims[0] <= SLOTS as i64, "claims took {claims:?} rows");
 }
+
+/// A row the database refuses inside a group-committed batch fails alone:
+/// the batch falls back to one statement per ending, so its neighbours end
+/// normally. (A trigger stands for any row-level refusal: it raises for one
+/// run's terminal write only.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_ending_in_a_batch_fails_alone() {
+    let db = TestDb::new().await;
+    let mut runs = Vec::new();
+    for _ in 0..6 {
+        runs.push(enqueue(&db.pool, None, "echo", json!({})).await.run_id);
+    }
+    let refused = runs[2];
+    sqlx::raw_sql(&format!(
+        "CREATE FUNCTION refuse_one_ending() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.id = '{refused}' AND NEW.status <> 'running' THEN
+                 RAISE EXCEPTION 'this ending is refused';
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER refuse_one_ending BEFORE UPDATE ON agent_run
+             FOR EACH ROW EXECUTE FUNCTION refuse_one_ending();"
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // A long window and slots for all: the six endings share a batch.
+    let config =
+        WorkerConfig { max_runs: 8, finish_window: agent_host::worker::FINISH_WINDOW_MAX, ..fast_config("refused") };
+    let w = start_worker(&db, config).await;
+    for run in runs.iter().filter(|r| **r != refused) {
+        wait_status(&db.pool, *run, "completed", Duration::from_secs(30)).await;
+        assert_eq!(assert_journal_sound(&db.pool, *run).await.iter().filter(|(_, k)| k == "complete").count(), 1);
+    }
+    w.drain().await;
+    let (status, completes): (String, i64) = sqlx::query_as(
+        "SELECT r.status::text, (SELECT count(*) FROM run_event e WHERE e.run_id = r.id AND e.type = 'complete')
+         FROM agent_run r WHERE r.id = $1",
+    )
+    .bind(refused)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((status.as_str(), completes), ("running", 0), "the refused ending wrote nothing");
+}

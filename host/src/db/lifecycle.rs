@@ -315,12 +315,19 @@ pub async fn heartbeat(
     }
     let ids: Vec<uuid::Uuid> = held.iter().map(|h| h.0 .0).collect();
     let tokens: Vec<uuid::Uuid> = held.iter().map(|h| h.1 .0).collect();
+    // Rows are locked in id order, as `finish_many` locks them: a beat and a
+    // batch of endings that share runs wait for each other, never deadlock.
     sqlx::query_as(
-        "UPDATE agent_run r SET
+        "WITH locked AS MATERIALIZED (
+             SELECT r.id FROM agent_run r JOIN unnest($1::uuid[], $2::uuid[]) AS h(id, token)
+                 ON r.id = h.id AND r.claim_token = h.token AND r.status = 'running'
+             ORDER BY r.id FOR UPDATE OF r
+         )
+         UPDATE agent_run r SET
              last_heartbeat_at = now(),
              claim_expires_at  = now() + make_interval(secs => $3)
          FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)
-         WHERE r.id = h.id
+         WHERE r.id = h.id AND r.id IN (SELECT id FROM locked)
            AND r.claim_token = h.token    -- a stale worker's heartbeat updates 0 rows
            AND r.status = 'running'
          RETURNING r.id, r.cancel_requested",
@@ -378,54 +385,15 @@ pub async fn finish(
     token: ClaimToken,
     finish: &Finish<'_>,
 ) -> Result<bool, sqlx::Error> {
-    debug_assert!(finish.status.is_terminal());
-    let (text, message_status) = match finish.assistant {
-        Some((t, s)) => (Some(t), Some(s)),
-        None => (None, None),
+    let ending = Ending {
+        run,
+        token,
+        status: finish.status,
+        error: finish.error.map(str::to_string),
+        assistant: finish.assistant.map(|(t, s)| (t.to_string(), s)),
+        usage: finish.usage.clone(),
     };
-    let applied: Option<bool> = sqlx::query_scalar(
-        "WITH fin AS (
-             -- finished_at is the statement clock (see the module's Clocks).
-             UPDATE agent_run SET status = $3, error = $4, finished_at = clock_timestamp(), usage = $9
-             WHERE id = $1 AND claim_token = $2 AND status = 'running'   -- the fence
-             RETURNING id, conversation_id
-         ),
-         ev AS (
-             INSERT INTO run_event (run_id, seq, type, payload)
-             SELECT id, (SELECT coalesce(max(seq), 0) + 1 FROM run_event WHERE run_id = $1), $10, $11
-             FROM fin
-         ),
-         msg AS (
-             INSERT INTO message (id, conversation_id, run_id, role, content, status)
-             SELECT $5, conversation_id, id, 'assistant', $6, $7 FROM fin WHERE $6::text IS NOT NULL
-         ),
-         -- The wake chain: knock when the conversation has a turn waiting on
-         -- this one. (Runs of other conversations were announced at enqueue;
-         -- an unconditional NOTIFY serialises every commit on the notify
-         -- queue.) A turn whose enqueue commits after this statement's
-         -- snapshot is covered by `announce_ended`, after commit.
-         wake AS (
-             SELECT pg_notify($8, f.conversation_id::text) FROM fin f
-             WHERE EXISTS (SELECT 1 FROM agent_run q
-                           WHERE q.conversation_id = f.conversation_id AND q.status = 'queued')
-         )
-         -- Referencing `wake` is what makes it run.
-         SELECT (SELECT count(*) FROM wake) >= 0 FROM fin",
-    )
-    .bind(run)
-    .bind(token)
-    .bind(finish.status)
-    .bind(finish.error)
-    .bind(MessageId::new())
-    .bind(text)
-    .bind(message_status)
-    .bind(RUN_ENQUEUED)
-    .bind(&finish.usage)
-    .bind(COMPLETE)
-    .bind(complete_payload(finish.status, finish.error))
-    .fetch_optional(db)
-    .await?;
-    Ok(applied.is_some())
+    Ok(!finish_many(db, std::slice::from_ref(&ending)).await?.is_empty())
 }
 
 /// One ending of a batch for [`finish_many`]: the run, the token it was
@@ -473,12 +441,20 @@ pub async fn finish_many(db: impl PgExecutor<'_>, endings: &[Ending]) -> Result<
                                   $7::text[], $8::text[], $9::uuid[])
                  AS e(id, token, status, error, text, message_status, usage, payload, message_id)
          ),
+         -- Rows are locked in id order (as the heartbeat locks them), so two
+         -- statements sharing runs wait for each other, never deadlock.
+         locked AS MATERIALIZED (
+             SELECT r.id FROM agent_run r JOIN e ON r.id = e.id
+             WHERE r.claim_token = e.token AND r.status = 'running'
+             ORDER BY r.id FOR UPDATE OF r
+         ),
          fin AS (
              -- finished_at is the statement clock (see the module's Clocks).
              UPDATE agent_run r SET status = e.status, error = e.error, finished_at = clock_timestamp(),
                                     usage = e.usage::jsonb
              FROM e
-             WHERE r.id = e.id AND r.claim_token = e.token AND r.status = 'running'   -- the fence, per row
+             WHERE r.id = e.id AND r.id IN (SELECT id FROM locked)
+               AND r.claim_token = e.token AND r.status = 'running'   -- the fence, per row
              RETURNING r.id, r.conversation_id
          ),
          ev AS (
@@ -571,8 +547,9 @@ pub struct Expired {
 /// The reaper's read (and the boot reconciler's): running runs whose lease
 /// lapsed more than `grace` ago (by the database's clock). A snapshot, stale
 /// the instant it is returned; [`reap`] re-checks in its write. Served by
-/// `one_running_per_conversation`, whose entries are the active runs only
-/// (migration 0009 dropped the lease index every claim and heartbeat wrote).
+/// `agent_run_running_by_tenant`, whose entries are the running runs only,
+/// bounded by the slots (migration 0009 dropped the lease index every claim
+/// and heartbeat wrote).
 pub async fn find_expired(db: impl PgExecutor<'_>, grace: Duration, limit: i64) -> Result<Vec<Expired>, sqlx::Error> {
     sqlx::query_as(
         "SELECT id, claim_token FROM agent_run

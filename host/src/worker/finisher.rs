@@ -13,8 +13,11 @@
 //! batch grows instead of the latency.
 //!
 //! A fenced row drops out of its batch alone (its run task is told `false`).
-//! If the batch statement itself fails, each of its endings is written on its
-//! own, so one bad row never fails its neighbours.
+//! If the database refuses the batch statement (a constraint or trigger),
+//! each of its endings is written on its own, so one bad row never fails its
+//! neighbours; if the database cannot be reached, every ending of the batch
+//! fails at once (as each would have alone), rather than each waiting out
+//! the pool in turn while its slot stays taken.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -85,13 +88,37 @@ async fn write(shared: &Shared, batch: &mut Vec<Request>) {
                 let _ = r.reply.send(Ok(written.contains(&r.ending.run)));
             }
         }
-        Err(e) => {
-            // One by one, so a row the database refuses fails alone.
-            tracing::warn!(error = %e, endings = batch.len(), "group-committed endings failed; writing them one by one");
+        // The database refused the statement (a constraint, a trigger): write
+        // the endings one by one, so a row it refuses fails alone.
+        Err(e @ sqlx::Error::Database(_)) => {
+            tracing::warn!(error = %e, endings = batch.len(), "group-committed endings refused; writing them one by one");
+            let mut away: Option<String> = None;
             for r in batch.drain(..) {
+                if let Some(why) = &away {
+                    let _ = r.reply.send(Err(sqlx::Error::Protocol(why.clone())));
+                    continue;
+                }
                 let one = db::lifecycle::finish_many(&shared.pool, std::slice::from_ref(&r.ending)).await;
-                shared.stats.finish_commits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                match &one {
+                    Ok(_) => {
+                        shared.stats.finish_commits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    // The database went away mid-way: the rest fail at once
+                    // instead of each waiting out the pool in turn.
+                    Err(e) if !matches!(e, sqlx::Error::Database(_)) => away = Some(e.to_string()),
+                    Err(_) => {}
+                }
                 let _ = r.reply.send(one.map(|w| !w.is_empty()));
+            }
+        }
+        // The database is unreachable (pool, connection, I/O): one by one
+        // would only wait out the pool once per ending, holding every slot.
+        // Every ending in the batch fails at once, as each would alone.
+        Err(e) => {
+            tracing::warn!(error = %e, endings = batch.len(), "group-committed endings failed");
+            let why = e.to_string();
+            for r in batch.drain(..) {
+                let _ = r.reply.send(Err(sqlx::Error::Protocol(why.clone())));
             }
         }
     }
