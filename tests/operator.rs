@@ -520,3 +520,36 @@ async fn every_audited_action_leaves_one_row_without_secrets() {
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 9);
     host.stop().await;
 }
+
+/// A user id names one user of one tenant: an admin of another tenant
+/// cannot mint a token for it (over HTTP or the command line) and so cannot
+/// act on that user's runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_id_belongs_to_one_tenant() {
+    let db = TestDb::new().await;
+    let host = TestHost::undispatched(&db, |_| {}).await;
+    let (code, run) = host.call("POST", "/v1/runs", Some(json!({ "content": "mine", "plugin": "echo" }))).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{run}");
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    let (_, evil) = token(&db.pool, "mallory", "evil", true, false).await;
+
+    let (code, body) = host.call_as(&evil, "POST", "/v1/tokens", Some(json!({ "user_id": "alice" }))).await;
+    assert_eq!(code, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["error"]["code"], "conflict", "{body}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+        .args(["--database-url", &db.url, "tokens", "create", "--user", "alice", "--tenant", "evil"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "the command line refuses it too");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("belongs to tenant acme"), "{out:?}");
+    let tokens: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM api_token WHERE user_id = 'alice'").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(tokens, 1, "only alice's own token");
+    // Her own tenant's admin may still give her another.
+    let (_, admin) = token(&db.pool, "root", "acme", true, false).await;
+    let (code, body) = host.call_as(&admin, "POST", "/v1/tokens", Some(json!({ "user_id": "alice" }))).await;
+    assert_eq!(code, StatusCode::CREATED, "{body}");
+    let second = body["token"].as_str().unwrap();
+    assert_eq!(host.call_as(second, "GET", &format!("/v1/runs/{run_id}"), None).await.0, StatusCode::OK);
+    host.stop().await;
+}

@@ -71,7 +71,11 @@ pub async fn create(
         operator: b.operator,
         expires_in_s: b.expires_in_s,
     };
-    let (info, secret) = crate::service::tokens::create(&state.pool, &Actor::from(&p), &new).await?;
+    let (info, secret) =
+        crate::service::tokens::create(&state.pool, &Actor::from(&p), &new).await.map_err(|e| match e {
+            tokens::CreateError::OtherTenant { .. } => ApiError::conflict(e.to_string()),
+            tokens::CreateError::Db(e) => e.into(),
+        })?;
     let mut body = serde_json::to_value(&info).expect("a token's row is JSON");
     body["token"] = json!(secret);
     Ok((StatusCode::CREATED, Json(body)))

@@ -68,18 +68,49 @@ fn secret(prefix: &str) -> String {
 
 /// Creates a token that never expires and returns its secret (the only time
 /// it is visible).
-pub async fn create(
-    db: impl PgExecutor<'_>,
+pub async fn create<'a>(
+    db: impl sqlx::Acquire<'a, Database = sqlx::Postgres>,
     user_id: &str,
     tenant_id: &str,
     admin: bool,
-) -> Result<String, sqlx::Error> {
+) -> Result<String, CreateError> {
     let new = NewToken { user_id, tenant_id, admin, ..NewToken::default() };
     Ok(create_with(db, &new).await?.1)
 }
 
+/// Why a token was not created.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    /// A user id belongs to one tenant: its first token's. Ownership checks
+    /// compare the user id alone, so a token for the same id in another
+    /// tenant would act on that user's runs.
+    #[error("user {user_id} belongs to tenant {tenant_id}; a user id names one user of one tenant")]
+    OtherTenant { user_id: String, tenant_id: String },
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
 /// Creates a token; its id and its secret (the only time it is visible).
-pub async fn create_with(db: impl PgExecutor<'_>, new: &NewToken<'_>) -> Result<(TokenInfo, String), sqlx::Error> {
+/// Refused when the user id already has a token in another tenant (checked
+/// under a per-user lock, so two concurrent creates cannot both pass).
+pub async fn create_with<'a>(
+    db: impl sqlx::Acquire<'a, Database = sqlx::Postgres>,
+    new: &NewToken<'_>,
+) -> Result<(TokenInfo, String), CreateError> {
+    let mut tx = db.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('api_token.user_id:' || $1, 0))")
+        .bind(new.user_id)
+        .execute(&mut *tx)
+        .await?;
+    let other: Option<String> =
+        sqlx::query_scalar("SELECT tenant_id FROM api_token WHERE user_id = $1 AND tenant_id <> $2 LIMIT 1")
+            .bind(new.user_id)
+            .bind(new.tenant_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    if let Some(tenant_id) = other {
+        return Err(CreateError::OtherTenant { user_id: new.user_id.to_string(), tenant_id });
+    }
     let token = secret("ah_");
     let info = sqlx::query_as(
         "INSERT INTO api_token (token_hash, user_id, tenant_id, admin, operator, expires_at)
@@ -92,8 +123,9 @@ pub async fn create_with(db: impl PgExecutor<'_>, new: &NewToken<'_>) -> Result<
     .bind(new.admin || new.operator)
     .bind(new.operator)
     .bind(new.expires_in_s.map(|s| s as f64))
-    .fetch_one(db)
+    .fetch_one(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok((info, token))
 }
 
