@@ -553,3 +553,56 @@ async fn a_user_id_belongs_to_one_tenant() {
     assert_eq!(host.call_as(second, "GET", &format!("/v1/runs/{run_id}"), None).await.0, StatusCode::OK);
     host.stop().await;
 }
+
+/// The Responses API's streams are held like the native one: each counts
+/// against `--user-max-streams` (a refused `stream: true` create enqueues
+/// nothing) and ends within a keepalive once its token is revoked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_streams_count_per_user_and_end_when_their_token_is_revoked() {
+    let db = TestDb::new().await;
+    let keepalive_ms = 400;
+    let mut args = FAST.to_vec();
+    let keepalive = keepalive_ms.to_string();
+    args.extend(["--sse-keepalive-ms", &keepalive, "--user-max-streams", "1"]);
+    let a = HostProcess::spawn(&db.url, "A", &args);
+    let (alice_id, alice) = token(&db.pool, "alice", "acme", false, false).await;
+    let client = reqwest::Client::new();
+    let slow = json!({ "model": "sleep", "input": "slowly", "background": true,
+                       "config": { "steps": 10000, "step_ms": 50 } });
+    let res = client.post(format!("http://{}/v1/responses", a.addr)).bearer_auth(&alice).json(&slow).send().await;
+    let res = res.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let id = res.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+    let url = format!("http://{}/v1/responses/{id}?stream=true", a.addr);
+    let mut stream = SseClient::connect(&url, &alice, None).await;
+    assert!(stream.next(LONG).await.is_some(), "a first frame");
+
+    // A second stream of hers, either way, is refused; the create writes nothing.
+    let before = written(&db.pool).await;
+    let res = client.get(&url).bearer_auth(&alice).header("Accept", "text/event-stream").send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(res.headers().contains_key("retry-after"));
+    let streamed = json!({ "model": "sleep", "input": "again", "stream": true });
+    let res = client.post(format!("http://{}/v1/responses", a.addr)).bearer_auth(&alice).json(&streamed).send().await;
+    let res = res.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS, "{}", res.text().await.unwrap());
+    let after = written(&db.pool).await;
+    assert_eq!((after.0, after.1), (before.0, before.1), "a refused stream enqueues no run or message");
+
+    // Revoked: the open stream ends within its keepalive interval.
+    sqlx::query("UPDATE api_token SET revoked_at = now() WHERE id = $1")
+        .bind(alice_id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let revoked_at = Instant::now();
+    while stream.next(LONG).await.is_some() {}
+    let ended_after = revoked_at.elapsed();
+    assert!(
+        ended_after < Duration::from_millis(keepalive_ms * 2 + 1000),
+        "the stream outlived its revoked token by {ended_after:?}"
+    );
+    // Its place is given back.
+    let (_, again) = token(&db.pool, "alice", "acme", false, false).await;
+    drop(SseClient::connect(&url, &again, None).await);
+}
