@@ -24,7 +24,7 @@ use support::*;
 
 /// A token of `user` in `tenant`: (id, secret).
 async fn token(pool: &PgPool, user: &str, tenant: &str, admin: bool, operator: bool) -> (uuid::Uuid, String) {
-    let new = NewToken { user_id: user, tenant_id: tenant, admin, operator, expires_in_s: None };
+    let new = NewToken { user_id: user, tenant_id: tenant, admin, operator, ..NewToken::default() };
     let (info, secret) = tokens::create_with(pool, &new).await.unwrap();
     (info.id, secret)
 }
@@ -605,4 +605,92 @@ async fn responses_streams_count_per_user_and_end_when_their_token_is_revoked() 
     // Its place is given back.
     let (_, again) = token(&db.pool, "alice", "acme", false, false).await;
     drop(SseClient::connect(&url, &again, None).await);
+}
+
+/// A retry is held to the tenant's queue quota like any enqueue (429,
+/// nothing written); an idempotent replay starts nothing and so takes no
+/// rate token: a burst of replays is answered at once, none refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_are_held_to_quotas_and_replays_take_no_rate_tokens() {
+    let db = TestDb::new().await;
+    let quotas = Quotas::new(QuotaConfig { tenant_max_queued: Some(1), ..QuotaConfig::default() });
+    let host = TestHost::undispatched(&db, |s| s.policy = Arc::new(Policy { quotas, ..Policy::default() })).await;
+    let run = json!({ "content": "hello", "plugin": "echo" });
+    let (code, first) = host.call("POST", "/v1/runs", Some(run.clone())).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{first}");
+    let first = first["run_id"].as_str().unwrap().to_string();
+    assert_eq!(host.call("POST", &format!("/v1/runs/{first}/cancel"), None).await.0, StatusCode::ACCEPTED);
+    let (code, second) = host.call("POST", "/v1/runs", Some(run.clone())).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{second}");
+    let before = written(&db.pool).await;
+    let res =
+        host.client.post(format!("{}/v1/runs/{first}/retry", host.base)).bearer_auth(&host.token).send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(res.headers().contains_key("retry-after"));
+    assert_eq!(res.json::<Value>().await.unwrap()["error"]["code"], "quota_exceeded");
+    assert_eq!(written(&db.pool).await, before, "a refused retry writes nothing");
+    // With a place free, the retry goes ahead.
+    let second = second["run_id"].as_str().unwrap();
+    assert_eq!(host.call("POST", &format!("/v1/runs/{second}/cancel"), None).await.0, StatusCode::ACCEPTED);
+    assert_eq!(host.call("POST", &format!("/v1/runs/{first}/retry"), None).await.0, StatusCode::ACCEPTED);
+    host.stop().await;
+
+    // 1 enqueue a second, a bucket of 1: were replays to take tokens, a
+    // burst of 6 would be refused past the 2 s wait.
+    let rates = Quotas::new(QuotaConfig {
+        tenant_enqueue_per_s: NonZeroU32::new(1),
+        tenant_enqueue_burst: NonZeroU32::new(1),
+        ..QuotaConfig::default()
+    });
+    let host =
+        TestHost::undispatched(&db, |s| s.policy = Arc::new(Policy { quotas: rates, ..Policy::default() })).await;
+    let (_, slow) = token(&db.pool, "sam", "slow", false, false).await;
+    let post = |body: Value| {
+        let (host, slow) = (&host, &slow);
+        async move {
+            let res = host
+                .client
+                .post(format!("{}/v1/runs", host.base))
+                .bearer_auth(slow)
+                .header("Idempotency-Key", "once")
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (res.status(), res.json::<Value>().await.unwrap())
+        }
+    };
+    let (code, original) = post(run.clone()).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{original}");
+    let started = Instant::now();
+    let replays = futures::future::join_all((0..6).map(|_| post(run.clone()))).await;
+    for (code, body) in &replays {
+        assert_eq!(*code, StatusCode::ACCEPTED, "{body}");
+        assert_eq!(body["run_id"], original["run_id"]);
+    }
+    assert!(started.elapsed() < Duration::from_millis(1900), "replays waited: {:?}", started.elapsed());
+    host.stop().await;
+}
+
+/// A token created over HTTP expires no later than the admin token that
+/// created it: an expiring admin cannot mint a lasting one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_created_token_expires_no_later_than_its_creator() {
+    let db = TestDb::new().await;
+    let host = TestHost::undispatched(&db, |_| {}).await;
+    let new =
+        NewToken { user_id: "temp", tenant_id: "acme", admin: true, expires_in_s: Some(600), ..NewToken::default() };
+    let (creator, admin) = tokens::create_with(&db.pool, &new).await.unwrap();
+    let cap = creator.expires_at.unwrap();
+    for body in [json!({ "user_id": "carl" }), json!({ "user_id": "carl", "expires_in_s": 86_400 })] {
+        let (code, created) = host.call_as(&admin, "POST", "/v1/tokens", Some(body)).await;
+        assert_eq!(code, StatusCode::CREATED, "{created}");
+        let expires: chrono::DateTime<chrono::Utc> = created["expires_at"].as_str().unwrap().parse().unwrap();
+        assert_eq!(expires, cap, "{created}");
+    }
+    let (_, created) =
+        host.call_as(&admin, "POST", "/v1/tokens", Some(json!({ "user_id": "carl", "expires_in_s": 60 }))).await;
+    let expires: chrono::DateTime<chrono::Utc> = created["expires_at"].as_str().unwrap().parse().unwrap();
+    assert!(expires < cap, "a shorter expiry stays");
+    host.stop().await;
 }

@@ -228,6 +228,7 @@ pub async fn tokens(db_args: &DbArgs, command: crate::config::TokensCommand) -> 
                     admin,
                     operator,
                     expires_in_s: expires_in,
+                    expires_by: None,
                 };
                 let (info, secret) =
                     crate::service::tokens::create(&pool, &actor, &new).await.context("creating the token")?;

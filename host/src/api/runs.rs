@@ -12,7 +12,7 @@ use crate::db::lifecycle::{self, Cancelled, RetryError};
 use crate::db::runs;
 use crate::db::tokens::Principal;
 use crate::db::{ConversationId, RunId, RunStatus};
-use crate::service::submit::{self, Busy, Submission};
+use crate::service::submit::{self, Busy, RetryRefused, Submission};
 
 use super::{audit, ApiError, ApiJson, AppState, Auth, OrNotFound, PathId};
 use crate::db::audit::action;
@@ -140,13 +140,18 @@ pub async fn retry_run(
     Auth(p): Auth,
     id: PathId<RunId>,
 ) -> Result<impl IntoResponse, ApiError> {
-    match lifecycle::retry(&state.pool, id.0, &p.user_id).await {
+    let owner = Owner { user_id: p.user_id.clone(), tenant_id: p.tenant_id.clone() };
+    match submit::retry(&state.pool, &state.policy.quotas, &owner, id.0).await {
         Ok(enqueued) => {
             audit::record(&state, &p, action::RUN_RETRIED, id.0, json!({ "new_run_id": enqueued.run_id })).await;
             Ok((StatusCode::ACCEPTED, Json(enqueued)))
         }
-        Err(RetryError::NotFound) => Err(ApiError::not_found(id)),
-        Err(RetryError::Conflict(m)) => Err(ApiError::conflict(m)),
-        Err(RetryError::Db(e)) => Err(e.into()),
+        Err(RetryRefused::Quota(e)) => Err(e.into()),
+        Err(RetryRefused::Retry(RetryError::NotFound)) => Err(ApiError::not_found(id)),
+        Err(RetryRefused::Retry(RetryError::Conflict(m))) => Err(ApiError::conflict(m)),
+        Err(RetryRefused::Retry(RetryError::QueueFull { max })) => {
+            Err(submit::queue_full(&state.policy.quotas, &p.tenant_id, max).into())
+        }
+        Err(RetryRefused::Retry(RetryError::Db(e))) => Err(e.into()),
     }
 }

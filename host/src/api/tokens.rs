@@ -28,7 +28,8 @@ pub struct CreateToken {
     pub admin: bool,
     #[serde(default)]
     pub operator: bool,
-    /// Seconds until it expires; unset: never.
+    /// Seconds until it expires; unset: never. Never later than the
+    /// creating token expires.
     #[serde(default)]
     pub expires_in_s: Option<i64>,
 }
@@ -70,6 +71,7 @@ pub async fn create(
         admin: b.admin,
         operator: b.operator,
         expires_in_s: b.expires_in_s,
+        expires_by: Some(p.token_id),
     };
     let (info, secret) =
         crate::service::tokens::create(&state.pool, &Actor::from(&p), &new).await.map_err(|e| match e {

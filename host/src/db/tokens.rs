@@ -49,6 +49,9 @@ pub struct NewToken<'a> {
     pub operator: bool,
     /// Seconds until it expires; `None`: never.
     pub expires_in_s: Option<i64>,
+    /// The token creating it (over HTTP): the new one expires no later than
+    /// that one does, so an expiring admin cannot mint a lasting token.
+    pub expires_by: Option<Uuid>,
 }
 
 /// Seconds a stream ticket is good for.
@@ -114,7 +117,8 @@ pub async fn create_with<'a>(
     let token = secret("ah_");
     let info = sqlx::query_as(
         "INSERT INTO api_token (token_hash, user_id, tenant_id, admin, operator, expires_at)
-         VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6::float8))
+         VALUES ($1, $2, $3, $4, $5, least(now() + make_interval(secs => $6::float8),
+                                           (SELECT expires_at FROM api_token WHERE id = $7)))
          RETURNING id, user_id, tenant_id, admin, operator, created_at, last_used_at, expires_at, revoked_at",
     )
     .bind(hash(&token))
@@ -123,6 +127,7 @@ pub async fn create_with<'a>(
     .bind(new.admin || new.operator)
     .bind(new.operator)
     .bind(new.expires_in_s.map(|s| s as f64))
+    .bind(new.expires_by)
     .fetch_one(&mut *tx)
     .await?;
     tx.commit().await?;
