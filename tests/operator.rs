@@ -694,3 +694,75 @@ async fn a_created_token_expires_no_later_than_its_creator() {
     assert!(expires < cap, "a shorter expiry stays");
     host.stop().await;
 }
+
+/// A schedule's firing past a tenant quota is not dropped: it waits for
+/// no rate token inside its transaction, is counted as refused, and the
+/// same firing is made at a later tick once the quota allows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schedule_held_by_a_quota_fires_later_not_never() {
+    use agent_host::agent::AgentRegistry;
+    use agent_host::service::schedules::fire_due;
+    let db = TestDb::new().await;
+    let quotas = Quotas::new(QuotaConfig {
+        tenant_max_queued: Some(1),
+        tenant_enqueue_per_s: NonZeroU32::new(1),
+        tenant_enqueue_burst: NonZeroU32::new(1),
+        ..QuotaConfig::default()
+    });
+    let policy = Arc::new(Policy { quotas, ..Policy::default() });
+    // The host's own firing loop stays out of the way (an hour a tick).
+    let config = agent_host::worker::WorkerConfig {
+        dispatch: false,
+        schedule_tick: Duration::from_secs(3600),
+        ..fast_config("w")
+    };
+    let p = policy.clone();
+    let host = TestHost::start_with(&db, None, AgentRegistry::with_builtins(), config, |s| s.policy = p).await;
+    let agents = AgentRegistry::with_builtins();
+    let (code, s) = host
+        .call("POST", "/v1/schedules", Some(json!({ "plugin": "echo", "content": "tick", "cron": "0 0 1 1 *" })))
+        .await;
+    assert_eq!(code, StatusCode::CREATED, "{s}");
+    let sid = s["id"].as_str().unwrap().to_string();
+    let due = || async {
+        sqlx::query("UPDATE schedule SET next_fire_at = now() - interval '1 second' WHERE id = $1::uuid")
+            .bind(&sid)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    };
+    let runs = || async { written(&db.pool).await.0 };
+    // Out of rate tokens (the burst of 1 just taken): refused at once, not waited for.
+    let (code, queued) = host.call("POST", "/v1/runs", Some(json!({ "content": "first", "plugin": "echo" }))).await;
+    assert_eq!(code, StatusCode::ACCEPTED);
+    due().await;
+    assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+    assert_eq!(runs().await, 1, "no firing without a rate token");
+    let fire_at: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT next_fire_at FROM schedule WHERE id = $1::uuid")
+            .bind(&sid)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(fire_at < chrono::Utc::now(), "the firing is still due");
+    // Then past the queue quota (one queued run): still held.
+    tokio::time::sleep(Duration::from_millis(1100)).await; // the rate bucket refills (time, not synchronisation)
+    assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+    assert_eq!(runs().await, 1, "no firing past the queue quota");
+    let refusals = policy.quotas.refusals();
+    for limit in ["enqueue_rate", "queued_runs"] {
+        assert!(refusals.iter().any(|(t, l, n)| t == "acme" && *l == limit && *n >= 1), "{limit}: {refusals:?}");
+    }
+    // With room, the same firing is made.
+    let queued = queued["run_id"].as_str().unwrap();
+    assert_eq!(host.call("POST", &format!("/v1/runs/{queued}/cancel"), None).await.0, StatusCode::ACCEPTED);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+    let key: String =
+        sqlx::query_scalar("SELECT idempotency_key FROM agent_run WHERE idempotency_key LIKE 'schedule-%'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(key, format!("schedule-{sid}-{}", fire_at.timestamp_micros()), "the held firing, not a later one");
+    host.stop().await;
+}

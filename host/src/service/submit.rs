@@ -151,6 +151,19 @@ pub async fn submit(
     policy: &Policy,
     s: &Submission,
 ) -> Result<Submitted, SubmitError> {
+    submit_within(pool, agents, policy, s, super::quota::SHAPE_WAIT_MAX).await
+}
+
+/// [`submit`], waiting for a rate token up to `rate_wait_max` (zero: a
+/// tenant out of tokens is refused at once, as a schedule's firing is, which
+/// must not wait inside its transaction).
+pub async fn submit_within(
+    pool: &PgPool,
+    agents: &AgentRegistry,
+    policy: &Policy,
+    s: &Submission,
+    rate_wait_max: std::time::Duration,
+) -> Result<Submitted, SubmitError> {
     // Before anything reaches the database, text it cannot store.
     storable::text("content", &s.content)?;
     storable::text("plugin", &s.plugin)?;
@@ -229,7 +242,7 @@ pub async fn submit(
         }
     }
     // The tenant's rate: a burst waits for its tokens, up to a bound.
-    policy.quotas.enqueue_token(tenant).await?;
+    policy.quotas.enqueue_token_within(tenant, rate_wait_max).await?;
     match lifecycle::enqueue_with(pool, &new, s.strategy, policy.quotas.config.tenant_max_queued).await {
         Ok(e) => Ok(Submitted::Created(e)),
         Err(StrategyError::QueueFull { max }) => Err(queue_full(&policy.quotas, tenant, max).into()),
