@@ -766,3 +766,28 @@ async fn a_schedule_held_by_a_quota_fires_later_not_never() {
     assert_eq!(key, format!("schedule-{sid}-{}", fire_at.timestamp_micros()), "the held firing, not a later one");
     host.stop().await;
 }
+
+/// A repeated cancel of a running run re-flags it but is audited once: the
+/// trail records the cancel that set the flag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_cancel_of_a_running_run_is_audited_once() {
+    let db = TestDb::new().await;
+    let host = TestHost::undispatched(&db, |_| {}).await;
+    let (code, run) = host.call("POST", "/v1/runs", Some(json!({ "content": "hi", "plugin": "echo" }))).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{run}");
+    let run = run["run_id"].as_str().unwrap().to_string();
+    let claimed = claim_one(&db.pool, "w-test", Duration::from_secs(60)).await;
+    assert_eq!(claimed.id.to_string(), run);
+    for _ in 0..3 {
+        let (code, body) = host.call("POST", &format!("/v1/runs/{run}/cancel"), None).await;
+        assert_eq!((code, body["status"].as_str()), (StatusCode::ACCEPTED, Some("running")), "{body}");
+    }
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM audit_event WHERE action = 'run.cancelled' AND target = $1")
+            .bind(&run)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(rows, 1);
+    host.stop().await;
+}

@@ -107,7 +107,7 @@ pub async fn cancel_run(
     let done = cancel(&state, &p, id.0).await?.or_not_found(id)?;
     let (code, status, cancel_requested) = match done {
         Cancelled::Queued | Cancelled::Waiting => (StatusCode::ACCEPTED, RunStatus::Cancelled, true),
-        Cancelled::Flagged => (StatusCode::ACCEPTED, RunStatus::Running, true),
+        Cancelled::Flagged { .. } => (StatusCode::ACCEPTED, RunStatus::Running, true),
         Cancelled::Terminal(s, flagged) => (StatusCode::OK, s, flagged),
     };
     Ok((code, Json(json!({ "id": id.0, "status": status.as_str(), "cancel_requested": cancel_requested }))))
@@ -126,8 +126,9 @@ pub(super) async fn cancel(state: &AppState, p: &Principal, run: RunId) -> Resul
     if let Some(Cancelled::Queued | Cancelled::Waiting) = done {
         state.record_ended(1);
     }
-    // A cancel that changed something is audited; a repeat on an ended run is not.
-    if matches!(done, Some(Cancelled::Queued | Cancelled::Waiting | Cancelled::Flagged)) {
+    // A cancel that changed something is audited; a repeat (of a flagged or
+    // ended run) is not.
+    if matches!(done, Some(Cancelled::Queued | Cancelled::Waiting | Cancelled::Flagged { first: true })) {
         audit::record(state, p, action::RUN_CANCELLED, run, json!({})).await;
     }
     Ok(done)

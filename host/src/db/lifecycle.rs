@@ -720,7 +720,8 @@ pub enum Cancelled {
     /// Queued: cancelled outright, its message handed back as a draft.
     Queued,
     /// Running: flagged and woken; the holder finalizes it `cancelled`.
-    Flagged,
+    /// `first`: this cancel set the flag (a repeat re-flags and re-wakes).
+    Flagged { first: bool },
     /// Waiting: cancelled outright, its streamed text kept as a partial answer.
     Waiting,
     /// Already terminal: nothing changed (its status and cancel flag).
@@ -790,7 +791,7 @@ pub async fn cancel(pool: &PgPool, run: RunId, owner_id: &str) -> Result<Option<
         }
         RunStatus::Running => {
             flag(&mut tx, &[run]).await?;
-            Cancelled::Flagged
+            Cancelled::Flagged { first: !locked.cancel_requested }
         }
         RunStatus::Waiting => {
             cancel_waiting(&mut tx, run).await?;
