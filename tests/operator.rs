@@ -791,3 +791,25 @@ async fn a_repeated_cancel_of_a_running_run_is_audited_once() {
     assert_eq!(rows, 1);
     host.stop().await;
 }
+
+/// A tenant's admin neither sees nor revokes an operator's token of that
+/// tenant; the operator does both. The list says whether it was truncated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_admin_cannot_touch_an_operator_token() {
+    let db = TestDb::new().await;
+    let host = TestHost::undispatched(&db, |_| {}).await;
+    let (op_id, op) = token(&db.pool, "ops", "acme", true, true).await;
+    let (_, admin) = token(&db.pool, "root", "acme", true, false).await;
+    let (code, list) = host.call_as(&admin, "GET", "/v1/tokens", None).await;
+    assert_eq!(code, StatusCode::OK);
+    assert_eq!(list["truncated"], false);
+    let ids: Vec<&str> = list["tokens"].as_array().unwrap().iter().map(|t| t["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), 2, "alice's and the admin's: {ids:?}");
+    assert!(!ids.contains(&op_id.to_string().as_str()), "{ids:?}");
+    let revoke = format!("/v1/tokens/{op_id}/revoke");
+    assert_eq!(host.call_as(&admin, "POST", &revoke, None).await.0, StatusCode::NOT_FOUND);
+    assert_eq!(host.call_as(&op, "GET", "/v1/tokens", None).await.1["tokens"].as_array().unwrap().len(), 3);
+    assert_eq!(host.call_as(&op, "GET", "/v1/conversations", None).await.0, StatusCode::OK, "still valid");
+    assert_eq!(host.call_as(&op, "POST", &revoke, None).await.0, StatusCode::OK, "an operator revokes its own");
+    host.stop().await;
+}

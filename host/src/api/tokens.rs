@@ -39,9 +39,12 @@ const ID_CHARS_MAX: usize = 200;
 
 /// `GET /v1/tokens`: id, user, tenant, admin, created, last used, expiry,
 /// revoked; never a secret.
+/// At most [`tokens::LIST_MAX`], oldest first; `truncated` says there are more.
 pub async fn list(State(state): State<AppState>, Admin(p): Admin) -> Result<impl IntoResponse, ApiError> {
-    let tenant = (!p.operator).then_some(p.tenant_id.as_str());
-    Ok(Json(json!({ "tokens": tokens::list(&state.pool, tenant).await? })))
+    let mut rows = tokens::list(&state.pool, Scope::of(&p), tokens::LIST_MAX + 1).await?;
+    let truncated = rows.len() as i64 > tokens::LIST_MAX;
+    rows.truncate(tokens::LIST_MAX as usize);
+    Ok(Json(json!({ "tokens": rows, "truncated": truncated })))
 }
 
 /// `POST /v1/tokens`: 201 with the secret, shown this once.
@@ -84,16 +87,15 @@ pub async fn create(
 }
 
 /// `POST /v1/tokens/{id}/revoke`: 200 `{id, revoked: true}`, idempotent.
-/// An operator revokes any token, an admin its tenant's, anyone else only
-/// their own; any other is 404 (unknown, or not yours).
+/// An operator revokes any token, an admin its tenant's (but no
+/// operator's), anyone else only their own; any other is 404 (unknown, or
+/// not yours).
 pub async fn revoke(
     State(state): State<AppState>,
     Auth(p): Auth,
     id: PathId<TokenId>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let scope =
-        Scope { tenant: (!p.operator).then_some(p.tenant_id.as_str()), user: (!p.admin).then_some(p.user_id.as_str()) };
-    crate::service::tokens::revoke(&state.pool, &Actor::from(&p), id.0 .0, scope).await?.or_not_found(id)?;
+    crate::service::tokens::revoke(&state.pool, &Actor::from(&p), id.0 .0, Scope::of(&p)).await?.or_not_found(id)?;
     Ok(Json(json!({ "id": id.0, "revoked": true })))
 }
 
