@@ -418,15 +418,27 @@ async fn plugins_belong_to_a_tenant_and_published_ones_run_for_all() {
             &admin_a,
             "POST",
             &format!("/v1/conversations/{conversation}/runs"),
-            Some(json!({ "content": "hi", "plugin": "private" })),
+            Some(json!({ "content": "pinned words", "plugin": "private" })),
         )
         .await;
     let (queued, _) = digest(&queued).await;
     let repointed = upload(admin_a.clone(), "private", "fixtures", false).await;
     assert_eq!(repointed.status, StatusCode::CREATED);
     assert_ne!(repointed.json()["digest"].as_str().unwrap(), a_digest);
+    // The two components answer differently: echo says the words back; the
+    // fixtures component, given no mode, fails. The queued run ran echo.
     assert_eq!(wait_terminal(&db.pool, queued, LONG).await, "completed");
-    assert_eq!(digest(&json!({ "run_id": queued })).await.1, a_digest, "the run kept its pinned digest");
+    let said: Vec<String> = sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
+        .bind(queued)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(said, ["pinned words"], "the queued run executed its pinned (echo) component");
+    let (_, after) = enqueue(admin_a.clone(), "private").await;
+    let (after, d) = digest(&after).await;
+    assert_ne!(d, a_digest, "a new run gets the re-pointed component");
+    assert_eq!(wait_terminal(&db.pool, after, LONG).await, "failed");
+    assert!(run_error(&db.pool, after).await.contains("unknown fixture mode"), "{}", run_error(&db.pool, after).await);
     host.stop().await;
 }
 
