@@ -366,6 +366,18 @@ async fn plugins_belong_to_a_tenant_and_published_ones_run_for_all() {
     let message = refused["error"]["message"].as_str().unwrap();
     assert!(message.contains("unknown plugin") && message.contains("shared"), "{message}");
     assert!(!message.contains("private,") && !message.ends_with("private"), "B is not told A's plugin: {message}");
+    // Nor schedule it, nor ask the Responses API for it as a model.
+    let schedule = json!({ "plugin": "private", "content": "hi", "cron": "0 0 1 1 *" });
+    let (code, body) = host.call_as(&admin_b, "POST", "/v1/schedules", Some(schedule.clone())).await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("unknown plugin"), "{body}");
+    let (code, body) =
+        host.call_as(&admin_b, "POST", "/v1/responses", Some(json!({ "model": "private", "input": "hi" }))).await;
+    assert_eq!(code, StatusCode::NOT_FOUND, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("not found") && message.contains("shared"), "{message}");
+    assert!(!message.contains("private,") && !message.ends_with("private"), "B is not told A's plugin: {message}");
+    assert_eq!(host.call_as(&admin_a, "POST", "/v1/schedules", Some(schedule)).await.0, StatusCode::CREATED);
 
     // B's upload of the same name is B's own: A's is untouched.
     let b = upload(admin_b.clone(), "private", "fixtures", false).await;
