@@ -837,3 +837,33 @@ async fn a_tenant_admin_cannot_touch_an_operator_token() {
     assert_eq!(host.call_as(&op, "POST", &revoke, None).await.0, StatusCode::OK, "an operator revokes its own");
     host.stop().await;
 }
+
+/// Two concurrent first uploads of one name: one is the upload, the other
+/// re-points it (one `plugin.uploaded` row, not two).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_first_uploads_of_a_name_record_one_upload() {
+    let db = TestDb::new().await;
+    let (_, router) = sandboxed_router(&db);
+    let (_, admin) = token(&db.pool, "ann", "a", true, false).await;
+    for round in 0..3 {
+        let name = format!("racy{round}");
+        let uploads = ["echo", "fixtures"].map(|wasm| {
+            let (router, admin, name) = (router.clone(), admin.clone(), name.clone());
+            async move {
+                let component = plugin_wasm(wasm);
+                let fields: [(&str, &[u8]); 2] = [("name", name.as_bytes()), ("component", component.as_slice())];
+                let (ct, body) = multipart(&fields);
+                oneshot(&router, "POST", "/v1/plugins", Some(&admin), &[], Some((&ct, body))).await.status
+            }
+        });
+        let codes = futures::future::join_all(uploads).await;
+        assert!(codes.iter().all(|c| *c == StatusCode::CREATED), "{codes:?}");
+        let actions: Vec<String> =
+            sqlx::query_scalar("SELECT action FROM audit_event WHERE target = $1 ORDER BY action")
+                .bind(&name)
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!(actions, ["plugin.repointed", "plugin.uploaded"], "{name}");
+    }
+}
