@@ -115,6 +115,20 @@ async fn a_rejected_call_answers_denied_and_the_agent_finishes() {
     let answer = env.assistant(run).await;
     assert!(answer.contains("denied") && answer.contains("not today"), "{answer}");
     assert!(env.receiver.args.lock().unwrap().is_empty(), "a rejected call is never made");
+    // One audit row: the decision and the call, not the reason's text.
+    let rows = decided_rows(&env.db.pool).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].0, format!("{run}/{call}"));
+    assert_eq!(rows[0].1["decision"], "reject");
+    assert!(!rows[0].1.to_string().contains("not today"), "{rows:?}");
+}
+
+/// The `approval.decided` audit rows: (target, detail).
+async fn decided_rows(pool: &sqlx::PgPool) -> Vec<(String, Value)> {
+    sqlx::query_as("SELECT target, detail FROM audit_event WHERE action = 'approval.decided' ORDER BY id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -133,6 +147,7 @@ async fn two_concurrent_decisions_on_one_call_one_wins_the_other_gets_409_with_i
     let (won, lost) = if approve.0 == 200 { (approve, reject) } else { (reject, approve) };
     assert_eq!(lost.1["decision"]["decision"], won.1["decision"]["decision"], "the 409 carries the first: {lost:?}");
     assert_eq!(lost.1["error"]["code"], "conflict");
+    assert_eq!(decided_rows(&env.db.pool).await.len(), 1, "the losing decision is not audited");
     assert_eq!(wait_terminal(&env.db.pool, run, LONG).await, "completed");
     // And once more, after the run ended: still the first decision.
     let (code, again) = decide(&env, &a, run, call, json!({ "decision": "approve" })).await;

@@ -24,7 +24,7 @@ use support::*;
 
 /// A token of `user` in `tenant`: (id, secret).
 async fn token(pool: &PgPool, user: &str, tenant: &str, admin: bool, operator: bool) -> (uuid::Uuid, String) {
-    let new = NewToken { user_id: user, tenant_id: tenant, admin, operator, expires_in_s: None };
+    let new = NewToken { user_id: user, tenant_id: tenant, admin, operator, ..NewToken::default() };
     let (info, secret) = tokens::create_with(pool, &new).await.unwrap();
     (info.id, secret)
 }
@@ -366,6 +366,18 @@ async fn plugins_belong_to_a_tenant_and_published_ones_run_for_all() {
     let message = refused["error"]["message"].as_str().unwrap();
     assert!(message.contains("unknown plugin") && message.contains("shared"), "{message}");
     assert!(!message.contains("private,") && !message.ends_with("private"), "B is not told A's plugin: {message}");
+    // Nor schedule it, nor ask the Responses API for it as a model.
+    let schedule = json!({ "plugin": "private", "content": "hi", "cron": "0 0 1 1 *" });
+    let (code, body) = host.call_as(&admin_b, "POST", "/v1/schedules", Some(schedule.clone())).await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("unknown plugin"), "{body}");
+    let (code, body) =
+        host.call_as(&admin_b, "POST", "/v1/responses", Some(json!({ "model": "private", "input": "hi" }))).await;
+    assert_eq!(code, StatusCode::NOT_FOUND, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("not found") && message.contains("shared"), "{message}");
+    assert!(!message.contains("private,") && !message.ends_with("private"), "B is not told A's plugin: {message}");
+    assert_eq!(host.call_as(&admin_a, "POST", "/v1/schedules", Some(schedule)).await.0, StatusCode::CREATED);
 
     // B's upload of the same name is B's own: A's is untouched.
     let b = upload(admin_b.clone(), "private", "fixtures", false).await;
@@ -418,15 +430,27 @@ async fn plugins_belong_to_a_tenant_and_published_ones_run_for_all() {
             &admin_a,
             "POST",
             &format!("/v1/conversations/{conversation}/runs"),
-            Some(json!({ "content": "hi", "plugin": "private" })),
+            Some(json!({ "content": "pinned words", "plugin": "private" })),
         )
         .await;
     let (queued, _) = digest(&queued).await;
     let repointed = upload(admin_a.clone(), "private", "fixtures", false).await;
     assert_eq!(repointed.status, StatusCode::CREATED);
     assert_ne!(repointed.json()["digest"].as_str().unwrap(), a_digest);
+    // The two components answer differently: echo says the words back; the
+    // fixtures component, given no mode, fails. The queued run ran echo.
     assert_eq!(wait_terminal(&db.pool, queued, LONG).await, "completed");
-    assert_eq!(digest(&json!({ "run_id": queued })).await.1, a_digest, "the run kept its pinned digest");
+    let said: Vec<String> = sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
+        .bind(queued)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(said, ["pinned words"], "the queued run executed its pinned (echo) component");
+    let (_, after) = enqueue(admin_a.clone(), "private").await;
+    let (after, d) = digest(&after).await;
+    assert_ne!(d, a_digest, "a new run gets the re-pointed component");
+    assert_eq!(wait_terminal(&db.pool, after, LONG).await, "failed");
+    assert!(run_error(&db.pool, after).await.contains("unknown fixture mode"), "{}", run_error(&db.pool, after).await);
     host.stop().await;
 }
 
@@ -519,4 +543,327 @@ async fn every_audited_action_leaves_one_row_without_secrets() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 9);
     host.stop().await;
+}
+
+/// A user id names one user of one tenant: an admin of another tenant
+/// cannot mint a token for it (over HTTP or the command line) and so cannot
+/// act on that user's runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_id_belongs_to_one_tenant() {
+    let db = TestDb::new().await;
+    let host = TestHost::undispatched(&db, |_| {}).await;
+    let (code, run) = host.call("POST", "/v1/runs", Some(json!({ "content": "mine", "plugin": "echo" }))).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{run}");
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    let (_, evil) = token(&db.pool, "mallory", "evil", true, false).await;
+
+    let (code, body) = host.call_as(&evil, "POST", "/v1/tokens", Some(json!({ "user_id": "alice" }))).await;
+    assert_eq!(code, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["error"]["code"], "conflict", "{body}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+        .args(["--database-url", &db.url, "tokens", "create", "--user", "alice", "--tenant", "evil"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "the command line refuses it too");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("belongs to tenant acme"), "{out:?}");
+    let tokens: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM api_token WHERE user_id = 'alice'").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(tokens, 1, "only alice's own token");
+    // Her own tenant's admin may still give her another.
+    let (_, admin) = token(&db.pool, "root", "acme", true, false).await;
+    let (code, body) = host.call_as(&admin, "POST", "/v1/tokens", Some(json!({ "user_id": "alice" }))).await;
+    assert_eq!(code, StatusCode::CREATED, "{body}");
+    let second = body["token"].as_str().unwrap();
+    assert_eq!(host.call_as(second, "GET", &format!("/v1/runs/{run_id}"), None).await.0, StatusCode::OK);
+    host.stop().await;
+}
+
+/// The Responses API's streams are held like the native one: each counts
+/// against `--user-max-streams` (a refused `stream: true` create enqueues
+/// nothing) and ends within a keepalive once its token is revoked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_streams_count_per_user_and_end_when_their_token_is_revoked() {
+    let db = TestDb::new().await;
+    let keepalive_ms = 400;
+    let mut args = FAST.to_vec();
+    let keepalive = keepalive_ms.to_string();
+    args.extend(["--sse-keepalive-ms", &keepalive, "--user-max-streams", "1"]);
+    let a = HostProcess::spawn(&db.url, "A", &args);
+    let (alice_id, alice) = token(&db.pool, "alice", "acme", false, false).await;
+    let client = reqwest::Client::new();
+    let slow = json!({ "model": "sleep", "input": "slowly", "background": true,
+                       "config": { "steps": 10000, "step_ms": 50 } });
+    let res = client.post(format!("http://{}/v1/responses", a.addr)).bearer_auth(&alice).json(&slow).send().await;
+    let res = res.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let id = res.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+    let url = format!("http://{}/v1/responses/{id}?stream=true", a.addr);
+    let mut stream = SseClient::connect(&url, &alice, None).await;
+    assert!(stream.next(LONG).await.is_some(), "a first frame");
+
+    // A second stream of hers, either way, is refused; the create writes nothing.
+    let before = written(&db.pool).await;
+    let res = client.get(&url).bearer_auth(&alice).header("Accept", "text/event-stream").send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(res.headers().contains_key("retry-after"));
+    let streamed = json!({ "model": "sleep", "input": "again", "stream": true });
+    let res = client.post(format!("http://{}/v1/responses", a.addr)).bearer_auth(&alice).json(&streamed).send().await;
+    let res = res.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS, "{}", res.text().await.unwrap());
+    let after = written(&db.pool).await;
+    assert_eq!((after.0, after.1), (before.0, before.1), "a refused stream enqueues no run or message");
+
+    // Revoked: the open stream ends within its keepalive interval.
+    sqlx::query("UPDATE api_token SET revoked_at = now() WHERE id = $1")
+        .bind(alice_id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let revoked_at = Instant::now();
+    while stream.next(LONG).await.is_some() {}
+    let ended_after = revoked_at.elapsed();
+    assert!(
+        ended_after < Duration::from_millis(keepalive_ms * 2 + 1000),
+        "the stream outlived its revoked token by {ended_after:?}"
+    );
+    // Its place is given back.
+    let (_, again) = token(&db.pool, "alice", "acme", false, false).await;
+    drop(SseClient::connect(&url, &again, None).await);
+}
+
+/// A retry is held to the tenant's queue quota like any enqueue (429,
+/// nothing written); an idempotent replay starts nothing and so takes no
+/// rate token: a burst of replays is answered at once, none refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_are_held_to_quotas_and_replays_take_no_rate_tokens() {
+    let db = TestDb::new().await;
+    let quotas = Quotas::new(QuotaConfig { tenant_max_queued: Some(1), ..QuotaConfig::default() });
+    let host = TestHost::undispatched(&db, |s| s.policy = Arc::new(Policy { quotas, ..Policy::default() })).await;
+    let run = json!({ "content": "hello", "plugin": "echo" });
+    let (code, first) = host.call("POST", "/v1/runs", Some(run.clone())).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{first}");
+    let first = first["run_id"].as_str().unwrap().to_string();
+    assert_eq!(host.call("POST", &format!("/v1/runs/{first}/cancel"), None).await.0, StatusCode::ACCEPTED);
+    let (code, second) = host.call("POST", "/v1/runs", Some(run.clone())).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{second}");
+    let before = written(&db.pool).await;
+    let res =
+        host.client.post(format!("{}/v1/runs/{first}/retry", host.base)).bearer_auth(&host.token).send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(res.headers().contains_key("retry-after"));
+    assert_eq!(res.json::<Value>().await.unwrap()["error"]["code"], "quota_exceeded");
+    assert_eq!(written(&db.pool).await, before, "a refused retry writes nothing");
+    // With a place free, the retry goes ahead.
+    let second = second["run_id"].as_str().unwrap();
+    assert_eq!(host.call("POST", &format!("/v1/runs/{second}/cancel"), None).await.0, StatusCode::ACCEPTED);
+    assert_eq!(host.call("POST", &format!("/v1/runs/{first}/retry"), None).await.0, StatusCode::ACCEPTED);
+    host.stop().await;
+
+    // 1 enqueue a second, a bucket of 1: were replays to take tokens, a
+    // burst of 6 would be refused past the 2 s wait.
+    let rates = Quotas::new(QuotaConfig {
+        tenant_enqueue_per_s: NonZeroU32::new(1),
+        tenant_enqueue_burst: NonZeroU32::new(1),
+        ..QuotaConfig::default()
+    });
+    let host =
+        TestHost::undispatched(&db, |s| s.policy = Arc::new(Policy { quotas: rates, ..Policy::default() })).await;
+    let (_, slow) = token(&db.pool, "sam", "slow", false, false).await;
+    let post = |body: Value| {
+        let (host, slow) = (&host, &slow);
+        async move {
+            let res = host
+                .client
+                .post(format!("{}/v1/runs", host.base))
+                .bearer_auth(slow)
+                .header("Idempotency-Key", "once")
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (res.status(), res.json::<Value>().await.unwrap())
+        }
+    };
+    let (code, original) = post(run.clone()).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{original}");
+    let started = Instant::now();
+    let replays = futures::future::join_all((0..6).map(|_| post(run.clone()))).await;
+    for (code, body) in &replays {
+        assert_eq!(*code, StatusCode::ACCEPTED, "{body}");
+        assert_eq!(body["run_id"], original["run_id"]);
+    }
+    assert!(started.elapsed() < Duration::from_millis(1900), "replays waited: {:?}", started.elapsed());
+    host.stop().await;
+}
+
+/// A token created over HTTP expires no later than the admin token that
+/// created it: an expiring admin cannot mint a lasting one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_created_token_expires_no_later_than_its_creator() {
+    let db = TestDb::new().await;
+    let host = TestHost::undispatched(&db, |_| {}).await;
+    let new =
+        NewToken { user_id: "temp", tenant_id: "acme", admin: true, expires_in_s: Some(600), ..NewToken::default() };
+    let (creator, admin) = tokens::create_with(&db.pool, &new).await.unwrap();
+    let cap = creator.expires_at.unwrap();
+    for body in [json!({ "user_id": "carl" }), json!({ "user_id": "carl", "expires_in_s": 86_400 })] {
+        let (code, created) = host.call_as(&admin, "POST", "/v1/tokens", Some(body)).await;
+        assert_eq!(code, StatusCode::CREATED, "{created}");
+        let expires: chrono::DateTime<chrono::Utc> = created["expires_at"].as_str().unwrap().parse().unwrap();
+        assert_eq!(expires, cap, "{created}");
+    }
+    let (_, created) =
+        host.call_as(&admin, "POST", "/v1/tokens", Some(json!({ "user_id": "carl", "expires_in_s": 60 }))).await;
+    let expires: chrono::DateTime<chrono::Utc> = created["expires_at"].as_str().unwrap().parse().unwrap();
+    assert!(expires < cap, "a shorter expiry stays");
+    host.stop().await;
+}
+
+/// A schedule's firing past a tenant quota is not dropped: it waits for
+/// no rate token inside its transaction, is counted as refused, and the
+/// same firing is made at a later tick once the quota allows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schedule_held_by_a_quota_fires_later_not_never() {
+    use agent_host::agent::AgentRegistry;
+    use agent_host::service::schedules::fire_due;
+    let db = TestDb::new().await;
+    let quotas = Quotas::new(QuotaConfig {
+        tenant_max_queued: Some(1),
+        tenant_enqueue_per_s: NonZeroU32::new(1),
+        tenant_enqueue_burst: NonZeroU32::new(1),
+        ..QuotaConfig::default()
+    });
+    let policy = Arc::new(Policy { quotas, ..Policy::default() });
+    // The host's own firing loop stays out of the way (an hour a tick).
+    let config = agent_host::worker::WorkerConfig {
+        dispatch: false,
+        schedule_tick: Duration::from_secs(3600),
+        ..fast_config("w")
+    };
+    let p = policy.clone();
+    let host = TestHost::start_with(&db, None, AgentRegistry::with_builtins(), config, |s| s.policy = p).await;
+    let agents = AgentRegistry::with_builtins();
+    let (code, s) = host
+        .call("POST", "/v1/schedules", Some(json!({ "plugin": "echo", "content": "tick", "cron": "0 0 1 1 *" })))
+        .await;
+    assert_eq!(code, StatusCode::CREATED, "{s}");
+    let sid = s["id"].as_str().unwrap().to_string();
+    let due = || async {
+        sqlx::query("UPDATE schedule SET next_fire_at = now() - interval '1 second' WHERE id = $1::uuid")
+            .bind(&sid)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    };
+    let runs = || async { written(&db.pool).await.0 };
+    // Out of rate tokens (the burst of 1 just taken): refused at once, not waited for.
+    let (code, queued) = host.call("POST", "/v1/runs", Some(json!({ "content": "first", "plugin": "echo" }))).await;
+    assert_eq!(code, StatusCode::ACCEPTED);
+    due().await;
+    assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+    assert_eq!(runs().await, 1, "no firing without a rate token");
+    let fire_at: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT next_fire_at FROM schedule WHERE id = $1::uuid")
+            .bind(&sid)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(fire_at < chrono::Utc::now(), "the firing is still due");
+    // Then past the queue quota (one queued run): still held.
+    tokio::time::sleep(Duration::from_millis(1100)).await; // the rate bucket refills (time, not synchronisation)
+    assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+    assert_eq!(runs().await, 1, "no firing past the queue quota");
+    let refusals = policy.quotas.refusals();
+    for limit in ["enqueue_rate", "queued_runs"] {
+        assert!(refusals.iter().any(|(t, l, n)| t == "acme" && *l == limit && *n >= 1), "{limit}: {refusals:?}");
+    }
+    // With room, the same firing is made.
+    let queued = queued["run_id"].as_str().unwrap();
+    assert_eq!(host.call("POST", &format!("/v1/runs/{queued}/cancel"), None).await.0, StatusCode::ACCEPTED);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+    let key: String =
+        sqlx::query_scalar("SELECT idempotency_key FROM agent_run WHERE idempotency_key LIKE 'schedule-%'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(key, format!("schedule-{sid}-{}", fire_at.timestamp_micros()), "the held firing, not a later one");
+    host.stop().await;
+}
+
+/// A repeated cancel of a running run re-flags it but is audited once: the
+/// trail records the cancel that set the flag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_cancel_of_a_running_run_is_audited_once() {
+    let db = TestDb::new().await;
+    let host = TestHost::undispatched(&db, |_| {}).await;
+    let (code, run) = host.call("POST", "/v1/runs", Some(json!({ "content": "hi", "plugin": "echo" }))).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{run}");
+    let run = run["run_id"].as_str().unwrap().to_string();
+    let claimed = claim_one(&db.pool, "w-test", Duration::from_secs(60)).await;
+    assert_eq!(claimed.id.to_string(), run);
+    for _ in 0..3 {
+        let (code, body) = host.call("POST", &format!("/v1/runs/{run}/cancel"), None).await;
+        assert_eq!((code, body["status"].as_str()), (StatusCode::ACCEPTED, Some("running")), "{body}");
+    }
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM audit_event WHERE action = 'run.cancelled' AND target = $1")
+            .bind(&run)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(rows, 1);
+    host.stop().await;
+}
+
+/// A tenant's admin neither sees nor revokes an operator's token of that
+/// tenant; the operator does both. The list says whether it was truncated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_admin_cannot_touch_an_operator_token() {
+    let db = TestDb::new().await;
+    let host = TestHost::undispatched(&db, |_| {}).await;
+    let (op_id, op) = token(&db.pool, "ops", "acme", true, true).await;
+    let (_, admin) = token(&db.pool, "root", "acme", true, false).await;
+    let (code, list) = host.call_as(&admin, "GET", "/v1/tokens", None).await;
+    assert_eq!(code, StatusCode::OK);
+    assert_eq!(list["truncated"], false);
+    let ids: Vec<&str> = list["tokens"].as_array().unwrap().iter().map(|t| t["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), 2, "alice's and the admin's: {ids:?}");
+    assert!(!ids.contains(&op_id.to_string().as_str()), "{ids:?}");
+    let revoke = format!("/v1/tokens/{op_id}/revoke");
+    assert_eq!(host.call_as(&admin, "POST", &revoke, None).await.0, StatusCode::NOT_FOUND);
+    assert_eq!(host.call_as(&op, "GET", "/v1/tokens", None).await.1["tokens"].as_array().unwrap().len(), 3);
+    assert_eq!(host.call_as(&op, "GET", "/v1/conversations", None).await.0, StatusCode::OK, "still valid");
+    assert_eq!(host.call_as(&op, "POST", &revoke, None).await.0, StatusCode::OK, "an operator revokes its own");
+    host.stop().await;
+}
+
+/// Two concurrent first uploads of one name: one is the upload, the other
+/// re-points it (one `plugin.uploaded` row, not two).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_first_uploads_of_a_name_record_one_upload() {
+    let db = TestDb::new().await;
+    let (_, router) = sandboxed_router(&db);
+    let (_, admin) = token(&db.pool, "ann", "a", true, false).await;
+    for round in 0..3 {
+        let name = format!("racy{round}");
+        let uploads = ["echo", "fixtures"].map(|wasm| {
+            let (router, admin, name) = (router.clone(), admin.clone(), name.clone());
+            async move {
+                let component = plugin_wasm(wasm);
+                let fields: [(&str, &[u8]); 2] = [("name", name.as_bytes()), ("component", component.as_slice())];
+                let (ct, body) = multipart(&fields);
+                oneshot(&router, "POST", "/v1/plugins", Some(&admin), &[], Some((&ct, body))).await.status
+            }
+        });
+        let codes = futures::future::join_all(uploads).await;
+        assert!(codes.iter().all(|c| *c == StatusCode::CREATED), "{codes:?}");
+        let actions: Vec<String> =
+            sqlx::query_scalar("SELECT action FROM audit_event WHERE target = $1 ORDER BY action")
+                .bind(&name)
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!(actions, ["plugin.repointed", "plugin.uploaded"], "{name}");
+    }
 }

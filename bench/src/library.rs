@@ -130,7 +130,7 @@ pub async fn has_event(pool: &PgPool, run: RunId, kind: &str, limit: i64) -> Res
 }
 
 /// An API token of the benchmark's owner.
-pub async fn token(pool: &PgPool) -> Result<String, sqlx::Error> {
+pub async fn token(pool: &PgPool) -> Result<String, db::tokens::CreateError> {
     db::tokens::create(pool, OWNER, OWNER, false).await
 }
 

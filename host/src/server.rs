@@ -228,6 +228,7 @@ pub async fn tokens(db_args: &DbArgs, command: crate::config::TokensCommand) -> 
                     admin,
                     operator,
                     expires_in_s: expires_in,
+                    expires_by: None,
                 };
                 let (info, secret) =
                     crate::service::tokens::create(&pool, &actor, &new).await.context("creating the token")?;
@@ -237,7 +238,13 @@ pub async fn tokens(db_args: &DbArgs, command: crate::config::TokensCommand) -> 
             TokensCommand::List { tenant } => {
                 println!("id\tuser\ttenant\tadmin\tcreated\tlast_used\texpires\trevoked");
                 let when = |t: Option<chrono::DateTime<chrono::Utc>>| t.map_or("-".to_string(), |t| t.to_rfc3339());
-                for t in db::tokens::list(&pool, tenant.as_deref()).await? {
+                let scope = db::tokens::Scope { tenant: tenant.as_deref(), ..Default::default() };
+                let mut rows = db::tokens::list(&pool, scope, db::tokens::LIST_MAX + 1).await?;
+                if rows.len() as i64 > db::tokens::LIST_MAX {
+                    rows.truncate(db::tokens::LIST_MAX as usize);
+                    eprintln!("(the first {} tokens only: narrow with --tenant)", db::tokens::LIST_MAX);
+                }
+                for t in rows {
                     let role = if t.operator {
                         "operator"
                     } else if t.admin {

@@ -42,7 +42,7 @@ pub async fn list(
     if !(1..=PAGE_MAX).contains(&limit) {
         return Err(ApiError::bad_request(format!("limit must be 1 to {PAGE_MAX}")));
     }
-    let tenant = (!p.operator).then_some(p.tenant_id.as_str());
+    let tenant = p.tenant_scope();
     let rows = audit::list(&state.pool, tenant, q.after, limit + 1).await?;
     let more = rows.len() as i64 > limit;
     let rows: Vec<_> = rows.into_iter().take(limit as usize).collect();

@@ -26,9 +26,9 @@ use crate::db::events::COMPLETE;
 use crate::db::journal::Event;
 use crate::db::runs;
 use crate::db::RunId;
-use crate::service::quota::StreamGuard;
 use crate::stream::tail::{Item, TailStream, PAGE_EVENTS_MAX};
 
+use super::live::TokenCheck;
 use super::{ApiError, ApiQuery, AppState, Auth, OrNotFound, PathId};
 
 #[derive(Debug, Deserialize)]
@@ -73,9 +73,8 @@ pub async fn events(
     let wants_sse =
         headers.get(header::ACCEPT).and_then(|a| a.to_str().ok()).is_some_and(|a| a.contains("text/event-stream"));
     if wants_sse {
-        let guard = state.policy.quotas.stream(&p.tenant_id, &p.user_id)?;
+        let check = TokenCheck::open(&state, &p)?;
         let tail = state.tails().follow(id.0, from)?;
-        let check = TokenCheck { pool: state.pool.clone(), token: p.token_id, every: state.keepalive, _guard: guard };
         Ok(sse(id.0, tail, check).into_response())
     } else {
         Ok(page(state.tails().catch_up(id.0, from), from).await?.into_response())
@@ -105,56 +104,30 @@ async fn page(mut tail: TailStream, from: i32) -> Result<Json<Value>, ApiError> 
     Ok(Json(json!({ "events": frames, "next_from": next_from, "terminal": terminal })))
 }
 
-/// An open stream's re-check of its token: at least once per keepalive
-/// interval (a keepalive is sent at least that often when nothing else is),
-/// so a stream whose token is revoked or expires ends within one interval.
-/// Holds the user's stream place until the stream ends.
-struct TokenCheck {
-    pool: sqlx::PgPool,
-    token: uuid::Uuid,
-    every: std::time::Duration,
-    _guard: StreamGuard,
-}
-
 /// The SSE encoder: the body ends with the tail (or at its first error,
 /// after which the client rejoins from its last seq, or once its token is
 /// no longer valid).
 fn sse(run: RunId, tail: TailStream, check: TokenCheck) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    let checked_at = tokio::time::Instant::now();
-    let frames = futures::stream::unfold(
-        (tail, check, checked_at),
-        move |(mut tail, check, mut checked_at)| async move {
-            let item = tail.next().await?;
-            // Every keepalive re-checks; so does the first event an interval after the last check.
-            if matches!(item, Ok(Item::Keepalive)) || checked_at.elapsed() >= check.every {
-                match crate::db::tokens::is_valid(&check.pool, check.token).await {
-                    Ok(true) => checked_at = tokio::time::Instant::now(),
-                    Ok(false) => {
-                        tracing::info!(run_id = %run, "stream ended: its token was revoked or expired");
-                        return None;
-                    }
-                    Err(e) => {
-                        tracing::warn!(run_id = %run, error = %e, "stream ended: its token could not be re-checked");
-                        return None;
-                    }
-                }
+    let frames = futures::stream::unfold((tail, check), move |(mut tail, mut check)| async move {
+        let item = tail.next().await?;
+        if !check.still_valid(matches!(item, Ok(Item::Keepalive)), &run.to_string()).await {
+            return None;
+        }
+        let frame = match item {
+            Ok(Item::Event(e)) => {
+                // A field cannot hold a line break (a guest's kind could):
+                // such a frame goes as the default type; its data names it.
+                let kind = if e.kind.contains(['\n', '\r']) { "message" } else { e.kind.as_str() };
+                SseEvent::default().id(e.seq.to_string()).event(kind).data(frame(&e).to_string())
             }
-            let frame = match item {
-                Ok(Item::Event(e)) => {
-                    // A field cannot hold a line break (a guest's kind could):
-                    // such a frame goes as the default type; its data names it.
-                    let kind = if e.kind.contains(['\n', '\r']) { "message" } else { e.kind.as_str() };
-                    SseEvent::default().id(e.seq.to_string()).event(kind).data(frame(&e).to_string())
-                }
-                Ok(Item::Keepalive) => SseEvent::default().comment("keepalive"),
-                Ok(Item::End(_)) => return None,
-                Err(e) => {
-                    tracing::warn!(run_id = %run, error = %e, "tail ended early; the client can rejoin from its last seq");
-                    return None;
-                }
-            };
-            Some((Ok(frame), (tail, check, checked_at)))
-        },
-    );
+            Ok(Item::Keepalive) => SseEvent::default().comment("keepalive"),
+            Ok(Item::End(_)) => return None,
+            Err(e) => {
+                tracing::warn!(run_id = %run, error = %e, "tail ended early; the client can rejoin from its last seq");
+                return None;
+            }
+        };
+        Some((Ok(frame), (tail, check)))
+    });
     Sse::new(frames)
 }

@@ -10,6 +10,7 @@ mod conversations;
 mod error;
 mod events;
 mod extract;
+mod live;
 mod metrics;
 mod paging;
 mod plugins;

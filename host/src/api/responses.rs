@@ -144,11 +144,15 @@ pub async fn create(
     // A stream or a wait takes its place under the bound of live tails
     // first: once the run is enqueued, nothing answers 5xx (the SDKs retry
     // a 5xx, and without an Idempotency-Key a retry is another run).
+    // A stream also takes its user's place and re-checks its token (as
+    // the native stream does).
     let place = if stream || !background { Some(tails.reserve().map_err(ApiError::from)?) } else { None };
+    let check = if stream { Some(super::live::TokenCheck::open(&state, &p)?) } else { None };
     let created = service::create(&state.pool, &state.agents, &state.policy, &tails, &owner(&p), key, &req).await?;
     let mut res = match place {
         Some(place) if stream => {
-            sse(view::follow_reserved(&tails, &state.pool, &created.row, None, place)).into_response()
+            let check = check.expect("a stream's check is open");
+            sse(view::follow_reserved(&tails, &state.pool, &created.row, None, place), check).into_response()
         }
         Some(place) => match view::settle(&tails, &state.pool, &created.row, place).await {
             Ok(done) => Json(done).into_response(),
@@ -200,7 +204,9 @@ pub async fn get(
     let row = find(&state, &p, &id).await?;
     let tails = state.tails();
     if stream {
-        return Ok(sse(view::follow(&tails, &state.pool, &row, after).map_err(ApiError::from)?).into_response());
+        let check = super::live::TokenCheck::open(&state, &p)?;
+        let events = view::follow(&tails, &state.pool, &row, after).map_err(ApiError::from)?;
+        return Ok(sse(events, check).into_response());
     }
     Ok(Json(view::current(&tails, &state.pool, &row).await.map_err(ApiError::from)?).into_response())
 }
@@ -262,27 +268,34 @@ pub async fn compact(auth: std::result::Result<Auth, ApiError>, _body: axum::bod
 
 /// The SSE encoder: each event in one frame, keepalives as comments, then
 /// `data: [DONE]`. A tail error ends the body without `[DONE]`: the client
-/// resumes with `starting_after` its last `sequence_number`.
+/// resumes with `starting_after` its last `sequence_number`. Ends (without
+/// `[DONE]`) once the caller's token is revoked or expired.
 fn sse(
     events: impl Stream<Item = std::result::Result<StreamItem, crate::stream::tail::TailError>> + Send + 'static,
+    check: super::live::TokenCheck,
 ) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>> {
-    let frames = futures::stream::unfold((Box::pin(events), false), |(mut events, ended)| async move {
+    let state = (Box::pin(events), check, false);
+    let frames = futures::stream::unfold(state, |(mut events, mut check, ended)| async move {
         if ended {
             return None;
         }
-        let frame = match events.next().await {
+        let item = events.next().await;
+        if !check.still_valid(matches!(item, Some(Ok(StreamItem::Keepalive))), "response").await {
+            return None;
+        }
+        let frame = match item {
             Some(Ok(StreamItem::Event(e))) => {
                 let kind = e["type"].as_str().unwrap_or("message").to_string();
                 SseEvent::default().event(kind).data(e.to_string())
             }
             Some(Ok(StreamItem::Keepalive)) => SseEvent::default().comment("keepalive"),
-            None => return Some((Ok(SseEvent::default().data("[DONE]")), (events, true))),
+            None => return Some((Ok(SseEvent::default().data("[DONE]")), (events, check, true))),
             Some(Err(e)) => {
                 tracing::warn!(error = %e, "response stream ended early; the client resumes with starting_after");
                 return None;
             }
         };
-        Some((Ok(frame), (events, false)))
+        Some((Ok(frame), (events, check, false)))
     });
     Sse::new(frames)
 }

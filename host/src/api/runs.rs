@@ -12,7 +12,7 @@ use crate::db::lifecycle::{self, Cancelled, RetryError};
 use crate::db::runs;
 use crate::db::tokens::Principal;
 use crate::db::{ConversationId, RunId, RunStatus};
-use crate::service::submit::{self, Busy, Submission};
+use crate::service::submit::{self, Busy, RetryRefused, Submission};
 
 use super::{audit, ApiError, ApiJson, AppState, Auth, OrNotFound, PathId};
 use crate::db::audit::action;
@@ -107,7 +107,7 @@ pub async fn cancel_run(
     let done = cancel(&state, &p, id.0).await?.or_not_found(id)?;
     let (code, status, cancel_requested) = match done {
         Cancelled::Queued | Cancelled::Waiting => (StatusCode::ACCEPTED, RunStatus::Cancelled, true),
-        Cancelled::Flagged => (StatusCode::ACCEPTED, RunStatus::Running, true),
+        Cancelled::Flagged { .. } => (StatusCode::ACCEPTED, RunStatus::Running, true),
         Cancelled::Terminal(s, flagged) => (StatusCode::OK, s, flagged),
     };
     Ok((code, Json(json!({ "id": id.0, "status": status.as_str(), "cancel_requested": cancel_requested }))))
@@ -126,8 +126,9 @@ pub(super) async fn cancel(state: &AppState, p: &Principal, run: RunId) -> Resul
     if let Some(Cancelled::Queued | Cancelled::Waiting) = done {
         state.record_ended(1);
     }
-    // A cancel that changed something is audited; a repeat on an ended run is not.
-    if matches!(done, Some(Cancelled::Queued | Cancelled::Waiting | Cancelled::Flagged)) {
+    // A cancel that changed something is audited; a repeat (of a flagged or
+    // ended run) is not.
+    if matches!(done, Some(Cancelled::Queued | Cancelled::Waiting | Cancelled::Flagged { first: true })) {
         audit::record(state, p, action::RUN_CANCELLED, run, json!({})).await;
     }
     Ok(done)
@@ -140,13 +141,18 @@ pub async fn retry_run(
     Auth(p): Auth,
     id: PathId<RunId>,
 ) -> Result<impl IntoResponse, ApiError> {
-    match lifecycle::retry(&state.pool, id.0, &p.user_id).await {
+    let owner = Owner { user_id: p.user_id.clone(), tenant_id: p.tenant_id.clone() };
+    match submit::retry(&state.pool, &state.policy.quotas, &owner, id.0).await {
         Ok(enqueued) => {
             audit::record(&state, &p, action::RUN_RETRIED, id.0, json!({ "new_run_id": enqueued.run_id })).await;
             Ok((StatusCode::ACCEPTED, Json(enqueued)))
         }
-        Err(RetryError::NotFound) => Err(ApiError::not_found(id)),
-        Err(RetryError::Conflict(m)) => Err(ApiError::conflict(m)),
-        Err(RetryError::Db(e)) => Err(e.into()),
+        Err(RetryRefused::Quota(e)) => Err(e.into()),
+        Err(RetryRefused::Retry(RetryError::NotFound)) => Err(ApiError::not_found(id)),
+        Err(RetryRefused::Retry(RetryError::Conflict(m))) => Err(ApiError::conflict(m)),
+        Err(RetryRefused::Retry(RetryError::QueueFull { max })) => {
+            Err(submit::queue_full(&state.policy.quotas, &p.tenant_id, max).into())
+        }
+        Err(RetryRefused::Retry(RetryError::Db(e))) => Err(e.into()),
     }
 }

@@ -28,7 +28,8 @@ pub struct CreateToken {
     pub admin: bool,
     #[serde(default)]
     pub operator: bool,
-    /// Seconds until it expires; unset: never.
+    /// Seconds until it expires; unset: never. Never later than the
+    /// creating token expires.
     #[serde(default)]
     pub expires_in_s: Option<i64>,
 }
@@ -38,9 +39,12 @@ const ID_CHARS_MAX: usize = 200;
 
 /// `GET /v1/tokens`: id, user, tenant, admin, created, last used, expiry,
 /// revoked; never a secret.
+/// At most [`tokens::LIST_MAX`], oldest first; `truncated` says there are more.
 pub async fn list(State(state): State<AppState>, Admin(p): Admin) -> Result<impl IntoResponse, ApiError> {
-    let tenant = (!p.operator).then_some(p.tenant_id.as_str());
-    Ok(Json(json!({ "tokens": tokens::list(&state.pool, tenant).await? })))
+    let mut rows = tokens::list(&state.pool, Scope::of(&p), tokens::LIST_MAX + 1).await?;
+    let truncated = rows.len() as i64 > tokens::LIST_MAX;
+    rows.truncate(tokens::LIST_MAX as usize);
+    Ok(Json(json!({ "tokens": rows, "truncated": truncated })))
 }
 
 /// `POST /v1/tokens`: 201 with the secret, shown this once.
@@ -70,24 +74,28 @@ pub async fn create(
         admin: b.admin,
         operator: b.operator,
         expires_in_s: b.expires_in_s,
+        expires_by: Some(p.token_id),
     };
-    let (info, secret) = crate::service::tokens::create(&state.pool, &Actor::from(&p), &new).await?;
+    let (info, secret) =
+        crate::service::tokens::create(&state.pool, &Actor::from(&p), &new).await.map_err(|e| match e {
+            tokens::CreateError::OtherTenant { .. } => ApiError::conflict(e.to_string()),
+            tokens::CreateError::Db(e) => e.into(),
+        })?;
     let mut body = serde_json::to_value(&info).expect("a token's row is JSON");
     body["token"] = json!(secret);
     Ok((StatusCode::CREATED, Json(body)))
 }
 
 /// `POST /v1/tokens/{id}/revoke`: 200 `{id, revoked: true}`, idempotent.
-/// An operator revokes any token, an admin its tenant's, anyone else only
-/// their own; any other is 404 (unknown, or not yours).
+/// An operator revokes any token, an admin its tenant's (but no
+/// operator's), anyone else only their own; any other is 404 (unknown, or
+/// not yours).
 pub async fn revoke(
     State(state): State<AppState>,
     Auth(p): Auth,
     id: PathId<TokenId>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let scope =
-        Scope { tenant: (!p.operator).then_some(p.tenant_id.as_str()), user: (!p.admin).then_some(p.user_id.as_str()) };
-    crate::service::tokens::revoke(&state.pool, &Actor::from(&p), id.0 .0, scope).await?.or_not_found(id)?;
+    crate::service::tokens::revoke(&state.pool, &Actor::from(&p), id.0 .0, Scope::of(&p)).await?.or_not_found(id)?;
     Ok(Json(json!({ "id": id.0, "revoked": true })))
 }
 

@@ -697,7 +697,8 @@ pub enum Cancelled {
     /// Queued: cancelled outright, its message handed back as a draft.
     Queued,
     /// Running: flagged and woken; the holder finalizes it `cancelled`.
-    Flagged,
+    /// `first`: this cancel set the flag (a repeat re-flags and re-wakes).
+    Flagged { first: bool },
     /// Waiting: cancelled outright, its streamed text kept as a partial answer.
     Waiting,
     /// Already terminal: nothing changed (its status and cancel flag).
@@ -767,7 +768,7 @@ pub async fn cancel(pool: &PgPool, run: RunId, owner_id: &str) -> Result<Option<
         }
         RunStatus::Running => {
             flag(&mut tx, &[run]).await?;
-            Cancelled::Flagged
+            Cancelled::Flagged { first: !locked.cancel_requested }
         }
         RunStatus::Waiting => {
             cancel_waiting(&mut tx, run).await?;
@@ -890,6 +891,13 @@ pub async fn enqueue_with(
         }
         replay = used;
     }
+    // The tenant's queue lock first, before any row lock (the Reject and
+    // Interrupt paths lock the conversation; a retry takes it first too), so
+    // every path takes the two in one order.
+    let quota = tenant_max_queued.filter(|_| !replay);
+    if quota.is_some() {
+        lock_tenant_queue(&mut tx, &new.owner.tenant_id).await?;
+    }
     if let (Some(conversation), Busy::Reject | Busy::Interrupt) = (new.conversation_id, strategy) {
         let owned: Option<bool> = sqlx::query_scalar("SELECT owner_id = $2 FROM conversation WHERE id = $1 FOR UPDATE")
             .bind(conversation)
@@ -914,27 +922,37 @@ pub async fn enqueue_with(
             stop_in(&mut tx, conversation).await?;
         }
     }
-    // The tenant's queue quota: counted under a per-tenant lock held to the
-    // commit, so concurrent enqueues (in any process) cannot both take the
-    // last place; a refusal rolls back, writing nothing. A replay is
-    // answered as its first request was.
-    if let (Some(max), false) = (tenant_max_queued, replay) {
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('agent_run.queued:' || $1, 0))")
-            .bind(&new.owner.tenant_id)
-            .execute(&mut *tx)
-            .await?;
-        let queued: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE tenant_id = $1 AND status = 'queued'")
-                .bind(&new.owner.tenant_id)
-                .fetch_one(&mut *tx)
-                .await?;
-        if queued >= i64::from(max) {
+    // The tenant's queue quota: counted under the per-tenant lock taken
+    // above and held to the commit, so concurrent enqueues (in any process)
+    // cannot both take the last place; a refusal rolls back, writing
+    // nothing. A replay is answered as its first request was.
+    if let Some(max) = quota {
+        if !queue_has_room(&mut tx, &new.owner.tenant_id, max).await? {
             return Err(StrategyError::QueueFull { max });
         }
     }
     let enqueued = super::enqueue::enqueue_in(&mut tx, new).await?;
     tx.commit().await?;
     Ok(enqueued)
+}
+
+/// Takes the tenant's queue lock (to the commit): the queue quota is
+/// counted under it.
+async fn lock_tenant_queue(tx: &mut Transaction<'_, Postgres>, tenant: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('agent_run.queued:' || $1, 0))")
+        .bind(tenant)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Whether the tenant has fewer than `max` queued runs (ask under its queue lock).
+async fn queue_has_room(tx: &mut Transaction<'_, Postgres>, tenant: &str, max: u32) -> Result<bool, sqlx::Error> {
+    let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE tenant_id = $1 AND status = 'queued'")
+        .bind(tenant)
+        .fetch_one(&mut **tx)
+        .await?;
+    Ok(queued < i64::from(max))
 }
 
 /// queued -> cancelled, for [`cancel`] and [`stop_conversation`]: status,
@@ -1058,6 +1076,9 @@ pub enum RetryError {
     NotFound,
     #[error("{0}")]
     Conflict(String),
+    /// The tenant has `max` queued runs, the most its quota allows.
+    #[error("the tenant has {max} queued runs")]
+    QueueFull { max: u32 },
     #[error(transparent)]
     Db(#[from] sqlx::Error),
 }
@@ -1069,8 +1090,27 @@ pub enum RetryError {
 /// nothing is ever re-run silently. The run row, then the conversation row,
 /// are locked, so two retries of one run serialise and the second finds a
 /// later turn.
-pub async fn retry(pool: &PgPool, run: RunId, owner_id: &str) -> Result<Enqueued, RetryError> {
+pub async fn retry(
+    pool: &PgPool,
+    run: RunId,
+    owner_id: &str,
+    tenant_max_queued: Option<u32>,
+) -> Result<Enqueued, RetryError> {
     let mut tx = pool.begin().await?;
+    // Held to the tenant's queue quota like any enqueue, its lock taken
+    // before the run's and the conversation's (the order every enqueue keeps).
+    if let Some(max) = tenant_max_queued {
+        let tenant: String = sqlx::query_scalar("SELECT tenant_id FROM agent_run WHERE id = $1 AND owner_id = $2")
+            .bind(run)
+            .bind(owner_id)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(RetryError::NotFound)?;
+        lock_tenant_queue(&mut tx, &tenant).await?;
+        if !queue_has_room(&mut tx, &tenant, max).await? {
+            return Err(RetryError::QueueFull { max });
+        }
+    }
     let locked = lock_owned_run(&mut tx, run, owner_id).await?.ok_or(RetryError::NotFound)?;
     let (conversation, message) = (locked.conversation_id, locked.user_message_id);
     sqlx::query("SELECT 1 FROM conversation WHERE id = $1 FOR UPDATE").bind(conversation).execute(&mut *tx).await?;

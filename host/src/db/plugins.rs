@@ -77,7 +77,15 @@ async fn put_in(
     .bind(bytes.len() as i32)
     .execute(&mut *tx)
     .await?;
-    // The name's row in this scope, locked: what it pointed at before.
+    // The name in this scope, locked (a row lock would lock nothing on a
+    // first upload, and two concurrent first uploads would both record
+    // one): what it pointed at before. A tenant id is never empty, so ''
+    // is the published scope.
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('plugin:' || coalesce($2, '') || '/' || $1, 0))")
+        .bind(name)
+        .bind(tenant)
+        .execute(&mut *tx)
+        .await?;
     let previous: Option<String> = sqlx::query_scalar(
         "SELECT digest FROM plugin WHERE name = $1 AND tenant_id IS NOT DISTINCT FROM $2 FOR UPDATE",
     )

@@ -49,6 +49,24 @@ pub struct NewToken<'a> {
     pub operator: bool,
     /// Seconds until it expires; `None`: never.
     pub expires_in_s: Option<i64>,
+    /// The token creating it (over HTTP): the new one expires no later than
+    /// that one does, so an expiring admin cannot mint a lasting token.
+    pub expires_by: Option<Uuid>,
+}
+
+/// The columns of a [`TokenInfo`], for every query that answers one.
+macro_rules! info_columns {
+    () => {
+        "id, user_id, tenant_id, admin, operator, created_at, last_used_at, expires_at, revoked_at"
+    };
+}
+
+/// The SQL condition of a [`Scope`], bound as $1 (tenant), $2 (user) and
+/// $3 (no operators).
+macro_rules! scope_filter {
+    () => {
+        "($1::text IS NULL OR tenant_id = $1) AND ($2::text IS NULL OR user_id = $2) AND NOT ($3 AND operator)"
+    };
 }
 
 /// Seconds a stream ticket is good for.
@@ -68,32 +86,67 @@ fn secret(prefix: &str) -> String {
 
 /// Creates a token that never expires and returns its secret (the only time
 /// it is visible).
-pub async fn create(
-    db: impl PgExecutor<'_>,
+pub async fn create<'a>(
+    db: impl sqlx::Acquire<'a, Database = sqlx::Postgres>,
     user_id: &str,
     tenant_id: &str,
     admin: bool,
-) -> Result<String, sqlx::Error> {
+) -> Result<String, CreateError> {
     let new = NewToken { user_id, tenant_id, admin, ..NewToken::default() };
     Ok(create_with(db, &new).await?.1)
 }
 
+/// Why a token was not created.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    /// A user id belongs to one tenant: its first token's. Ownership checks
+    /// compare the user id alone, so a token for the same id in another
+    /// tenant would act on that user's runs.
+    #[error("user {user_id} belongs to tenant {tenant_id}; a user id names one user of one tenant")]
+    OtherTenant { user_id: String, tenant_id: String },
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
 /// Creates a token; its id and its secret (the only time it is visible).
-pub async fn create_with(db: impl PgExecutor<'_>, new: &NewToken<'_>) -> Result<(TokenInfo, String), sqlx::Error> {
+/// Refused when the user id already has a token in another tenant (checked
+/// under a per-user lock, so two concurrent creates cannot both pass).
+pub async fn create_with<'a>(
+    db: impl sqlx::Acquire<'a, Database = sqlx::Postgres>,
+    new: &NewToken<'_>,
+) -> Result<(TokenInfo, String), CreateError> {
+    let mut tx = db.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('api_token.user_id:' || $1, 0))")
+        .bind(new.user_id)
+        .execute(&mut *tx)
+        .await?;
+    let other: Option<String> =
+        sqlx::query_scalar("SELECT tenant_id FROM api_token WHERE user_id = $1 AND tenant_id <> $2 LIMIT 1")
+            .bind(new.user_id)
+            .bind(new.tenant_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    if let Some(tenant_id) = other {
+        return Err(CreateError::OtherTenant { user_id: new.user_id.to_string(), tenant_id });
+    }
     let token = secret("ah_");
-    let info = sqlx::query_as(
+    let info = sqlx::query_as(concat!(
         "INSERT INTO api_token (token_hash, user_id, tenant_id, admin, operator, expires_at)
-         VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6::float8))
-         RETURNING id, user_id, tenant_id, admin, operator, created_at, last_used_at, expires_at, revoked_at",
-    )
+         VALUES ($1, $2, $3, $4, $5, least(now() + make_interval(secs => $6::float8),
+                                           (SELECT expires_at FROM api_token WHERE id = $7)))
+         RETURNING ",
+        info_columns!()
+    ))
     .bind(hash(&token))
     .bind(new.user_id)
     .bind(new.tenant_id)
     .bind(new.admin || new.operator)
     .bind(new.operator)
     .bind(new.expires_in_s.map(|s| s as f64))
-    .fetch_one(db)
+    .bind(new.expires_by)
+    .fetch_one(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok((info, token))
 }
 
@@ -128,53 +181,77 @@ pub async fn is_valid(db: impl PgExecutor<'_>, id: Uuid) -> Result<bool, sqlx::E
     .await
 }
 
-/// Tokens, oldest first: of `tenant` when given, else all; at most [`LIST_MAX`].
-pub async fn list(db: impl PgExecutor<'_>, tenant: Option<&str>) -> Result<Vec<TokenInfo>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT id, user_id, tenant_id, admin, operator, created_at, last_used_at, expires_at, revoked_at
-         FROM api_token WHERE $1::text IS NULL OR tenant_id = $1 ORDER BY created_at, id LIMIT $2",
-    )
-    .bind(tenant)
-    .bind(LIST_MAX)
+/// Tokens within `scope`, oldest first; at most `limit` (callers ask
+/// [`LIST_MAX`]` + 1` to tell a truncated list).
+pub async fn list(db: impl PgExecutor<'_>, scope: Scope<'_>, limit: i64) -> Result<Vec<TokenInfo>, sqlx::Error> {
+    sqlx::query_as(concat!(
+        "SELECT ",
+        info_columns!(),
+        " FROM api_token WHERE ",
+        scope_filter!(),
+        " ORDER BY created_at, id LIMIT $4"
+    ))
+    .bind(scope.tenant)
+    .bind(scope.user)
+    .bind(scope.no_operators)
+    .bind(limit)
     .fetch_all(db)
     .await
 }
 
-/// Which tokens a caller may manage: of `tenant` and of `user`, each when given.
+/// Which tokens a caller may see and manage: of `tenant` and of `user`,
+/// each when given, and no operator's when `no_operators`. The default:
+/// every token (the command line).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Scope<'a> {
     pub tenant: Option<&'a str>,
     pub user: Option<&'a str>,
+    pub no_operators: bool,
+}
+
+impl<'a> Scope<'a> {
+    /// What `p` may manage: an operator every token; an admin its tenant's
+    /// but no operator's; anyone else their own.
+    pub fn of(p: &'a Principal) -> Scope<'a> {
+        Scope { tenant: p.tenant_scope(), user: (!p.admin).then_some(p.user_id.as_str()), no_operators: !p.operator }
+    }
+}
+
+impl Principal {
+    /// The tenant this principal's admin views are limited to: its own, or
+    /// `None` (every tenant) for an operator.
+    pub fn tenant_scope(&self) -> Option<&str> {
+        (!self.operator).then_some(self.tenant_id.as_str())
+    }
 }
 
 /// One token's row, if it exists within `scope`.
 pub async fn get(db: impl PgExecutor<'_>, id: Uuid, scope: Scope<'_>) -> Result<Option<TokenInfo>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT id, user_id, tenant_id, admin, operator, created_at, last_used_at, expires_at, revoked_at
-         FROM api_token WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2) AND ($3::text IS NULL OR user_id = $3)",
-    )
-    .bind(id)
-    .bind(scope.tenant)
-    .bind(scope.user)
-    .fetch_optional(db)
-    .await
+    sqlx::query_as(concat!("SELECT ", info_columns!(), " FROM api_token WHERE id = $4 AND ", scope_filter!()))
+        .bind(scope.tenant)
+        .bind(scope.user)
+        .bind(scope.no_operators)
+        .bind(id)
+        .fetch_optional(db)
+        .await
 }
 
 /// Revokes the token `id` within `scope`: `Some(true)` when this call
 /// revoked it, `Some(false)` when it already was, `None` when there is no
 /// such token.
 pub async fn revoke(db: impl PgExecutor<'_>, id: Uuid, scope: Scope<'_>) -> Result<Option<bool>, sqlx::Error> {
-    sqlx::query_scalar(
-        "WITH t AS (SELECT id, revoked_at FROM api_token
-                    WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2) AND ($3::text IS NULL OR user_id = $3)
-                    FOR UPDATE),
+    sqlx::query_scalar(concat!(
+        "WITH t AS (SELECT id, revoked_at FROM api_token WHERE id = $4 AND ",
+        scope_filter!(),
+        " FOR UPDATE),
               done AS (UPDATE api_token a SET revoked_at = now() FROM t
                        WHERE a.id = t.id AND t.revoked_at IS NULL RETURNING a.id)
-         SELECT EXISTS (SELECT 1 FROM done) FROM t",
-    )
-    .bind(id)
+         SELECT EXISTS (SELECT 1 FROM done) FROM t"
+    ))
     .bind(scope.tenant)
     .bind(scope.user)
+    .bind(scope.no_operators)
+    .bind(id)
     .fetch_optional(db)
     .await
 }

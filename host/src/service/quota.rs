@@ -99,11 +99,17 @@ impl Quotas {
     /// Takes one enqueue token for `tenant`, waiting for it up to
     /// [`SHAPE_WAIT_MAX`] (a burst is shaped, not failed).
     pub async fn enqueue_token(&self, tenant: &str) -> Result<(), QuotaExceeded> {
+        self.enqueue_token_within(tenant, SHAPE_WAIT_MAX).await
+    }
+
+    /// Takes one enqueue token for `tenant`, waiting for it up to `wait_max`
+    /// (zero: refused at once when there is none).
+    pub async fn enqueue_token_within(&self, tenant: &str, wait_max: Duration) -> Result<(), QuotaExceeded> {
         let Some(limiter) = &self.limiter else { return Ok(()) };
         let key = tenant.to_string();
         // Bounded in time: each round takes the token or sleeps until it
         // frees (others may take it first); past the deadline, refused.
-        let deadline = tokio::time::Instant::now() + SHAPE_WAIT_MAX;
+        let deadline = tokio::time::Instant::now() + wait_max;
         loop {
             let wait = match limiter.check_key(&key) {
                 Ok(()) => return Ok(()),

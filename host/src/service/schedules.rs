@@ -6,6 +6,7 @@
 //! while every process was down fires once, then goes on from now.
 
 use std::str::FromStr;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
@@ -141,11 +142,18 @@ pub async fn fire_due(pool: &PgPool, agents: &AgentRegistry, policy: &Policy) ->
             webhook: s.webhook.clone(),
             strategy: Busy::Enqueue,
         };
-        let run = match submit::submit(pool, agents, policy, &submission).await {
+        // No waiting for a rate token here: the schedules' rows are locked.
+        let run = match submit::submit_within(pool, agents, policy, &submission, Duration::ZERO).await {
             Ok(submitted) => Some(submitted.enqueued().run_id),
             // Not fired: tried again next tick; the other schedules go on.
             Err(SubmitError::Db(e)) => {
                 tracing::warn!(schedule = %s.id, error = %e, "a schedule's firing failed; trying again next tick");
+                continue;
+            }
+            // Past a tenant quota (counted in /metrics): the same firing is
+            // tried again next tick, not dropped.
+            Err(SubmitError::Quota(e)) => {
+                tracing::info!(schedule = %s.id, error = %e.message, "a schedule's firing is held by a quota; trying again next tick");
                 continue;
             }
             Err(e) => {

@@ -151,6 +151,19 @@ pub async fn submit(
     policy: &Policy,
     s: &Submission,
 ) -> Result<Submitted, SubmitError> {
+    submit_within(pool, agents, policy, s, super::quota::SHAPE_WAIT_MAX).await
+}
+
+/// [`submit`], waiting for a rate token up to `rate_wait_max` (zero: a
+/// tenant out of tokens is refused at once, as a schedule's firing is, which
+/// must not wait inside its transaction).
+pub async fn submit_within(
+    pool: &PgPool,
+    agents: &AgentRegistry,
+    policy: &Policy,
+    s: &Submission,
+    rate_wait_max: std::time::Duration,
+) -> Result<Submitted, SubmitError> {
     // Before anything reaches the database, text it cannot store.
     storable::text("content", &s.content)?;
     storable::text("plugin", &s.plugin)?;
@@ -217,24 +230,57 @@ pub async fn submit(
         idempotency_key: key,
         webhook: s.webhook.as_deref(),
     };
+    // A replay is answered as its first request was, before the tenant's
+    // rate (it starts nothing, so takes no token); a concurrent first use
+    // of the key is caught by the enqueue below.
+    if let Some(key) = key {
+        if let Some((first, first_request)) = runs::find_by_idempotency_key(pool, &s.owner.user_id, key).await? {
+            if first_request.is_some_and(|r| r != request) {
+                return Err(SubmitError::IdempotencyKeyReused { key: key.to_string(), run: first.run_id });
+            }
+            return Ok(Submitted::Replayed(first));
+        }
+    }
     // The tenant's rate: a burst waits for its tokens, up to a bound.
-    policy.quotas.enqueue_token(tenant).await?;
+    policy.quotas.enqueue_token_within(tenant, rate_wait_max).await?;
     match lifecycle::enqueue_with(pool, &new, s.strategy, policy.quotas.config.tenant_max_queued).await {
         Ok(e) => Ok(Submitted::Created(e)),
-        Err(StrategyError::QueueFull { max }) => Err(policy
-            .quotas
-            .refuse(
-                tenant,
-                Limit::QueuedRuns,
-                format!("tenant {tenant:?} has {max} queued runs, the most its quota allows; retry when some start"),
-                QUEUE_RETRY_AFTER_S,
-            )
-            .into()),
+        Err(StrategyError::QueueFull { max }) => Err(queue_full(&policy.quotas, tenant, max).into()),
         Err(StrategyError::Busy(run)) => {
             Err(SubmitError::Busy { conversation: s.conversation_id.expect("busy needs a conversation"), run })
         }
         Err(StrategyError::Enqueue(e)) => enqueue_failed(pool, s, key, &request, e).await,
     }
+}
+
+/// The refusal of an enqueue (or a retry) past the tenant's queue quota.
+pub fn queue_full(quotas: &Quotas, tenant: &str, max: u32) -> QuotaExceeded {
+    quotas.refuse(
+        tenant,
+        Limit::QueuedRuns,
+        format!("tenant {tenant:?} has {max} queued runs, the most its quota allows; retry when some start"),
+        QUEUE_RETRY_AFTER_S,
+    )
+}
+
+/// A retry of `run` (`lifecycle::retry`) held to the tenant's quotas like
+/// any enqueue: its rate first, then its queue quota (in the retry's
+/// transaction).
+pub async fn retry(pool: &PgPool, quotas: &Quotas, owner: &Owner, run: RunId) -> Result<Enqueued, RetryRefused> {
+    quotas.enqueue_token(&owner.tenant_id).await?;
+    lifecycle::retry(pool, run, &owner.user_id, quotas.config.tenant_max_queued).await.map_err(|e| match e {
+        lifecycle::RetryError::QueueFull { max } => RetryRefused::Quota(queue_full(quotas, &owner.tenant_id, max)),
+        e => RetryRefused::Retry(e),
+    })
+}
+
+/// Why [`retry`] started no run.
+#[derive(Debug, thiserror::Error)]
+pub enum RetryRefused {
+    #[error(transparent)]
+    Quota(#[from] QuotaExceeded),
+    #[error(transparent)]
+    Retry(lifecycle::RetryError),
 }
 
 /// An enqueue that failed: the idempotency replay, or the refusal.

@@ -6,10 +6,11 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::db::audit::{self, action, Actor};
-use crate::db::tokens::{self, NewToken, Scope, TokenInfo};
+use crate::db::tokens::{self, CreateError, NewToken, Scope, TokenInfo};
 
 /// Creates a token; its row and its secret (shown this once).
-pub async fn create(pool: &PgPool, actor: &Actor, new: &NewToken<'_>) -> Result<(TokenInfo, String), sqlx::Error> {
+/// Refused ([`CreateError::OtherTenant`]) for a user id of another tenant.
+pub async fn create(pool: &PgPool, actor: &Actor, new: &NewToken<'_>) -> Result<(TokenInfo, String), CreateError> {
     let mut tx = pool.begin().await?;
     let (info, secret) = tokens::create_with(&mut *tx, new).await?;
     let detail = json!({ "user_id": info.user_id, "admin": info.admin, "operator": info.operator,
