@@ -415,7 +415,8 @@ pub const FINISH_BATCH_MAX: usize = 256;
 /// statement (one commit), for the worker's group commit. Each row is
 /// [`finish`] exactly: fenced by its own token (`claim_token = token AND
 /// status = 'running'`), with its `complete` event (its own max(seq)+1), its
-/// assistant message and the wake of its conversation. A fenced row matches
+/// assistant message, its tails told (NOTIFY on its events channel) and the
+/// wake of its conversation. A fenced row matches
 /// nothing and drops out alone: the answer lists the runs whose ending was
 /// written, and a run missing from it was ended by someone else. At most
 /// [`FINISH_BATCH_MAX`] endings; a run appears at most once.
@@ -435,11 +436,12 @@ pub async fn finish_many(db: impl PgExecutor<'_>, endings: &[Ending]) -> Result<
     let usages = col(&|e| e.usage.as_ref().map(|u| u.to_string()));
     let payloads = col(&|e| Some(complete_payload(e.status, e.error.as_deref()).to_string()));
     let message_ids: Vec<uuid::Uuid> = endings.iter().map(|_| MessageId::new().0).collect();
+    let channels = col(&|e| Some(events_channel(e.run)));
     sqlx::query_scalar(
         "WITH e AS (
              SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::text[],
-                                  $7::text[], $8::text[], $9::uuid[])
-                 AS e(id, token, status, error, text, message_status, usage, payload, message_id)
+                                  $7::text[], $8::text[], $9::uuid[], $12::text[])
+                 AS e(id, token, status, error, text, message_status, usage, payload, message_id, channel)
          ),
          -- Rows are locked in id order (as the heartbeat locks them), so two
          -- statements sharing runs wait for each other, never deadlock.
@@ -474,9 +476,16 @@ pub async fn finish_many(db: impl PgExecutor<'_>, endings: &[Ending]) -> Result<
              FROM (SELECT DISTINCT conversation_id FROM fin) c
              WHERE EXISTS (SELECT 1 FROM agent_run q
                            WHERE q.conversation_id = c.conversation_id AND q.status = 'queued')
+         ),
+         -- Each run's tails: its `complete` is there. A notifying commit
+         -- holds the notify queue's lock through its flush, which would
+         -- serialise terminal commits one run at a time; one commit serves
+         -- the whole batch here, so it is taken once per batch.
+         told AS (
+             SELECT pg_notify(e.channel, $13) FROM fin f JOIN e ON e.id = f.id
          )
-         -- Referencing `wake` is what makes it run.
-         SELECT f.id FROM fin f WHERE (SELECT count(*) FROM wake) >= 0",
+         -- Referencing `wake` and `told` is what makes them run.
+         SELECT f.id FROM fin f WHERE (SELECT count(*) FROM wake) >= 0 AND (SELECT count(*) FROM told) >= 0",
     )
     .bind(ids)
     .bind(tokens)
@@ -489,6 +498,8 @@ pub async fn finish_many(db: impl PgExecutor<'_>, endings: &[Ending]) -> Result<
     .bind(message_ids)
     .bind(COMPLETE)
     .bind(RUN_ENQUEUED)
+    .bind(channels)
+    .bind(COMPLETE_PAYLOAD)
     .fetch_all(db)
     .await
 }
@@ -506,34 +517,35 @@ pub async fn backstop(
     finish(db, run, token, &ending).await
 }
 
-/// Announcements after terminal writes have committed, batched across runs
-/// that ended in the same instant (one notify-only transaction for all); the
-/// waker calls it. No status change.
+/// The wake chain's second half, after terminal writes have committed (the
+/// waker calls it, batched across runs that ended in the same instant). No
+/// status change. A turn enqueued after a terminal write's snapshot but
+/// before its commit announced itself while this run still looked running,
+/// so its wake found nothing to claim; this read (a fresh snapshot, after our
+/// commit) sees it and knocks for it. A turn enqueued after this read
+/// announces itself after our commit. Either way it is claimed now, not on
+/// the tick.
 ///
-/// - Each run's tails are told its `complete` is there. (In the terminal
-///   write's own transaction this NOTIFY would serialise every terminal commit
-///   on PostgreSQL's notify queue lock; tails poll as a fallback regardless.)
-/// - The wake chain's second half: NOTIFY `run_enqueued` if the conversation
-///   has a queued turn. A turn enqueued after the terminal write's snapshot
-///   but before its commit announced itself while this run still looked
-///   running, so its wake found nothing to claim; this read (a fresh snapshot,
-///   after our commit) sees it. A turn enqueued after this read announces
-///   itself after our commit. Either way it is claimed now, not on the tick.
-pub async fn announce_ended(db: impl PgExecutor<'_>, ended: &[(RunId, ConversationId)]) -> Result<(), sqlx::Error> {
-    let channels: Vec<String> = ended.iter().map(|(r, _)| events_channel(*r)).collect();
+/// A plain read first, which takes no transaction id, writes no commit
+/// record and waits for no flush: the knock (a NOTIFY, which does all three)
+/// is sent only for conversations that have a queued turn, almost never in a
+/// drain. (Each run's tails were told in its terminal write's own statement.)
+pub async fn announce_ended(pool: &PgPool, ended: &[(RunId, ConversationId)]) -> Result<(), sqlx::Error> {
     let conversations: Vec<uuid::Uuid> = ended.iter().map(|(_, c)| c.0).collect();
-    sqlx::query(
-        "SELECT pg_notify(ch, $4) FROM unnest($3::text[]) AS ch
-         UNION ALL
-         SELECT pg_notify($1, c::text) FROM (SELECT DISTINCT c FROM unnest($2::uuid[]) AS c) AS d
-         WHERE EXISTS (SELECT 1 FROM agent_run WHERE conversation_id = d.c AND status = 'queued')",
+    let waiting: Vec<uuid::Uuid> = sqlx::query_scalar(
+        "SELECT DISTINCT conversation_id FROM agent_run WHERE conversation_id = ANY($1) AND status = 'queued'",
     )
-    .bind(RUN_ENQUEUED)
     .bind(conversations)
-    .bind(channels)
-    .bind(COMPLETE_PAYLOAD)
-    .execute(db)
+    .fetch_all(pool)
     .await?;
+    if waiting.is_empty() {
+        return Ok(());
+    }
+    sqlx::query("SELECT pg_notify($1, c::text) FROM unnest($2::uuid[]) AS c")
+        .bind(RUN_ENQUEUED)
+        .bind(waiting)
+        .execute(pool)
+        .await?;
     Ok(())
 }
 

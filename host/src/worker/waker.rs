@@ -1,7 +1,8 @@
-//! Announcements after a run's terminal write has committed: its tails are
-//! told, and the wake chain's second half knocks for a turn the terminal
-//! write could not see (see `db::lifecycle::announce_ended`). Batched: runs that
-//! end in the same instant share one statement.
+//! The wake chain's second half, after a run's terminal write has committed:
+//! a knock for a turn the terminal write could not see (see
+//! `db::lifecycle::announce_ended`: a read, and a NOTIFY only when a turn is
+//! queued). Batched: runs that end in the same instant share one read. The
+//! run's tails were told by its terminal write itself.
 
 use std::sync::Arc;
 
