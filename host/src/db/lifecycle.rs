@@ -138,7 +138,7 @@ tenants AS (
 -- index entry its finished runs left behind.
 load AS (
     SELECT t.tenant_id,
-           CASE WHEN $5::bigint IS NOT NULL OR (SELECT count(*) FROM tenants WHERE tenant_id IS NOT NULL) > 1
+           CASE WHEN {capped} OR (SELECT count(*) FROM tenants WHERE tenant_id IS NOT NULL) > 1
                 THEN (SELECT count(*) FROM agent_run b WHERE b.tenant_id = t.tenant_id AND b.status = 'running')
                 ELSE 0 END AS running
     FROM tenants t WHERE t.tenant_id IS NOT NULL
@@ -149,7 +149,7 @@ load AS (
 -- the tenant would carry if each were claimed (running + place in its line):
 -- the least-loaded tenant goes first, and one claim's rows interleave
 -- tenants. Rows locked but not chosen are released at commit, moments later.
--- The optional cap ($5) keeps a tenant from ever passing that many running.
+-- The optional cap ({cap}) keeps a tenant from ever passing that many running.
 heads AS (
     SELECT l.tenant_id, l.running, c.id, c.queue_pos
     FROM load l CROSS JOIN LATERAL (
@@ -162,13 +162,13 @@ heads AS (
               SELECT 1 FROM agent_run e
               WHERE e.conversation_id = q.conversation_id
                 AND e.status = 'queued' AND e.queue_pos < q.queue_pos)
-          AND ($4 = false OR NOT EXISTS (      -- the pre-filter (an optimisation)
+          AND (NOT {prefilter} OR NOT EXISTS (      -- the pre-filter (an optimisation)
               SELECT 1 FROM agent_run b
               WHERE b.conversation_id = q.conversation_id AND b.status IN ('running', 'waiting')))
           -- Conversations the index turned away earlier in this claim.
-          AND NOT (q.conversation_id = ANY($7::uuid[]))
+          AND NOT (q.conversation_id = ANY($4::uuid[]))
         ORDER BY q.queue_pos
-        LIMIT $1
+        LIMIT {limit}
         FOR UPDATE SKIP LOCKED                 -- contended rows turn invisible
     ) c
 ),
@@ -181,8 +181,8 @@ claimed AS (
     UPDATE agent_run r SET
         status            = 'running',
         claim_token       = gen_random_uuid(),
-        claim_expires_at  = now() + make_interval(secs => $2),
-        worker_id         = $3,
+        claim_expires_at  = now() + make_interval(secs => $1),
+        worker_id         = $2,
         -- The statement clock: after the previous turn's finish, which this
         -- statement's snapshot saw commit (see the module's Clocks).
         started_at        = coalesce(r.started_at, clock_timestamp()),
@@ -190,19 +190,19 @@ claimed AS (
         seed              = coalesce(r.seed, gen_random_uuid())
     WHERE r.id IN (
         SELECT id FROM candidates
-        WHERE $5::bigint IS NULL OR load_after <= $5
+        WHERE NOT {capped} OR load_after <= {cap}
         ORDER BY load_after, queue_pos
-        LIMIT $1
+        LIMIT {limit}
     )
     RETURNING r.id, r.conversation_id, r.claim_token, r.user_message_id, r.owner_id,
               r.tenant_id, r.plugin, r.plugin_digest, r.plugin_manifest, r.config,
               extract(epoch FROM now() - r.created_at)::float8 AS waited_s, r.attempt, r.waits, r.seed
 ),
 started AS (
-    -- seq 3 belongs to the first claim: the run_started event ($6) commits
+    -- seq 3 belongs to the first claim: the run_started event ($3) commits
     -- with it. A resumed run's worker journals run_resumed instead.
     INSERT INTO run_event (run_id, seq, type, payload)
-    SELECT id, 3, $6, jsonb_build_object('worker_id', $3::text) FROM claimed WHERE attempt = 1
+    SELECT id, 3, $3, jsonb_build_object('worker_id', $2::text) FROM claimed WHERE attempt = 1
 ),
 msg AS (
     UPDATE message m SET status = 'complete'
@@ -228,16 +228,30 @@ async fn claim_except(
     claim: &Claim<'_>,
     except: &[uuid::Uuid],
 ) -> Result<Vec<ClaimedRun>, sqlx::Error> {
-    sqlx::query_as::<_, ClaimedRun>(CLAIM_SQL)
-        .bind(claim.limit)
+    sqlx::query_as::<_, ClaimedRun>(&claim_sql(claim))
         .bind(claim.lease.as_secs_f64())
         .bind(claim.worker_id)
-        .bind(claim.prefilter)
-        .bind(claim.tenant_max_running)
         .bind(RUN_STARTED)
         .bind(except)
         .fetch_all(db)
         .await
+}
+
+/// [`CLAIM_SQL`] with the claim's shape written in: the row limit, the
+/// pre-filter and the tenant cap are literals, not parameters. With them
+/// bound, PostgreSQL's generic plan of the prepared statement could not know
+/// the limit (it plans a LIMIT parameter as a tenth of the table, and an
+/// update by sequential scan), so it re-planned the statement on every claim,
+/// which cost more than running it; with them written in, the generic plan
+/// is the custom one and the statement is planned once per connection and
+/// shape (a process has a handful of shapes: its slot counts). Every value is
+/// an integer or a boolean of the worker's own configuration.
+fn claim_sql(claim: &Claim<'_>) -> String {
+    CLAIM_SQL
+        .replace("{limit}", &claim.limit.max(0).to_string())
+        .replace("{prefilter}", if claim.prefilter { "true" } else { "false" })
+        .replace("{capped}", if claim.tenant_max_running.is_some() { "true" } else { "false" })
+        .replace("{cap}", &claim.tenant_max_running.unwrap_or(0).to_string())
 }
 
 /// What [`claim_batch`] claimed, and how often the index turned a row away.
@@ -532,8 +546,11 @@ pub async fn backstop(
 /// drain. (Each run's tails were told in its terminal write's own statement.)
 pub async fn announce_ended(pool: &PgPool, ended: &[(RunId, ConversationId)]) -> Result<(), sqlx::Error> {
     let conversations: Vec<uuid::Uuid> = ended.iter().map(|(_, c)| c.0).collect();
+    // Per conversation, a probe of its queued turns (a form whose generic
+    // plan is the custom one, so it is not re-planned per call).
     let waiting: Vec<uuid::Uuid> = sqlx::query_scalar(
-        "SELECT DISTINCT conversation_id FROM agent_run WHERE conversation_id = ANY($1) AND status = 'queued'",
+        "SELECT c FROM (SELECT DISTINCT c FROM unnest($1::uuid[]) AS c) d
+         WHERE EXISTS (SELECT 1 FROM agent_run WHERE conversation_id = d.c AND status = 'queued')",
     )
     .bind(conversations)
     .fetch_all(pool)
