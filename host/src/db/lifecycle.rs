@@ -118,6 +118,9 @@ pub struct ClaimedRun {
     pub waits: i32,
     /// The seed of the guest's random generators, the same for every attempt.
     pub seed: uuid::Uuid,
+    /// Whether the conversation had any message besides this turn's when it
+    /// was claimed; false means its history is empty, no read needed.
+    pub has_history: bool,
 }
 
 const CLAIM_SQL: &str = "
@@ -207,9 +210,13 @@ started AS (
 msg AS (
     UPDATE message m SET status = 'complete'
     FROM claimed c WHERE m.id = c.user_message_id
-    RETURNING m.id, m.content
+    -- Whether the conversation has any other message: when it has none (a
+    -- first turn, most runs), the run task need not read a history.
+    RETURNING m.id, m.content,
+              EXISTS (SELECT 1 FROM message h WHERE h.conversation_id = m.conversation_id AND h.id <> m.id)
+                  AS has_history
 )
-SELECT c.*, msg.content FROM claimed c JOIN msg ON msg.id = c.user_message_id";
+SELECT c.*, msg.content, msg.has_history FROM claimed c JOIN msg ON msg.id = c.user_message_id";
 
 /// queued -> running, for the dispatcher: claims up to `limit` queued runs in
 /// one statement (each its conversation's oldest queued turn, fair across

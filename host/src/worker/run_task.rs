@@ -119,18 +119,23 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         Ok(r) => r,
         Err(e) => return start_failed(&shared, &row, e).await,
     };
-    // Every agent sees the conversation before this turn.
-    let history =
-        match db::conversations::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX)
-            .await
-        {
-            Ok(h) => h.into_iter().map(|(role, content)| Message { role, content }).collect(),
-            Err(e) => {
-                tracing::error!(error = %e, "reading the conversation's history failed");
-                let e = AgentError::failed(FailReason::Host, "the conversation's history could not be read");
-                return start_failed(&shared, &row, e).await;
-            }
-        };
+    // Every agent sees the conversation before this turn (a first turn has
+    // none: the claim said so, and no read is made).
+    let read = match row.has_history {
+        false => Ok(Vec::new()),
+        true => {
+            db::conversations::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX)
+                .await
+        }
+    };
+    let history = match read {
+        Ok(h) => h.into_iter().map(|(role, content)| Message { role, content }).collect(),
+        Err(e) => {
+            tracing::error!(error = %e, "reading the conversation's history failed");
+            let e = AgentError::failed(FailReason::Host, "the conversation's history could not be read");
+            return start_failed(&shared, &row, e).await;
+        }
+    };
     // A resumable run records its calls; a resumed one also reads what its
     // earlier attempts recorded and journaled.
     let recording = match manifest.resumable() {
