@@ -253,6 +253,7 @@ async fn metrics_move_as_runs_move() {
     let before = scrape(&host).await;
     assert_eq!(before["agent_host_queue_depth"], 0.0);
     assert_eq!(before["agent_host_runs_claimed_total"], 0.0);
+    assert_eq!(before["agent_host_ending_commits_total"], 0.0);
 
     let body = json!({ "content": "hi", "plugin": "sleep", "config": { "steps": 100000, "step_ms": 20 } });
     let (code, v) = host.call("POST", "/v1/runs", Some(body)).await;
@@ -281,6 +282,8 @@ async fn metrics_move_as_runs_move() {
     let after = scrape(&host).await;
     assert_eq!(after["agent_host_runs_running"], 0.0);
     assert_eq!(after["agent_host_runs_ended_total{status=\"cancelled\",reason=\"none\"}"], 1.0);
+    // The one ending was one group-committed statement.
+    assert_eq!(after["agent_host_ending_commits_total"], 1.0);
     assert!(after["agent_host_journal_rows_total"] >= 1.0);
     host.stop().await;
 }

@@ -64,6 +64,11 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
         e.counter("agent_host_fence_trips_total", "Runs this process lost to the fence.", w.fenced.load(Relaxed));
         e.counter("agent_host_backstops_total", "Runs ended by the backstop.", w.backstopped.load(Relaxed));
         e.counter("agent_host_claim_conflicts_total", "Claims the index turned away.", w.claim_conflicts.load(Relaxed));
+        e.counter(
+            "agent_host_ending_commits_total",
+            "Group-committed ending statements (runs ended by this process's finisher, divided by this, is the batch).",
+            w.finish_commits.load(Relaxed),
+        );
         for (name, help, value) in [
             (
                 "runs_requeued",
