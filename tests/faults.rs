@@ -363,3 +363,80 @@ async fn suite(resumable: bool) {
     drop(hosts);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A claim commits without waiting for its WAL flush; the run's first
+/// durable write makes it durable, and every effect outside the database
+/// waits for one (a tool call's `tool_call_started` is acknowledged after
+/// its commit). So a crash of PostgreSQL (an immediate stop: nothing flushed
+/// that was not already) while a tool call is under way cannot forget the
+/// claim and run the call again: the run is not back in the queue after
+/// crash recovery, and the tool ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_of_the_database_during_a_tool_call_never_forgets_the_claim() {
+    use agent_host::agent::{Agent, AgentError, AgentRegistry, HostError, RunHost, RunInput};
+    use agent_host::run::manifest::Manifest;
+    use agent_host::tools::{EventSink, Tool, ToolCall, ToolRegistry};
+    use async_trait::async_trait;
+
+    /// The effect outside the database: counts its calls, and crashes the
+    /// database under the run while the call is under way.
+    struct Crash(Arc<std::sync::atomic::AtomicU32>, Arc<tokio::sync::Notify>);
+    #[async_trait]
+    impl Tool for Crash {
+        async fn call(&self, _call: &ToolCall<'_>, _sink: &dyn EventSink) -> Result<Value, HostError> {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let crashed = tokio::task::spawn_blocking(crash_postgres).await.unwrap();
+            eprintln!("PostgreSQL crashed and recovered: {crashed}");
+            self.1.notify_one();
+            Ok(json!({}))
+        }
+        fn timeout(&self) -> Duration {
+            Duration::from_secs(120)
+        }
+    }
+    /// Calls the tool once, at once.
+    struct CallsOnce;
+    #[async_trait]
+    impl Agent for CallsOnce {
+        async fn run(&self, host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
+            host.call_tool("crash", "{}").await?;
+            Ok("done".into())
+        }
+    }
+
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut db = TestDb::new().await;
+    // The test cluster trades durability for speed (synchronous_commit off);
+    // this database keeps the default, as a production server does. (fsync
+    // stays off: an immediate stop loses what PostgreSQL had not written,
+    // not what the operating system holds.)
+    let name: String = sqlx::query_scalar("SELECT current_database()").fetch_one(&db.pool).await.unwrap();
+    sqlx::query(&format!("ALTER DATABASE {name} SET synchronous_commit = on")).execute(&db.pool).await.unwrap();
+    db.pool = db.pool(20).await;
+    let durable: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(durable, "on");
+    let calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let mut tools = ToolRegistry::default();
+    let recovered = Arc::new(tokio::sync::Notify::new());
+    tools.insert("crash", Arc::new(Crash(calls.clone(), recovered.clone())));
+    let mut agents = AgentRegistry::default().with_tools(tools);
+    let granted = Manifest::parse(&json!({ "tools": ["crash"] })).unwrap();
+    agents.insert_with_manifest("calls-once", Arc::new(CallsOnce), granted);
+    let w = start_worker_with(&db, agents, fast_config("crash")).await;
+    let run = enqueue(&db.pool, None, "calls-once", json!({})).await.run_id;
+    // No reads while the database is down: the crash is the tool's.
+    tokio::time::timeout(Duration::from_secs(120), recovered.notified()).await.expect("the tool crashed the database");
+    let status = wait_terminal(&db.pool, run, Duration::from_secs(120)).await;
+    w.drain().await;
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1, "the tool ran again after the crash");
+    let (attempt, started): (i32, bool) =
+        sqlx::query_as("SELECT attempt, started_at IS NOT NULL FROM agent_run WHERE id = $1")
+            .bind(run)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((attempt, started), (1, true), "the claim was forgotten ({status})");
+    let journal = journal(&db.pool, run).await;
+    assert_eq!(journal.iter().filter(|(_, k)| k == "run_started").count(), 1, "{journal:?}");
+    assert!(journal.iter().any(|(_, k)| k == "tool_call_started"), "{journal:?}");
+}

@@ -75,6 +75,18 @@ pub fn restart_postgres() -> bool {
     }
 }
 
+/// Crashes the private cluster (immediate stop, crash recovery at start)
+/// under whatever is connected to it; `false` against DATABASE_URL's server.
+pub fn crash_postgres() -> bool {
+    match &server()._cluster {
+        Some(cluster) => {
+            cluster.crash_restart().expect("crashing and restarting PostgreSQL");
+            true
+        }
+        None => false,
+    }
+}
+
 /// A fresh, migrated database of its own.
 pub struct TestDb {
     pub url: String,

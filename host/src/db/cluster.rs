@@ -212,6 +212,26 @@ impl Cluster {
         self.run(restart, "pg_ctl restart")
     }
 
+    /// Crashes the server and starts it again on the same port: an
+    /// immediate stop (no shutdown checkpoint, WAL not flushed past what was
+    /// flushed, as a power cut would leave it), then crash recovery at start.
+    /// For the tests of what survives a crash.
+    pub fn crash_restart(&self) -> Result<(), ClusterError> {
+        let mut stop = self.command("pg_ctl");
+        stop.arg("-D").arg(&self.pgdata).args(["-w", "-t", "60", "-m", "immediate", "stop"]);
+        self.run(stop, "pg_ctl stop -m immediate")?;
+        let mut start = self.command("pg_ctl");
+        start
+            .arg("-D")
+            .arg(&self.pgdata)
+            .arg("-l")
+            .arg(self.log_path())
+            .args(["-w", "-t", "60", "-o"])
+            .arg(format!("-p {}", self.port))
+            .arg("start");
+        self.run(start, "pg_ctl start")
+    }
+
     /// Stops the cluster now (fast shutdown) and waits for it.
     pub fn stop(&mut self) {
         if let Some(mut guard) = self.guard.take() {

@@ -215,13 +215,31 @@ msg AS (
     RETURNING m.id, m.content,
               EXISTS (SELECT 1 FROM message h WHERE h.conversation_id = m.conversation_id AND h.id <> m.id)
                   AS has_history
+),
+-- The claim commits without waiting for its WAL flush (see [`claim`]).
+durability AS (
+    SELECT set_config('synchronous_commit', 'off', true)
 )
-SELECT c.*, msg.content, msg.has_history FROM claimed c JOIN msg ON msg.id = c.user_message_id";
+SELECT c.*, msg.content, msg.has_history FROM claimed c JOIN msg ON msg.id = c.user_message_id, durability";
 
 /// queued -> running, for the dispatcher: claims up to `limit` queued runs in
 /// one statement (each its conversation's oldest queued turn, fair across
 /// tenants), stamping the fence token, the lease and `started_at`, writing
-/// seq 3 `run_started` and turning the user message `complete`. An error for
+/// seq 3 `run_started` and turning the user message `complete`.
+///
+/// The claim commits without waiting for its WAL flush (`synchronous_commit`
+/// off for its transaction only): the flush is most of a claim's latency and
+/// nothing needs it. The run's first durable write flushes the WAL up to and
+/// past the claim, and every effect a run has outside the database waits for
+/// one (a tool call's `tool_call_started`, and so every model and webhook
+/// call, is acknowledged only after its commit; a guest has no other way
+/// out). A crash of the database before that write can only forget a claim
+/// whose run nobody outside has seen act: the run is queued again as it was
+/// (its seq 3 written anew by the next claim), and the worker still running
+/// it is fenced out of every write. `tests/faults.rs`
+/// (`a_crash_of_the_database_during_a_tool_call_never_forgets_the_claim`)
+/// crashes PostgreSQL during a tool call and shows the claim survives and the
+/// call is made once. An error for
 /// which [`is_running_conflict`] holds is the one-running-per-conversation
 /// index turning away a turn the pre-filter could not see: it means "claimed
 /// nothing this round", and the caller simply claims again.
