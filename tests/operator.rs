@@ -491,11 +491,13 @@ async fn every_audited_action_leaves_one_row_without_secrets() {
     let (code, retried) = host.call("POST", &format!("/v1/runs/{run_id}/retry"), None).await;
     assert_eq!(code, StatusCode::ACCEPTED, "{retried}");
     assert_eq!(host.call("POST", &format!("/v1/conversations/{conversation}/stop"), None).await.0, StatusCode::OK);
-    // A schedule created and deleted.
+    // A schedule created, paused, resumed and deleted.
     let schedule = json!({ "plugin": "echo", "content": secret_text, "cron": "0 0 1 1 *" });
     let (code, s) = host.call("POST", "/v1/schedules", Some(schedule)).await;
     assert_eq!(code, StatusCode::CREATED, "{s}");
     let sid = s["id"].as_str().unwrap();
+    assert_eq!(host.call("POST", &format!("/v1/schedules/{sid}/pause"), None).await.0, StatusCode::OK);
+    assert_eq!(host.call("POST", &format!("/v1/schedules/{sid}/resume"), None).await.0, StatusCode::OK);
     assert_eq!(host.call("DELETE", &format!("/v1/schedules/{sid}"), None).await.0, StatusCode::NO_CONTENT);
     let (code, _) = host.call_as(&admin, "POST", &format!("/v1/tokens/{carol_id}/revoke"), None).await;
     assert_eq!(code, StatusCode::OK);
@@ -514,11 +516,13 @@ async fn every_audited_action_leaves_one_row_without_secrets() {
         "run.retried",
         "conversation.stopped",
         "schedule.created",
+        "schedule.paused",
+        "schedule.resumed",
         "schedule.deleted",
     ] {
         assert_eq!(actions.iter().filter(|a| **a == action).count(), 1, "{action} in {actions:?}");
     }
-    assert_eq!(rows.len(), 9, "{actions:?}");
+    assert_eq!(rows.len(), 11, "{actions:?}");
     let cancelled = rows.iter().find(|r| r["action"] == "run.cancelled").unwrap();
     assert_eq!((cancelled["target"].as_str().unwrap(), cancelled["actor_user"].as_str().unwrap()), (&*run_id, "alice"));
     let text = trail.to_string();
@@ -541,7 +545,7 @@ async fn every_audited_action_leaves_one_row_without_secrets() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 9);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 11);
     host.stop().await;
 }
 

@@ -88,7 +88,9 @@ pub async fn pause(
 ) -> Result<impl IntoResponse, ApiError> {
     let id = schedule_id(&id)?;
     let s = schedules::set_paused(&state.pool, id, &p.user_id, true, None).await?;
-    Ok(Json(s.or_not_found(format!("schedule {id}"))?))
+    let s = s.or_not_found(format!("schedule {id}"))?;
+    super::audit::record(&state, &p, crate::db::audit::action::SCHEDULE_PAUSED, id, json!({})).await;
+    Ok(Json(s))
 }
 
 /// `POST /v1/schedules/{id}/resume`: fires next at its next time after now
@@ -102,7 +104,9 @@ pub async fn resume(
     let s = schedules::get(&state.pool, id, &p.user_id).await?.or_not_found(format!("schedule {id}"))?;
     let next = service::next_after(&s.cron, &s.timezone, chrono::Utc::now()).map_err(ApiError::invalid)?;
     let s = schedules::set_paused(&state.pool, id, &p.user_id, false, next).await?;
-    Ok(Json(s.or_not_found(format!("schedule {id}"))?))
+    let s = s.or_not_found(format!("schedule {id}"))?;
+    super::audit::record(&state, &p, crate::db::audit::action::SCHEDULE_RESUMED, id, json!({})).await;
+    Ok(Json(s))
 }
 
 /// `DELETE /v1/schedules/{id}`: runs it already started are not touched.

@@ -24,6 +24,8 @@ pub mod action {
     pub const APPROVAL_DECIDED: &str = "approval.decided";
     pub const SCHEDULE_CREATED: &str = "schedule.created";
     pub const SCHEDULE_DELETED: &str = "schedule.deleted";
+    pub const SCHEDULE_PAUSED: &str = "schedule.paused";
+    pub const SCHEDULE_RESUMED: &str = "schedule.resumed";
 }
 
 /// Who acted: a token's principal, or the operator's command line.
