@@ -37,6 +37,8 @@ pub const CALL_TOOL: &str = "call-tool";
 pub const CHECK_CANCEL: &str = "check-cancel";
 pub const WALL_CLOCK: &str = "wall-clock";
 pub const MONOTONIC_CLOCK: &str = "monotonic-clock";
+/// A 0.2.0 guest's `list-tools` (its answer, the granted tools, as JSON).
+pub const LIST_TOOLS: &str = "list-tools";
 
 /// How long a failing write to the call log is retried before the run
 /// stands down (to be resumed from its log once its lease lapses).

@@ -4,7 +4,9 @@
 //!
 //! Config: `system` (a system prompt), `tools` (what the model is offered:
 //! `[{name, description, parameters}]`, each granted in the manifest or
-//! a function the client runs), `input` (chat messages that are this turn, in
+//! a function the client runs; or `"granted"`: every host tool the plugin
+//! was granted but the model itself and `wait`, as the host lists them, an
+//! MCP server's included, plus the client's functions), `input` (chat messages that are this turn, in
 //! place of the user's message: the Responses API's input items),
 //! `max_steps` (model calls per turn, default 8).
 //!
@@ -30,7 +32,7 @@ impl Agent for Chat {
             Some(input) => messages.extend(input.iter().cloned()),
             None => messages.push(json!({ "role": "user", "content": turn.content })),
         }
-        let tools = turn.config.get("tools").cloned().unwrap_or_else(|| json!([]));
+        let (tools, names) = offered(&turn);
         let max_steps = turn.config_u64("max_steps", 8).clamp(1, 64);
         for n in 1..=max_steps {
             turn.emit("step", &json!({ "n": n }))?;
@@ -51,7 +53,7 @@ impl Agent for Chat {
             }
             messages.push(json!({ "role": "assistant", "content": content, "tool_calls": calls }));
             for call in &calls {
-                let result = run_tool(&turn, call)?;
+                let result = run_tool(&turn, call, &names)?;
                 messages.push(json!({ "role": "tool", "tool_call_id": call["id"], "content": result }));
             }
         }
@@ -59,10 +61,42 @@ impl Agent for Chat {
     }
 }
 
+/// A model's tool names are letters, digits, `_` and `-`: another character
+/// of a host tool's name (the `.` of `<server>.<tool>`) is offered as `_`.
+fn model_name(name: &str) -> String {
+    name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' }).collect()
+}
+
+/// The tools the model is offered, and the host tool each offered name
+/// stands for (where it differs).
+fn offered(turn: &Turn) -> (Value, Vec<(String, String)>) {
+    let tools = turn.config.get("tools").cloned().unwrap_or_else(|| json!([]));
+    if tools.as_str() != Some("granted") {
+        return (tools, Vec::new());
+    }
+    let mut offered = Vec::new();
+    let mut names = Vec::new();
+    for t in turn.granted_tools().into_iter().filter(|t| t.name != "llm" && t.name != "wait") {
+        let name = model_name(&t.name);
+        if names.iter().any(|(n, _): &(String, String)| *n == name) {
+            continue;
+        }
+        let parameters: Value = serde_json::from_str(&t.input_schema).unwrap_or_else(|_| json!({ "type": "object" }));
+        offered.push(json!({ "name": name, "description": t.description, "parameters": parameters }));
+        names.push((name, t.name));
+    }
+    for t in &turn.client_tools {
+        let parameters: Value = serde_json::from_str(&t.parameters).unwrap_or_else(|_| json!({ "type": "object" }));
+        offered.push(json!({ "name": t.name, "description": t.description, "parameters": parameters }));
+    }
+    (Value::Array(offered), names)
+}
+
 /// One tool call the model asked for. Its failure is told to the model, which
 /// can try otherwise; only a stop or a lost run ends the turn.
-fn run_tool(turn: &Turn, call: &Value) -> Result<String, Refusal> {
+fn run_tool(turn: &Turn, call: &Value, names: &[(String, String)]) -> Result<String, Refusal> {
     let name = call["name"].as_str().unwrap_or_default();
+    let name = names.iter().find(|(offered, _)| offered == name).map_or(name, |(_, host)| host.as_str());
     let args: Value = match serde_json::from_str(call["arguments"].as_str().unwrap_or("{}")) {
         Ok(args) => args,
         Err(e) => return Ok(format!("error: the arguments are not JSON: {e}")),

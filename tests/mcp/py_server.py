@@ -1,0 +1,58 @@
+"""An MCP server for the host's tests, built on the `mcp` Python SDK from PyPI
+(its FastMCP server, named `MCPServer` since mcp 2), served over Streamable
+HTTP on loopback.
+
+    python py_server.py PORT EVENTS_FILE
+
+Tools: `echo` (answers its input as text), `weather` (structured content),
+`fail` (a tool error result), `slow` (sleeps; a cancellation the server sees
+is appended to EVENTS_FILE as `cancelled <seconds>`), `secret_header` (answers
+whether the request carried the Authorization header it was started with).
+"""
+
+import sys
+
+import anyio
+from mcp.server.mcpserver import MCPServer
+from mcp.types import ToolAnnotations
+
+port = int(sys.argv[1])
+events = sys.argv[2]
+
+server = MCPServer("agent-host-test-py")
+
+
+def note(line: str) -> None:
+    with open(events, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
+@server.tool(description="Answers its input back", annotations=ToolAnnotations(readOnlyHint=True))
+def echo(input: str) -> str:
+    note(f"echo {input}")
+    return f"echo: {input}"
+
+
+@server.tool(description="Today's weather for a city", annotations=ToolAnnotations(idempotentHint=True))
+def weather(city: str) -> dict:
+    return {"city": city, "sky": "clear", "celsius": 21}
+
+
+@server.tool(description="Always fails")
+def fail(why: str) -> str:
+    raise ValueError(f"it failed because {why}")
+
+
+@server.tool(description="Sleeps for a while", annotations=ToolAnnotations(destructiveHint=True))
+async def slow(seconds: float) -> str:
+    note(f"started {seconds}")
+    try:
+        await anyio.sleep(seconds)
+    except anyio.get_cancelled_exc_class():
+        note(f"cancelled {seconds}")
+        raise
+    note(f"finished {seconds}")
+    return "slept"
+
+
+server.run("streamable-http", host="127.0.0.1", port=port)
