@@ -5,9 +5,9 @@ HTTP on loopback.
     python py_server.py PORT EVENTS_FILE
 
 Tools: `echo` (answers its input as text), `weather` (structured content),
-`fail` (a tool error result), `slow` (sleeps; a cancellation the server sees
-is appended to EVENTS_FILE as `cancelled <seconds>`), `secret_header` (answers
-whether the request carried the Authorization header it was started with).
+`fail` (a tool error result), `slow` (sleeps `seconds`, 60 by default; a
+cancellation the server sees is appended to EVENTS_FILE as
+`cancelled <seconds>`).
 """
 
 import sys
@@ -15,6 +15,7 @@ import sys
 import anyio
 from mcp.server.mcpserver import MCPServer
 from mcp.types import ToolAnnotations
+from pydantic import BaseModel
 
 port = int(sys.argv[1])
 events = sys.argv[2]
@@ -27,15 +28,21 @@ def note(line: str) -> None:
         f.write(line + "\n")
 
 
-@server.tool(description="Answers its input back", annotations=ToolAnnotations(readOnlyHint=True))
+@server.tool(description="Answers its input back", annotations=ToolAnnotations(readOnlyHint=True), structured_output=False)
 def echo(input: str) -> str:
     note(f"echo {input}")
     return f"echo: {input}"
 
 
+class Weather(BaseModel):
+    city: str
+    sky: str
+    celsius: int
+
+
 @server.tool(description="Today's weather for a city", annotations=ToolAnnotations(idempotentHint=True))
-def weather(city: str) -> dict:
-    return {"city": city, "sky": "clear", "celsius": 21}
+def weather(city: str) -> Weather:
+    return Weather(city=city, sky="clear", celsius=21)
 
 
 @server.tool(description="Always fails")
@@ -43,8 +50,8 @@ def fail(why: str) -> str:
     raise ValueError(f"it failed because {why}")
 
 
-@server.tool(description="Sleeps for a while", annotations=ToolAnnotations(destructiveHint=True))
-async def slow(seconds: float) -> str:
+@server.tool(description="Sleeps for a while", annotations=ToolAnnotations(destructiveHint=True), structured_output=False)
+async def slow(input: str = "", seconds: float = 60) -> str:
     note(f"started {seconds}")
     try:
         await anyio.sleep(seconds)

@@ -309,7 +309,8 @@ impl Http {
     async fn allow(&self, method: &Method, url: &Url) -> Result<&Rule, HostError> {
         let rule = self.rules.find(method, url).ok_or_else(|| {
             let host = url.host_str().unwrap_or_default();
-            denied(format!("no rule allows {method} {}://{host}{}", url.scheme(), url.path()))
+            let port = url.port_or_known_default().unwrap_or_default();
+            denied(format!("no rule allows {method} {}://{host}:{port}{}", url.scheme(), url.path()))
         })?;
         if rule.literal.is_none() {
             self.rules.resolve(&rule.host).await.map_err(denied)?;

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use reqwest::header::{HeaderName, HeaderValue};
-use rmcp::model::{CallToolRequestParams, ClientCapabilities, ClientInfo, Implementation, ProtocolVersion};
+use rmcp::model::{CallToolRequestParams, ClientCapabilities, ClientConfig, Implementation, ProtocolVersion};
 use rmcp::service::{serve_client_with_lifecycle, ClientLifecycleMode, NotificationContext, RunningService};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::StreamableHttpClientTransport;
@@ -189,8 +189,8 @@ impl ClientHandler for Handler {
         std::future::ready(())
     }
 
-    fn get_info(&self) -> ClientInfo {
-        ClientInfo::new(ClientCapabilities::default(), Implementation::new("agent-host", env!("CARGO_PKG_VERSION")))
+    fn get_info(&self) -> ClientConfig {
+        ClientConfig::new(ClientCapabilities::default(), Implementation::new("agent-host", env!("CARGO_PKG_VERSION")))
     }
 }
 

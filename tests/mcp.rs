@@ -1,0 +1,312 @@
+//! MCP servers as tool providers, against two third-party servers on
+//! loopback installed from the registries by scripts/test: the `mcp` Python
+//! SDK's FastMCP server (tests/mcp/py_server.py) and
+//! @modelcontextprotocol/server-everything (npm) in Streamable HTTP mode.
+//! Listing, calls, error results, a slow tool cut by its timeout and by a
+//! stop (the server sees the cancellation), a server that goes away and
+//! comes back, `chat` offering granted MCP tools to the offline model, and
+//! an ungranted MCP tool refused.
+
+mod support;
+#[path = "support/mcp_servers.rs"]
+mod mcp_servers;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
+use agent_host::db::{plugins, RunId};
+use agent_host::error::HostError;
+use agent_host::hub::Hub;
+use agent_host::run::manifest::Manifest;
+use agent_host::sandbox::Sandbox;
+use agent_host::tools::{EventSink, LlmConfig, McpConfig, ToolCall, ToolRegistry, ToolsConfig};
+use async_trait::async_trait;
+use mcp_servers::McpServerProcess;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use support::http::TestHost;
+use support::*;
+
+/// What a call journaled, collected.
+#[derive(Default)]
+struct Sink(Mutex<Vec<(String, Value)>>);
+
+#[async_trait]
+impl EventSink for Sink {
+    async fn delta(&self, _text: &str) -> Result<(), HostError> {
+        Ok(())
+    }
+
+    async fn event(&self, kind: &str, payload: Value) -> Result<(), HostError> {
+        self.0.lock().unwrap().push((kind.to_string(), payload));
+        Ok(())
+    }
+}
+
+impl Sink {
+    fn finished(&self) -> Value {
+        let events = self.0.lock().unwrap();
+        events.iter().rev().find(|(k, _)| k == "tool_call_finished").expect("tool_call_finished").1.clone()
+    }
+}
+
+fn mcp(name: &str, url: &str, timeout_ms: u64, trusted: bool) -> McpConfig {
+    let text = format!(
+        "[[mcp]]\nname = \"{name}\"\nurl = \"{url}\"\ntimeout_ms = {timeout_ms}\ntrusted = {trusted}\n\
+         headers = {{ X-Test = \"yes\" }}\n"
+    );
+    let path = std::env::temp_dir().join(format!("agent-host-mcp-{}.toml", uuid::Uuid::new_v4().simple()));
+    std::fs::write(&path, text).unwrap();
+    let file = agent_host::tools::load_tools_file(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    file.mcp.into_iter().next().unwrap()
+}
+
+fn registry(servers: Vec<McpConfig>) -> ToolRegistry {
+    let file = ToolsConfig { mcp: servers, ..Default::default() };
+    ToolRegistry::from_tools(&LlmConfig::default(), &file).unwrap()
+}
+
+async fn call(r: &ToolRegistry, name: &str, args: Value) -> (Result<Value, HostError>, Value) {
+    let sink = Sink::default();
+    let c = ToolCall { run_id: RunId::new(), call_index: 1, name, args, timeout_max: None };
+    let answer = r.invoke(c, &sink, std::future::pending()).await;
+    (answer.map(|a| serde_json::from_str(&a).unwrap()), sink.finished())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_servers_list_and_call_their_tools() {
+    let py = McpServerProcess::python(None, None).await;
+    let everything = McpServerProcess::everything().await;
+    let r = registry(vec![mcp("py", &py.url(), 10_000, true), mcp("ev", &everything.url(), 10_000, false)]);
+
+    // Listing: descriptions and schemas as the servers declare them.
+    let grants: Vec<String> = ["py.*", "ev.echo", "llm"].iter().map(|s| s.to_string()).collect();
+    let listed = r.list(&grants).await;
+    let names: Vec<&str> = listed.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["ev.echo", "llm", "py.echo", "py.fail", "py.slow", "py.weather"], "{listed:?}");
+    let echo = listed.iter().find(|t| t.name == "py.echo").unwrap();
+    assert_eq!(echo.description.as_deref(), Some("Answers its input back"));
+    assert_eq!(echo.input_schema["properties"]["input"]["type"], "string", "{:?}", echo.input_schema);
+    let ev_echo = listed.iter().find(|t| t.name == "ev.echo").unwrap();
+    assert_eq!(ev_echo.input_schema["properties"]["message"]["type"], "string");
+
+    // Text content answers as a string; structured content as itself.
+    let (answer, finished) = call(&r, "py.echo", json!({ "input": "hi" })).await;
+    assert_eq!(answer.unwrap(), json!("echo: hi"));
+    assert_eq!(finished["outcome"], "ok");
+    assert_eq!(
+        finished["annotations"],
+        json!({ "server": "py", "trusted": true, "declared": { "readOnlyHint": true } })
+    );
+    let (answer, _) = call(&r, "py.weather", json!({ "city": "Lyon" })).await;
+    assert_eq!(answer.unwrap(), json!({ "city": "Lyon", "sky": "clear", "celsius": 21 }));
+    let (answer, finished) = call(&r, "ev.echo", json!({ "message": "bonjour" })).await;
+    assert_eq!(answer.unwrap(), json!("Echo: bonjour"));
+    assert_eq!(finished["annotations"]["trusted"], false);
+    let (answer, _) = call(&r, "ev.get-structured-content", json!({ "location": "New York" })).await;
+    let answer = answer.unwrap();
+    assert!(answer.get("temperature").is_some(), "{answer}");
+
+    // A tool error result is a failed call with its text.
+    let (answer, finished) = call(&r, "py.fail", json!({ "why": "the sky fell" })).await;
+    let Err(HostError::ToolFailed(m)) = answer else { panic!("{answer:?}") };
+    assert!(m.starts_with("py.fail: ") && m.contains("it failed because the sky fell"), "{m}");
+    assert_eq!(finished["outcome"], "error");
+
+    // Names the servers do not list, and arguments that are not an object.
+    let (answer, _) = call(&r, "py.nope", json!({})).await;
+    assert_eq!(answer.unwrap_err(), HostError::Denied("MCP server \"py\" lists no tool \"nope\"".into()));
+    let (answer, _) = call(&r, "py.echo", json!([1])).await;
+    assert!(matches!(answer, Err(HostError::Invalid(_))), "{answer:?}");
+    assert!(r.get("nobody.echo").is_none());
+
+    // Trusted annotations feed re-sending after a crash; untrusted ones do not.
+    assert!(r.get("py.echo").unwrap().idempotent(), "read-only on a trusted server");
+    assert!(r.get("py.weather").unwrap().idempotent(), "idempotent on a trusted server");
+    assert!(!r.get("py.slow").unwrap().idempotent());
+    assert!(!r.get("ev.echo").unwrap().idempotent(), "the everything server is not trusted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_tool_is_cut_by_its_timeout_and_the_server_sees_the_cancellation() {
+    let py = McpServerProcess::python(None, None).await;
+    let r = registry(vec![mcp("py", &py.url(), 1_500, false)]);
+    let (answer, finished) = call(&r, "py.slow", json!({ "seconds": 30 })).await;
+    assert_eq!(answer.unwrap_err(), HostError::ToolFailed("tool \"py.slow\" did not answer within 1500 ms".into()));
+    assert_eq!(finished["outcome"], "timeout");
+    py.wait_note("cancelled 30.0", Duration::from_secs(10)).await;
+    assert!(!py.notes().contains(&"finished 30.0".to_string()));
+    // The connection is still good for the next call.
+    assert_eq!(call(&r, "py.echo", json!({ "input": "after" })).await.0.unwrap(), json!("echo: after"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_goes_away_fails_only_its_calls_and_is_used_again_when_back() {
+    let mut py = McpServerProcess::python(None, None).await;
+    let everything = McpServerProcess::everything().await;
+    let port = py.port;
+    let events = py.events.clone();
+    let r = registry(vec![mcp("py", &py.url(), 5_000, false), mcp("ev", &everything.url(), 5_000, false)]);
+    assert_eq!(call(&r, "py.echo", json!({ "input": "one" })).await.0.unwrap(), json!("echo: one"));
+
+    py.kill().await;
+    let (answer, finished) = call(&r, "py.echo", json!({ "input": "two" })).await;
+    let Err(HostError::ToolFailed(m)) = answer else { panic!("{answer:?}") };
+    assert!(m.starts_with("MCP server \"py\""), "{m}");
+    assert_eq!(finished["outcome"], "error");
+    // The other server and the host's own tools are untouched.
+    assert_eq!(call(&r, "ev.echo", json!({ "message": "still" })).await.0.unwrap(), json!("Echo: still"));
+    let model = call(&r, "llm", json!({ "messages": [{ "role": "user", "content": "hi" }] })).await.0.unwrap();
+    assert_eq!(model["content"], "Offline reply to: hi");
+    // Listing does not fail: the absent server's tools come from its cached list.
+    let listed = r.list(&["py.echo".to_string(), "ev.echo".to_string()]).await;
+    assert_eq!(listed.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), ["ev.echo", "py.echo"]);
+
+    // Back on the same address: the next call connects again.
+    let _py = McpServerProcess::python(Some(port), Some(events)).await;
+    assert_eq!(call(&r, "py.echo", json!({ "input": "three" })).await.0.unwrap(), json!("echo: three"));
+}
+
+/// A built-in agent that makes the calls its config names, in order, and
+/// answers what each gave, with what `list-tools` said first.
+struct Caller;
+
+#[async_trait]
+impl Agent for Caller {
+    async fn run(&self, host: &RunHost, input: RunInput) -> Result<String, AgentError> {
+        let listed: Vec<String> = host.list_tools().await?.into_iter().map(|t| t.name).collect();
+        let mut answers = Vec::new();
+        for c in input.config["calls"].as_array().cloned().unwrap_or_default() {
+            let name = c["name"].as_str().unwrap_or_default();
+            match host.call_tool(name, &c["args"].to_string()).await {
+                Ok(a) => answers.push(json!({ "ok": serde_json::from_str::<Value>(&a).unwrap() })),
+                Err(HostError::Cancelled) => return Err(HostError::Cancelled.into()),
+                Err(e) => answers.push(json!({ "error": e.to_string() })),
+            }
+        }
+        Ok(json!({ "listed": listed, "answers": answers }).to_string())
+    }
+}
+
+struct Env {
+    db: TestDb,
+    host: TestHost,
+}
+
+impl Env {
+    async fn new(servers: Vec<McpConfig>, chat_grants: &[&str]) -> Env {
+        let db = TestDb::new().await;
+        let cache = std::env::temp_dir().join(format!("agent-host-cache-{}", std::process::id()));
+        let sandbox = Sandbox::new(db.pool.clone(), Some(cache)).unwrap();
+        plugins::put(&db.pool, "chat", &plugin_wasm("chat"), &json!({ "tools": chat_grants })).await.unwrap();
+        let mut agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(registry(servers));
+        let granted = Manifest::parse(&json!({ "tools": ["py.echo", "py.slow"] })).unwrap();
+        agents.insert_with_manifest("caller", Arc::new(Caller), granted);
+        let host = TestHost::start(&db, Some(Hub::start(db.url.clone())), agents, fast_config("w")).await;
+        Env { db, host }
+    }
+
+    async fn run(&self, plugin: &str, content: &str, config: Value) -> RunId {
+        let body = json!({ "content": content, "plugin": plugin, "config": config });
+        let (code, v) = self.host.call("POST", "/v1/runs", Some(body)).await;
+        assert_eq!(code, StatusCode::ACCEPTED, "{v}");
+        v["run_id"].as_str().unwrap().parse().unwrap()
+    }
+
+    async fn finish(&self, run: RunId) -> Value {
+        let pool = &self.db.pool;
+        wait_for(&format!("run {run} to end"), LONG, || async move {
+            ["completed", "failed", "cancelled"].contains(&status(pool, run).await.as_str())
+        })
+        .await;
+        assert_journal_sound(pool, run).await;
+        self.host.call("GET", &format!("/v1/runs/{run}"), None).await.1
+    }
+
+    async fn answer(&self, run: RunId) -> String {
+        sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
+            .bind(run)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    /// (kind, name, outcome) of the run's tool-call events.
+    async fn tool_events(&self, run: RunId) -> Vec<(String, String, String)> {
+        journal_payloads(&self.db.pool, run)
+            .await
+            .into_iter()
+            .filter(|(_, t, _)| t.starts_with("tool_call_"))
+            .map(|(_, t, p)| (t, p["name"].as_str().unwrap().to_string(), p["outcome"].as_str().unwrap_or("").into()))
+            .collect()
+    }
+}
+
+fn ev(kind: &str, name: &str, outcome: &str) -> (String, String, String) {
+    (kind.into(), name.into(), outcome.into())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_offers_the_granted_mcp_tools_to_the_model_and_completes_a_turn_that_used_one() {
+    let py = McpServerProcess::python(None, None).await;
+    let env = Env::new(vec![mcp("py", &py.url(), 10_000, false)], &["llm", "py.echo"]).await;
+    let run = env.run("chat", "hello there", json!({ "tools": "granted" })).await;
+    let view = env.finish(run).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    // The offline model called the one tool it was offered (as `py_echo`:
+    // a model's tool names have no dots), and quoted its answer.
+    assert_eq!(env.answer(run).await, "Offline reply to: hello there Tool py_echo said: echo: hello there");
+    assert_eq!(
+        env.tool_events(run).await,
+        [
+            ev("tool_call_started", "llm", ""),
+            ev("tool_call_finished", "llm", "ok"),
+            ev("tool_call_started", "py.echo", ""),
+            ev("tool_call_finished", "py.echo", "ok"),
+            ev("tool_call_started", "llm", ""),
+            ev("tool_call_finished", "llm", "ok"),
+        ]
+    );
+    assert_eq!(py.notes(), ["echo hello there"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ungranted_mcp_tool_is_denied_and_a_stop_cancels_the_call_on_the_server() {
+    let py = McpServerProcess::python(None, None).await;
+    let env = Env::new(vec![mcp("py", &py.url(), 60_000, false)], &["llm"]).await;
+
+    // Granted py.echo and py.slow: list-tools says so; py.weather is refused
+    // before the server sees anything.
+    let calls = json!([
+        { "name": "py.weather", "args": { "city": "Lyon" } },
+        { "name": "py.echo", "args": { "input": "granted" } },
+    ]);
+    let run = env.run("caller", "go", json!({ "calls": calls })).await;
+    assert_eq!(env.finish(run).await["status"], "completed");
+    let answer: Value = serde_json::from_str(&env.answer(run).await).unwrap();
+    assert_eq!(answer["listed"], json!(["py.echo", "py.slow"]));
+    assert_eq!(
+        answer["answers"],
+        json!([
+            { "error": "denied: tool \"py.weather\" is not granted to this plugin" },
+            { "ok": "echo: granted" },
+        ])
+    );
+    assert_eq!(env.tool_events(run).await.iter().filter(|e| e.1 == "py.weather").count(), 0);
+
+    // A stop while the slow tool runs: the run ends cancelled and the server
+    // sees the cancellation of its request.
+    let run = env.run("caller", "go", json!({ "calls": [{ "name": "py.slow", "args": { "seconds": 45 } }] })).await;
+    py.wait_note("started 45.0", LONG).await;
+    let (code, v) = env.host.call("POST", &format!("/v1/runs/{run}/stop"), None).await;
+    assert!(code.is_success(), "{code} {v}");
+    let view = env.finish(run).await;
+    assert_eq!(view["status"], "cancelled", "{view}");
+    py.wait_note("cancelled 45.0", Duration::from_secs(10)).await;
+    assert_eq!(
+        env.tool_events(run).await,
+        [ev("tool_call_started", "py.slow", ""), ev("tool_call_finished", "py.slow", "cancelled")]
+    );
+}
