@@ -112,7 +112,7 @@ async fn both_servers_list_and_call_their_tools() {
     // A tool error result is a failed call with its text.
     let (answer, finished) = call(&r, "py.fail", json!({ "why": "the sky fell" })).await;
     let Err(HostError::ToolFailed(m)) = answer else { panic!("{answer:?}") };
-    assert!(m.starts_with("py.fail: ") && m.contains("it failed because the sky fell"), "{m}");
+    assert!(m.starts_with("py.fail: ") && m.contains("it failed because the sky fell"), "{m:?}");
     assert_eq!(finished["outcome"], "error");
 
     // Names the servers do not list, and arguments that are not an object.
@@ -300,7 +300,7 @@ async fn an_ungranted_mcp_tool_is_denied_and_a_stop_cancels_the_call_on_the_serv
     // sees the cancellation of its request.
     let run = env.run("caller", "go", json!({ "calls": [{ "name": "py.slow", "args": { "seconds": 45 } }] })).await;
     py.wait_note("started 45.0", LONG).await;
-    let (code, v) = env.host.call("POST", &format!("/v1/runs/{run}/stop"), None).await;
+    let (code, v) = env.host.call("POST", &format!("/v1/runs/{run}/cancel"), None).await;
     assert!(code.is_success(), "{code} {v}");
     let view = env.finish(run).await;
     assert_eq!(view["status"], "cancelled", "{view}");

@@ -14,6 +14,7 @@ import sys
 
 import anyio
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import BaseModel
 
@@ -47,7 +48,7 @@ def weather(city: str) -> Weather:
 
 @server.tool(description="Always fails")
 def fail(why: str) -> str:
-    raise ValueError(f"it failed because {why}")
+    raise ToolError(f"it failed because {why}")
 
 
 @server.tool(description="Sleeps for a while", annotations=ToolAnnotations(destructiveHint=True), structured_output=False)
