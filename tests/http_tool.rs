@@ -217,7 +217,10 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
     let db = TestDb::new().await;
     let (dest, seen) = start_destination().await;
     let url = format!("http://{dest}/v1/echo-key");
-    let model = model_asking_for(json!({ "method": "GET", "url": url, "headers": { "x-weather-key": "{{secret:weather_key}}" } })).await;
+    let model = model_asking_for(
+        json!({ "method": "GET", "url": url, "headers": { "x-weather-key": "{{secret:weather_key}}" } }),
+    )
+    .await;
     let dir = std::env::temp_dir().join(format!("agent-host-secret-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).unwrap();
     let tools_file = dir.join("tools.toml");
@@ -277,7 +280,7 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
         .fetch_all(pool)
         .await
         .unwrap();
-    assert!(journal.iter().any(|p| p.contains("<redacted>")), "the echo was journaled, redacted: {journal:?}");
+    assert!(journal.iter().any(|p| p.contains("\"http\"")), "{journal:?}");
     assert!(!journal.iter().any(|p| p.contains(SECRET)), "journal: {journal:?}");
     let calls: Vec<String> =
         sqlx::query_scalar("SELECT concat_ws(' ', import, name, args_hash, result) FROM run_call WHERE run_id = $1")
@@ -285,7 +288,8 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
             .fetch_all(pool)
             .await
             .unwrap();
-    assert!(calls.iter().any(|c| c.starts_with("call-tool http")), "{calls:?}");
+    // The recorded answer (replayed on a resume) holds the echo, cut out.
+    assert!(calls.iter().any(|c| c.starts_with("call-tool http") && c.contains("<redacted>")), "{calls:?}");
     assert!(!calls.iter().any(|c| c.contains(SECRET)), "call log: {calls:?}");
     let messages: Vec<String> = sqlx::query_scalar("SELECT content FROM message").fetch_all(pool).await.unwrap();
     assert!(!messages.iter().any(|m| m.contains(SECRET)), "{messages:?}");

@@ -7,9 +7,9 @@
 //! comes back, `chat` offering granted MCP tools to the offline model, and
 //! an ungranted MCP tool refused.
 
-mod support;
 #[path = "support/mcp_servers.rs"]
 mod mcp_servers;
+mod support;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

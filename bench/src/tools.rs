@@ -74,9 +74,10 @@ fn mcp_python() -> Option<PathBuf> {
         .or_else(|_| std::env::var("HOME").map(|h| PathBuf::from(h).join(".cache")))
         .ok()?
         .join("agent-host");
-    let dir = std::fs::read_dir(cache).ok()?.filter_map(Result::ok).find(|e| {
-        e.file_name().to_string_lossy().starts_with("mcp-venv-") && e.path().join(".complete").exists()
-    })?;
+    let dir = std::fs::read_dir(cache)
+        .ok()?
+        .filter_map(Result::ok)
+        .find(|e| e.file_name().to_string_lossy().starts_with("mcp-venv-") && e.path().join(".complete").exists())?;
     Some(dir.path().join("bin/python"))
 }
 
@@ -99,7 +100,9 @@ pub async fn tools(args: &BenchArgs) -> anyhow::Result<()> {
 async fn mcp(samples: usize) -> anyhow::Result<()> {
     let script = PathBuf::from("tests/mcp/py_server.py");
     let Some(python) = mcp_python().filter(|p| p.exists() && script.exists()) else {
-        println!("MCP tool call: skipped (run scripts/test once to install the mcp SDK's venv, from the repository root)");
+        println!(
+            "MCP tool call: skipped (run scripts/test once to install the mcp SDK's venv, from the repository root)"
+        );
         return Ok(());
     };
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();

@@ -286,11 +286,7 @@ impl Secrets {
 /// `text` with each `${env:NAME}` replaced by that variable's value (looked
 /// up with `env`); each value is remembered in `secrets` for redaction. A
 /// variable that is not set is an error naming it.
-fn expand_env(
-    text: &str,
-    env: &dyn Fn(&str) -> Option<String>,
-    secrets: &mut Secrets,
-) -> Result<String, String> {
+fn expand_env(text: &str, env: &dyn Fn(&str) -> Option<String>, secrets: &mut Secrets) -> Result<String, String> {
     let mut out = String::new();
     let mut rest = text;
     while let Some(at) = rest.find("${env:") {
@@ -328,10 +324,7 @@ fn parse_tools_file(text: &str) -> Result<Vec<WebhookConfig>, String> {
     parse_tools_file_with(text, &|_| None).map(|c| c.webhooks)
 }
 
-pub(crate) fn parse_tools_file_with(
-    text: &str,
-    env: &dyn Fn(&str) -> Option<String>,
-) -> Result<ToolsConfig, String> {
+pub(crate) fn parse_tools_file_with(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<ToolsConfig, String> {
     let mut file: ToolsFile = toml::from_str(text).map_err(|e| e.to_string())?;
     let mut secrets = Secrets::default();
     let mut names = HashSet::new();

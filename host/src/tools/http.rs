@@ -132,7 +132,10 @@ impl HttpRule {
             return Err(format!("timeout_ms must be 1 to {TIMEOUT_MS_MAX}, not {}", self.timeout_ms));
         }
         if !(1..=RESPONSE_BYTES_MAX).contains(&self.max_response_bytes) {
-            return Err(format!("max_response_bytes must be 1 to {RESPONSE_BYTES_MAX}, not {}", self.max_response_bytes));
+            return Err(format!(
+                "max_response_bytes must be 1 to {RESPONSE_BYTES_MAX}, not {}",
+                self.max_response_bytes
+            ));
         }
         Ok(Rule {
             origin: url.origin().ascii_serialization(),
@@ -236,10 +239,8 @@ impl Rules {
 
     /// Resolves `host` and checks every address.
     async fn resolve(&self, host: &str) -> Result<Vec<SocketAddr>, String> {
-        let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, 0))
-            .await
-            .map_err(|e| format!("{host} does not resolve: {e}"))?
-            .collect();
+        let addrs: Vec<SocketAddr> =
+            tokio::net::lookup_host((host, 0)).await.map_err(|e| format!("{host} does not resolve: {e}"))?.collect();
         if addrs.is_empty() {
             return Err(format!("{host} does not resolve"));
         }
@@ -326,9 +327,10 @@ impl Http {
         }
         let mut headers = HeaderMap::new();
         for (name, value) in asked {
-            let value = value.as_str().ok_or_else(|| HostError::Invalid(format!("http: header {name:?} is not a string")))?;
-            let header =
-                HeaderName::from_bytes(name.as_bytes()).map_err(|_| HostError::Invalid(format!("http: header {name:?} is not valid")))?;
+            let value =
+                value.as_str().ok_or_else(|| HostError::Invalid(format!("http: header {name:?} is not a string")))?;
+            let header = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| HostError::Invalid(format!("http: header {name:?} is not valid")))?;
             if HOST_HEADERS.contains(&header.as_str()) {
                 return Err(HostError::Invalid(format!("http: header {name:?} is set by the host")));
             }
@@ -338,7 +340,9 @@ impl Http {
             while let Some(at) = rest.find("{{secret:") {
                 out.push_str(&rest[..at]);
                 let after = &rest[at + 9..];
-                let end = after.find("}}").ok_or_else(|| HostError::Invalid("http: an unterminated {{secret:...}}".into()))?;
+                let end = after
+                    .find("}}")
+                    .ok_or_else(|| HostError::Invalid("http: an unterminated {{secret:...}}".into()))?;
                 let key = &after[..end];
                 if !rule.secrets.iter().any(|s| s == key) {
                     return Err(denied(format!("secret {key:?} is not bound to {}", rule.origin)));
@@ -348,7 +352,8 @@ impl Http {
                 rest = &after[end + 2..];
             }
             out.push_str(rest);
-            let mut v = HeaderValue::from_str(&out).map_err(|_| HostError::Invalid(format!("http: header {name:?} has an invalid value")))?;
+            let mut v = HeaderValue::from_str(&out)
+                .map_err(|_| HostError::Invalid(format!("http: header {name:?} has an invalid value")))?;
             v.set_sensitive(secret);
             headers.append(header, v);
         }
@@ -392,7 +397,9 @@ impl Http {
                     .find_map(|s| s.downcast_ref::<Refused>());
                 match refused {
                     Some(r) => denied(r.0.clone()),
-                    None => HostError::ToolFailed(format!("http: {} could not be called: {}", rule.origin, describe(e))),
+                    None => {
+                        HostError::ToolFailed(format!("http: {} could not be called: {}", rule.origin, describe(e)))
+                    }
                 }
             })?;
             match sent {
@@ -413,7 +420,8 @@ impl Http {
                     let mut answer =
                         json!({ "status": status.as_u16(), "headers": h, "body": String::from_utf8_lossy(&bytes) });
                     if cut {
-                        answer["truncated"] = json!(format!("max_response_bytes: the body was cut at {} bytes", rule.max_bytes));
+                        answer["truncated"] =
+                            json!(format!("max_response_bytes: the body was cut at {} bytes", rule.max_bytes));
                     }
                     return Ok(answer);
                 }
@@ -456,9 +464,8 @@ async fn read_up_to(mut resp: reqwest::Response, cap: usize) -> Result<(Vec<u8>,
 #[async_trait]
 impl Tool for Http {
     async fn call(&self, call: &ToolCall<'_>, _sink: &dyn EventSink) -> Result<Value, HostError> {
-        let args: Args = serde_json::from_value(call.args.clone()).map_err(|e| {
-            HostError::Invalid(format!("http takes {{method, url, headers?, body?}}: {e}"))
-        })?;
+        let args: Args = serde_json::from_value(call.args.clone())
+            .map_err(|e| HostError::Invalid(format!("http takes {{method, url, headers?, body?}}: {e}")))?;
         self.fetch(args).await
     }
 
@@ -505,7 +512,19 @@ mod tests {
 
     #[test]
     fn blocked_ranges() {
-        for ip in ["127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.100.100.200", "0.0.0.0", "::1", "fd00:ec2::254", "fe80::1", "::ffff:127.0.0.1"] {
+        for ip in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "100.100.100.200",
+            "0.0.0.0",
+            "::1",
+            "fd00:ec2::254",
+            "fe80::1",
+            "::ffff:127.0.0.1",
+        ] {
             assert!(blocked(ip.parse().unwrap()).is_some(), "{ip}");
         }
         for ip in ["93.184.216.34", "2606:4700::1111", "8.8.8.8"] {

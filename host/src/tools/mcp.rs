@@ -131,7 +131,10 @@ impl McpConfig {
             return Err(format!("timeout_ms must be 1 to {TIMEOUT_MS_MAX}, not {}", self.timeout_ms));
         }
         if !(1..=RESPONSE_BYTES_MAX).contains(&self.max_response_bytes) {
-            return Err(format!("max_response_bytes must be 1 to {RESPONSE_BYTES_MAX}, not {}", self.max_response_bytes));
+            return Err(format!(
+                "max_response_bytes must be 1 to {RESPONSE_BYTES_MAX}, not {}",
+                self.max_response_bytes
+            ));
         }
         if self.list_ttl_ms == 0 {
             return Err("list_ttl_ms must be above 0".into());
@@ -150,7 +153,8 @@ impl McpConfig {
             {
                 return Err(format!("header {name:?} is set by the host"));
             }
-            let mut value = HeaderValue::from_str(value).map_err(|_| format!("header {name:?} has an invalid value"))?;
+            let mut value =
+                HeaderValue::from_str(value).map_err(|_| format!("header {name:?} has an invalid value"))?;
             value.set_sensitive(true);
             out.insert(name, value);
         }

@@ -27,8 +27,8 @@ use crate::error::HostError;
 
 pub use config::{load_tools_file, LlmConfig, Secrets, ToolsConfig, WebhookConfig};
 pub use http::HttpRule;
-pub use mcp::{McpApproval, McpConfig};
 pub use llm::{valid_tool_name, TOOL_NAME_BYTES_MAX};
+pub use mcp::{McpApproval, McpConfig};
 
 /// The tokens an `llm` answer says it used: (prompt, completion).
 pub(crate) fn llm_tokens(answer: &Value) -> (u64, u64) {
