@@ -45,12 +45,13 @@ fn p50(samples: &mut [Duration]) -> Duration {
 
 fn report(what: &str, host: &mut [Duration], direct: &mut [Duration]) {
     let (h, d) = (p50(host), p50(direct));
-    let overhead = h.saturating_sub(d);
+    // Signed: on a noisy machine the difference of two p50s can be below 0.
+    let overhead = h.as_secs_f64() - d.as_secs_f64();
     println!("{what}: through the host {}", percentiles(host));
     println!("{what}: without the host {}", percentiles(direct));
     println!(
-        "{what}: host overhead p50 {:.1} µs over the server's own {:.1} µs ({:.2}x)",
-        overhead.as_secs_f64() * 1e6,
+        "{what}: host overhead p50 {:+.1} µs over the server's own {:.1} µs ({:.2}x)",
+        overhead * 1e6,
         d.as_secs_f64() * 1e6,
         h.as_secs_f64() / d.as_secs_f64().max(1e-9)
     );
@@ -136,6 +137,8 @@ async fn mcp(samples: usize) -> anyhow::Result<()> {
     let client = serve_client_with_lifecycle((), StreamableHttpClientTransport::from_uri(url.as_str()), lifecycle)
         .await
         .map_err(|e| anyhow::anyhow!("a bare MCP client: {e}"))?;
+    // Listed once, as the host's client has (so both send the same requests).
+    client.peer().list_all_tools().await.map_err(|e| anyhow::anyhow!("tools/list: {e}"))?;
     let args = json!({ "input": "bench" });
     let direct_call = || async {
         let params = CallToolRequestParams::new("echo").with_arguments(args.as_object().unwrap().clone());
@@ -145,9 +148,14 @@ async fn mcp(samples: usize) -> anyhow::Result<()> {
     };
     let (mut host, mut direct) = (Vec::new(), Vec::new());
     for i in 0..WARMUP + samples {
-        // Interleaved, so both see the same server and machine.
-        let h = invoke(&registry, "py.echo", args.clone()).await?;
-        let d = direct_call().await?;
+        // Interleaved, in alternating order, so both see the same server
+        // and machine.
+        let (h, d) = if i % 2 == 0 {
+            (invoke(&registry, "py.echo", args.clone()).await?, direct_call().await?)
+        } else {
+            let d = direct_call().await?;
+            (invoke(&registry, "py.echo", args.clone()).await?, d)
+        };
         if i >= WARMUP {
             host.push(h);
             direct.push(d);
@@ -175,10 +183,17 @@ async fn http(samples: usize) -> anyhow::Result<()> {
     let args = json!({ "method": "GET", "url": url });
     let (mut host, mut direct) = (Vec::new(), Vec::new());
     for i in 0..WARMUP + samples {
-        let h = invoke(&registry, "http", args.clone()).await?;
-        let t = Instant::now();
-        client.get(&url).send().await?.bytes().await?;
-        let d = t.elapsed();
+        let direct_get = || async {
+            let t = Instant::now();
+            client.get(&url).send().await?.bytes().await?;
+            Ok::<_, anyhow::Error>(t.elapsed())
+        };
+        let (h, d) = if i % 2 == 0 {
+            (invoke(&registry, "http", args.clone()).await?, direct_get().await?)
+        } else {
+            let d = direct_get().await?;
+            (invoke(&registry, "http", args.clone()).await?, d)
+        };
         if i >= WARMUP {
             host.push(h);
             direct.push(d);
