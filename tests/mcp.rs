@@ -89,6 +89,10 @@ async fn both_servers_list_and_call_their_tools() {
     let echo = listed.iter().find(|t| t.name == "py.echo").unwrap();
     assert_eq!(echo.description.as_deref(), Some("Answers its input back"));
     assert_eq!(echo.input_schema["properties"]["input"]["type"], "string", "{:?}", echo.input_schema);
+    // Each server speaks the protocol it offers: the Python SDK the
+    // stateless 2026-07-28, server-everything 2025-11-25 with initialize.
+    assert_eq!(r.mcp_protocol("py").as_deref(), Some("2026-07-28"));
+    assert_eq!(r.mcp_protocol("ev").as_deref(), Some("2025-11-25"));
     let ev_echo = listed.iter().find(|t| t.name == "ev.echo").unwrap();
     assert_eq!(ev_echo.input_schema["properties"]["message"]["type"], "string");
 

@@ -208,6 +208,8 @@ pub(crate) struct McpServer {
     connection: tokio::sync::Mutex<Option<Connection>>,
     listing: Mutex<Option<(Instant, Arc<Vec<McpTool>>)>>,
     changed: Arc<AtomicBool>,
+    /// The protocol version of the last connection made.
+    protocol: Mutex<Option<String>>,
 }
 
 impl McpServer {
@@ -219,6 +221,7 @@ impl McpServer {
             connection: tokio::sync::Mutex::new(None),
             listing: Mutex::new(None),
             changed: Arc::new(AtomicBool::new(false)),
+            protocol: Mutex::new(None),
         }))
     }
 
@@ -258,6 +261,7 @@ impl McpServer {
             .map_err(|e| self.failed("unreachable", e))?;
         let version = c.peer_info().map(|i| i.protocol_version.to_string()).unwrap_or_default();
         tracing::info!(server = %self.config.name, protocol = %version, "connected to an MCP server");
+        *self.protocol.lock().unwrap() = Some(version);
         let peer = c.peer().clone();
         *connection = Some(c);
         // A new connection may be a new server: list again.
@@ -270,6 +274,12 @@ impl McpServer {
         if let Some(c) = self.connection.lock().await.take() {
             let _ = tokio::time::timeout(Duration::from_secs(1), c.cancel()).await;
         }
+    }
+
+    /// The protocol version the last connection speaks (`2026-07-28`, or
+    /// `2025-11-25` with a server that only knows the initialize handshake).
+    pub fn protocol(&self) -> Option<String> {
+        self.protocol.lock().unwrap().clone()
     }
 
     /// Whether `tool` is one the operator lets this server offer.

@@ -251,6 +251,11 @@ impl ToolRegistry {
         out
     }
 
+    /// The protocol version spoken with MCP server `server`, once connected.
+    pub fn mcp_protocol(&self, server: &str) -> Option<String> {
+        self.mcp.get(server)?.protocol()
+    }
+
     /// Makes sure what `name`'s tool declares of itself is at hand (an MCP
     /// server's listing, for its annotations) before a decision that
     /// depends on it (re-sending after a crash, approval). A server that
