@@ -20,7 +20,7 @@ use agent_host::error::HostError;
 use agent_host::hub::Hub;
 use agent_host::run::manifest::Manifest;
 use agent_host::sandbox::Sandbox;
-use agent_host::tools::{EventSink, LlmConfig, McpConfig, ToolCall, ToolRegistry, ToolsConfig};
+use agent_host::tools::{EventSink, LlmConfig, McpApproval, McpConfig, ToolCall, ToolRegistry, ToolsConfig};
 use async_trait::async_trait;
 use mcp_servers::McpServerProcess;
 use reqwest::StatusCode;
@@ -131,6 +131,20 @@ async fn both_servers_list_and_call_their_tools() {
     assert!(r.get("py.weather").unwrap().idempotent(), "idempotent on a trusted server");
     assert!(!r.get("py.slow").unwrap().idempotent());
     assert!(!r.get("ev.echo").unwrap().idempotent(), "the everything server is not trusted");
+
+    // And the approval rule `approval = "destructive"`: a trusted server's
+    // read-only tool runs at once; one not declared harmless waits; every
+    // tool of an untrusted server waits.
+    let mut py_cfg = mcp("py", &py.url(), 10_000, true);
+    py_cfg.approval = McpApproval::Destructive;
+    let mut ev_cfg = mcp("ev", &everything.url(), 10_000, false);
+    ev_cfg.approval = McpApproval::Destructive;
+    let r = registry(vec![py_cfg, ev_cfg]);
+    r.list(&["py.*".to_string(), "ev.*".to_string()]).await;
+    assert!(!r.get("py.echo").unwrap().requires_approval());
+    assert!(r.get("py.slow").unwrap().requires_approval());
+    assert!(r.get("py.weather").unwrap().requires_approval(), "not declared non-destructive");
+    assert!(r.get("ev.echo").unwrap().requires_approval(), "untrusted: its read-only hint is not believed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -45,6 +45,9 @@ pub const WAIT_TOOL: &str = "wait";
 /// The allow-listed HTTP tool's name (present when the tools file has
 /// `[[http]]` rules).
 pub const HTTP_TOOL: &str = "http";
+/// How long fetching an MCP server's listing may hold a call back before it
+/// is made (the call then reports what is wrong, within its own timeout).
+const WARM_MAX: Duration = Duration::from_secs(2);
 /// Bytes of an error message kept in `tool_call_finished`.
 const JOURNAL_ERROR_BYTES_MAX: usize = 500;
 /// Bytes of an error answer's body quoted back in a tool error.
@@ -264,7 +267,8 @@ impl ToolRegistry {
         let Some((server, _)) = name.split_once('.') else { return };
         if let Some(server) = self.mcp.get(server) {
             if server.cached().is_none() {
-                let _ = server.tools().await;
+                // Bounded: a server that does not answer is the call's to report.
+                let _ = tokio::time::timeout(WARM_MAX, server.tools()).await;
             }
         }
     }
