@@ -182,10 +182,12 @@ async fn a_secret_is_substituted_only_for_its_destination_and_never_shown() {
 
 /// A chat-completions endpoint that asks, once, for the `http` call in
 /// `args`, then answers in text.
-async fn model_asking_for(args: Value) -> String {
+async fn model_asking_for(args: Value, log: Arc<Mutex<Vec<Value>>>) -> String {
     let complete = move |Json(body): Json<Value>| {
         let args = args.clone();
+        let log = log.clone();
         async move {
+            log.lock().unwrap().push(body.clone());
             let has_result = body["messages"].as_array().unwrap().iter().any(|m| m["role"] == "tool");
             let frame = |c: Value| Ok::<_, std::convert::Infallible>(bytes::Bytes::from(format!("data: {c}\n\n")));
             let mut frames = Vec::new();
@@ -217,10 +219,9 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
     let db = TestDb::new().await;
     let (dest, seen) = start_destination().await;
     let url = format!("http://{dest}/v1/echo-key");
-    let model = model_asking_for(
-        json!({ "method": "GET", "url": url, "headers": { "x-weather-key": "{{secret:weather_key}}" } }),
-    )
-    .await;
+    let model_log = Arc::new(Mutex::new(Vec::new()));
+    let asked = json!({ "method": "GET", "url": url, "headers": { "x-weather-key": "{{secret:weather_key}}" } });
+    let model = model_asking_for(asked, model_log.clone()).await;
     let dir = std::env::temp_dir().join(format!("agent-host-secret-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).unwrap();
     let tools_file = dir.join("tools.toml");
@@ -257,8 +258,8 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
     let host = HostProcess::spawn(&db.url, "secret-w", &args);
 
     let client = reqwest::Client::new();
-    let tools = json!([{ "name": "http", "description": "fetch", "parameters": { "type": "object" } }]);
-    let body = json!({ "plugin": "chat", "content": "weather?", "config": { "tools": tools } });
+    // `chat` offers what list-tools says is granted (`http`, described by the host).
+    let body = json!({ "plugin": "chat", "content": "weather?", "config": { "tools": "granted" } });
     let res = client.post(format!("http://{}/v1/runs", host.addr)).bearer_auth(&token).json(&body).send().await;
     let v: Value = res.unwrap().json().await.unwrap();
     let run: RunId = v["run_id"].as_str().expect("a run id").parse().unwrap();
@@ -288,6 +289,12 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
             .fetch_all(pool)
             .await
             .unwrap();
+    // The resumable run recorded what list-tools answered, and the model was
+    // offered the http tool as the host describes it.
+    assert!(calls.iter().any(|c| c.starts_with("list-tools") && c.contains("\"http\"")), "{calls:?}");
+    let offered = model_log.lock().unwrap()[0]["tools"].clone();
+    assert_eq!(offered[0]["function"]["name"], "http", "{offered}");
+    assert_eq!(offered[0]["function"]["parameters"]["required"], json!(["method", "url"]), "{offered}");
     // The recorded answer (replayed on a resume) holds the echo, cut out.
     assert!(calls.iter().any(|c| c.starts_with("call-tool http") && c.contains("<redacted>")), "{calls:?}");
     assert!(!calls.iter().any(|c| c.contains(SECRET)), "call log: {calls:?}");
