@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use agent_host::db::{plugins, tokens, RunId};
 use agent_host::error::HostError;
-use agent_host::tools::{EventSink, LlmConfig, Secrets, ToolCall, ToolRegistry};
+use agent_host::tools::{EventSink, LlmConfig, ToolCall, ToolRegistry};
 use async_trait::async_trait;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -177,7 +177,6 @@ async fn a_secret_is_substituted_only_for_its_destination_and_never_shown() {
     let m = denied(fetch(&r, args).await);
     assert_eq!(m, format!("http: secret \"weather_key\" is not bound to http://{other}"));
     assert!(seen_other.lock().unwrap().is_empty());
-    let _ = Secrets::default();
 }
 
 /// A chat-completions endpoint that asks, once, for the `http` call in

@@ -34,7 +34,7 @@ const RESPONSE_BYTES_MAX: u64 = 16 << 20;
 pub const REDIRECTS_MAX: usize = 5;
 /// Headers a guest may not set (the host's, or hop-by-hop).
 const HOST_HEADERS: &[&str] = &["host", "content-length", "transfer-encoding", "connection", "upgrade", "te"];
-/// Headers and bytes of a request body a guest may send.
+/// Headers one call may send (its bytes are bounded by the manifest's `payload_bytes`).
 const REQUEST_HEADERS_MAX: usize = 64;
 
 /// One `[[http]]` rule of the tools file.
@@ -378,7 +378,7 @@ impl Http {
             let send = async {
                 let resp = request.send().await?;
                 let status = resp.status();
-                if status.is_redirection() {
+                if matches!(status.as_u16(), 301 | 302 | 303 | 307 | 308) {
                     return Ok(Err((status, resp.headers().get("location").cloned())));
                 }
                 let headers = resp.headers().clone();
