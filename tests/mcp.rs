@@ -85,7 +85,7 @@ async fn both_servers_list_and_call_their_tools() {
     let grants: Vec<String> = ["py.*", "ev.echo", "llm"].iter().map(|s| s.to_string()).collect();
     let listed = r.list(&grants).await;
     let names: Vec<&str> = listed.iter().map(|t| t.name.as_str()).collect();
-    assert_eq!(names, ["ev.echo", "llm", "py.echo", "py.fail", "py.slow", "py.weather"], "{listed:?}");
+    assert_eq!(names, ["ev.echo", "llm", "py.add_late", "py.echo", "py.fail", "py.slow", "py.weather"], "{listed:?}");
     let echo = listed.iter().find(|t| t.name == "py.echo").unwrap();
     assert_eq!(echo.description.as_deref(), Some("Answers its input back"));
     assert_eq!(echo.input_schema["properties"]["input"]["type"], "string", "{:?}", echo.input_schema);
@@ -145,6 +145,27 @@ async fn both_servers_list_and_call_their_tools() {
     assert!(r.get("py.slow").unwrap().requires_approval());
     assert!(r.get("py.weather").unwrap().requires_approval(), "not declared non-destructive");
     assert!(r.get("ev.echo").unwrap().requires_approval(), "untrusted: its read-only hint is not believed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_list_is_listed_again_after_its_ttl() {
+    let py = McpServerProcess::python(None, None).await;
+    let mut config = mcp("py", &py.url(), 10_000, false);
+    config.list_ttl_ms = 300;
+    let r = registry(vec![config]);
+    let grants = ["py.*".to_string()];
+    assert!(!r.list(&grants).await.iter().any(|t| t.name == "py.late"));
+    let (answer, _) = call(&r, "py.late", json!({})).await;
+    assert_eq!(answer.unwrap_err(), HostError::Denied("MCP server \"py\" lists no tool \"late\"".into()));
+    assert_eq!(call(&r, "py.add_late", json!({})).await.0.unwrap(), json!("added"));
+    // Cached until the TTL runs out, then listed again: the new tool appears.
+    let r2 = &r;
+    let grants = &grants;
+    wait_for("the new tool to be listed", Duration::from_secs(10), || async move {
+        r2.list(grants).await.iter().any(|t| t.name == "py.late")
+    })
+    .await;
+    assert_eq!(call(&r, "py.late", json!({ "input": "x" })).await.0.unwrap(), json!("late: x"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

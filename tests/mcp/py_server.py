@@ -7,7 +7,7 @@ HTTP on loopback.
 Tools: `echo` (answers its input as text), `weather` (structured content),
 `fail` (a tool error result), `slow` (sleeps `seconds`, 60 by default; a
 cancellation the server sees is appended to EVENTS_FILE as
-`cancelled <seconds>`).
+`cancelled <seconds>`), `add_late` (adds a tool `late` to the list).
 """
 
 import sys
@@ -61,6 +61,16 @@ async def slow(input: str = "", seconds: float = 60) -> str:
         raise
     note(f"finished {seconds}")
     return "slept"
+
+
+def late(input: str = "") -> str:
+    return f"late: {input}"
+
+
+@server.tool(description="Adds the tool `late` to this server's list", structured_output=False)
+def add_late() -> str:
+    server.add_tool(late, description="A tool added while the server runs", structured_output=False)
+    return "added"
 
 
 server.run("streamable-http", host="127.0.0.1", port=port)
