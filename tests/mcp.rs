@@ -349,3 +349,33 @@ async fn an_ungranted_mcp_tool_is_denied_and_a_stop_cancels_the_call_on_the_serv
         [ev("tool_call_started", "py.slow", ""), ev("tool_call_finished", "py.slow", "cancelled")]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_goes_away_mid_run_fails_the_calls_that_need_it_and_the_next_run_uses_it_again() {
+    let mut py = McpServerProcess::python(None, None).await;
+    let (port, events) = (py.port, py.events.clone());
+    let env = Env::new(vec![mcp("py", &py.url(), 10_000, false)], &["llm"]).await;
+    let calls = json!([
+        { "name": "py.slow", "args": { "seconds": 45 } },
+        { "name": "py.echo", "args": { "input": "while down" } },
+    ]);
+    let run = env.run("caller", "go", json!({ "calls": calls })).await;
+    py.wait_note("started 45.0", LONG).await;
+    py.kill().await;
+    // The run is not stuck on the server: both calls fail, and it completes.
+    let view = env.finish(run).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    let answer: Value = serde_json::from_str(&env.answer(run).await).unwrap();
+    let answers = answer["answers"].as_array().unwrap();
+    assert_eq!(answers.len(), 2, "{answer}");
+    for a in answers {
+        let e = a["error"].as_str().unwrap_or_default();
+        assert!(e.starts_with("tool failed: "), "{answer}");
+    }
+    // Back on the same address: the next run's call reaches it.
+    let _py = McpServerProcess::python(Some(port), Some(events)).await;
+    let run = env.run("caller", "go", json!({ "calls": [{ "name": "py.echo", "args": { "input": "back" } }] })).await;
+    assert_eq!(env.finish(run).await["status"], "completed");
+    let answer: Value = serde_json::from_str(&env.answer(run).await).unwrap();
+    assert_eq!(answer["answers"], json!([{ "ok": "echo: back" }]));
+}
