@@ -124,5 +124,6 @@ impl Drop for McpServerProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.log);
+        let _ = std::fs::remove_file(&self.events);
     }
 }
