@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde::Deserialize;
+use serde_json::Value;
 
 use super::{LLM_TOOL, WAIT_TOOL};
 
@@ -223,8 +224,9 @@ impl fmt::Debug for ToolsConfig {
 #[derive(Clone, Default)]
 pub struct Secrets {
     named: BTreeMap<String, String>,
-    /// Every value resolved from the environment (named secrets, header
-    /// values, URLs): what redaction looks for.
+    /// The `[secrets]` values and the values header values took from the
+    /// environment: what redaction looks for (URL pieces such as hosts and
+    /// ports are not secrets and are left alone).
     values: Vec<String>,
 }
 
@@ -234,8 +236,9 @@ impl fmt::Debug for Secrets {
     }
 }
 
-/// Values shorter than this are not redacted (they would cut ordinary words).
-const REDACT_BYTES_MIN: usize = 4;
+/// A secret shorter than this is refused at start: redacting it would cut
+/// ordinary words and numbers out of answers.
+pub(crate) const SECRET_BYTES_MIN: usize = 8;
 
 impl Secrets {
     /// The value of the named secret.
@@ -247,11 +250,11 @@ impl Secrets {
         self.named.contains_key(name)
     }
 
-    /// `text` with every secret value (as is, and as escaped inside a JSON
-    /// string) replaced by `<redacted>`.
+    /// `text` (an error or a log line, not JSON) with every secret value (as
+    /// is, and as escaped inside a JSON string) replaced by `<redacted>`.
     pub fn redact(&self, text: &str) -> String {
         let mut out = text.to_string();
-        for v in self.values.iter().filter(|v| v.len() >= REDACT_BYTES_MIN) {
+        for v in &self.values {
             if out.contains(v.as_str()) {
                 out = out.replace(v.as_str(), "<redacted>");
             }
@@ -262,6 +265,25 @@ impl Secrets {
             }
         }
         out
+    }
+
+    /// A JSON answer with every secret value cut out of its strings and
+    /// keys; numbers, booleans and the structure are left as they are, so
+    /// the answer stays valid JSON.
+    pub fn redact_value(&self, value: Value) -> Value {
+        if self.values.is_empty() {
+            return value;
+        }
+        let cut = |s: String| match self.values.iter().any(|v| s.contains(v.as_str())) {
+            true => self.values.iter().fold(s, |s, v| s.replace(v.as_str(), "<redacted>")),
+            false => s,
+        };
+        match value {
+            Value::String(s) => Value::String(cut(s)),
+            Value::Array(items) => Value::Array(items.into_iter().map(|v| self.redact_value(v)).collect()),
+            Value::Object(map) => Value::Object(map.into_iter().map(|(k, v)| (cut(k), self.redact_value(v))).collect()),
+            other => other,
+        }
     }
 
     /// Whether nothing needs redacting.
@@ -284,9 +306,15 @@ impl Secrets {
 }
 
 /// `text` with each `${env:NAME}` replaced by that variable's value (looked
-/// up with `env`); each value is remembered in `secrets` for redaction. A
-/// variable that is not set is an error naming it.
-fn expand_env(text: &str, env: &dyn Fn(&str) -> Option<String>, secrets: &mut Secrets) -> Result<String, String> {
+/// up with `env`); with `secrets`, each value is a secret remembered for
+/// redaction and must be at least [`SECRET_BYTES_MIN`] bytes. A variable
+/// that is not set is an error naming it.
+fn expand_env(
+    text: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+    secrets: Option<&mut Secrets>,
+) -> Result<String, String> {
+    let mut secrets = secrets;
     let mut out = String::new();
     let mut rest = text;
     while let Some(at) = rest.find("${env:") {
@@ -301,7 +329,15 @@ fn expand_env(text: &str, env: &dyn Fn(&str) -> Option<String>, secrets: &mut Se
             return Err(format!("${{env:{name}}} does not name an environment variable"));
         }
         let value = env(name).ok_or_else(|| format!("environment variable {name} is not set"))?;
-        secrets.add_value(&value);
+        if let Some(secrets) = secrets.as_deref_mut() {
+            if value.len() < SECRET_BYTES_MIN {
+                return Err(format!(
+                    "environment variable {name} holds {} bytes; a secret must be at least {SECRET_BYTES_MIN}",
+                    value.len()
+                ));
+            }
+            secrets.add_value(&value);
+        }
         out.push_str(&value);
         rest = &after[end + 1..];
     }
@@ -324,16 +360,28 @@ fn parse_tools_file(text: &str) -> Result<Vec<WebhookConfig>, String> {
     parse_tools_file_with(text, &|_| None).map(|c| c.webhooks)
 }
 
+/// Resolves `${env:NAME}` in an entry's URL (not a secret: hosts and ports
+/// are not redacted) and in its header values (secrets).
+fn expand_entry(
+    url: &mut String,
+    headers: &mut BTreeMap<String, String>,
+    env: &dyn Fn(&str) -> Option<String>,
+    secrets: &mut Secrets,
+) -> Result<(), String> {
+    *url = expand_env(url, env, None).map_err(|e| format!("url: {e}"))?;
+    for (k, v) in headers.iter_mut() {
+        *v = expand_env(v, env, Some(secrets)).map_err(|e| format!("header {k:?}: {e}"))?;
+    }
+    Ok(())
+}
+
 pub(crate) fn parse_tools_file_with(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<ToolsConfig, String> {
     let mut file: ToolsFile = toml::from_str(text).map_err(|e| e.to_string())?;
     let mut secrets = Secrets::default();
     let mut names = HashSet::new();
     for (i, w) in file.webhook.iter_mut().enumerate() {
         let entry = format!("webhook #{} ({:?})", i + 1, w.name);
-        w.url = expand_env(&w.url, env, &mut secrets).map_err(|e| format!("{entry}: url: {e}"))?;
-        for (k, v) in w.headers.iter_mut() {
-            *v = expand_env(v, env, &mut secrets).map_err(|e| format!("{entry}: header {k:?}: {e}"))?;
-        }
+        expand_entry(&mut w.url, &mut w.headers, env, &mut secrets).map_err(|e| format!("{entry}: {e}"))?;
         w.check().map_err(|e| format!("{entry}: {e}"))?;
         if !names.insert(w.name.clone()) {
             return Err(format!("{entry}: the name is used by an earlier webhook"));
@@ -341,10 +389,7 @@ pub(crate) fn parse_tools_file_with(text: &str, env: &dyn Fn(&str) -> Option<Str
     }
     for (i, m) in file.mcp.iter_mut().enumerate() {
         let entry = format!("mcp #{} ({:?})", i + 1, m.name);
-        m.url = expand_env(&m.url, env, &mut secrets).map_err(|e| format!("{entry}: url: {e}"))?;
-        for (k, v) in m.headers.iter_mut() {
-            *v = expand_env(v, env, &mut secrets).map_err(|e| format!("{entry}: header {k:?}: {e}"))?;
-        }
+        expand_entry(&mut m.url, &mut m.headers, env, &mut secrets).map_err(|e| format!("{entry}: {e}"))?;
         m.check().map_err(|e| format!("{entry}: {e}"))?;
         if !names.insert(m.name.clone()) {
             return Err(format!("{entry}: the name is used by an earlier entry"));
@@ -356,9 +401,12 @@ pub(crate) fn parse_tools_file_with(text: &str, env: &dyn Fn(&str) -> Option<Str
         if !valid {
             return Err(format!("secret {name:?}: a name is 1-64 characters of a-z, 0-9, _ and -"));
         }
-        let value = expand_env(value, env, &mut secrets).map_err(|e| format!("secret {name:?}: {e}"))?;
-        if value.is_empty() {
-            return Err(format!("secret {name:?} is empty"));
+        let value = expand_env(value, env, Some(&mut secrets)).map_err(|e| format!("secret {name:?}: {e}"))?;
+        if value.len() < SECRET_BYTES_MIN {
+            return Err(format!(
+                "secret {name:?} is {} bytes; a secret must be at least {SECRET_BYTES_MIN}",
+                value.len()
+            ));
         }
         secrets.insert(name, &value);
     }
@@ -500,6 +548,38 @@ secrets = ["weather_key"]
 
     fn json_text() -> String {
         serde_json::json!({ "a": "wk-12345", "b": "x tok\"en-678 y" }).to_string()
+    }
+
+    #[test]
+    fn redaction_walks_strings_and_keys_and_leaves_json_valid() {
+        let env = |name: &str| match name {
+            "KEY" => Some("8080-secret-value".to_string()),
+            "PORT" => Some("8080".to_string()),
+            _ => None,
+        };
+        let file = "[secrets]\nk = \"${env:KEY}\"\n[[mcp]]\nname = \"m\"\nurl = \"http://127.0.0.1:${env:PORT}/mcp\"\n";
+        let c = parse_tools_file_with(file, &env).unwrap();
+        assert_eq!(c.mcp[0].url, "http://127.0.0.1:8080/mcp");
+        // The URL's port is not a secret: numbers and strings holding it stay.
+        let answer = serde_json::json!({ "port": 8080, "url": "http://x:8080/", "8080-secret-value": ["a 8080-secret-value b"] });
+        let redacted = c.secrets.redact_value(answer);
+        assert_eq!(
+            redacted,
+            serde_json::json!({ "port": 8080, "url": "http://x:8080/", "<redacted>": ["a <redacted> b"] })
+        );
+        assert!(serde_json::from_str::<Value>(&redacted.to_string()).is_ok());
+    }
+
+    #[test]
+    fn a_short_secret_is_refused_at_start() {
+        let env = |_: &str| Some("short".to_string());
+        let e = parse_tools_file_with("[secrets]\nk = \"${env:S}\"\n", &env).unwrap_err();
+        assert_eq!(e, "secret \"k\": environment variable S holds 5 bytes; a secret must be at least 8");
+        let e = parse_tools_file_with("[secrets]\nk = \"abc\"\n", &env).unwrap_err();
+        assert_eq!(e, "secret \"k\" is 3 bytes; a secret must be at least 8");
+        let file = "[[webhook]]\nname = \"w\"\nurl = \"http://x/\"\nheaders = { X-Key = \"${env:S}\" }\n";
+        let e = parse_tools_file_with(file, &env).unwrap_err();
+        assert!(e.starts_with("webhook #1 (\"w\"): header \"X-Key\": environment variable S holds 5 bytes"), "{e}");
     }
 
     #[test]

@@ -328,18 +328,17 @@ impl ToolRegistry {
         }
         let answer = match ended {
             Ok(answer) => {
-                let text = match self.secrets.is_empty() {
-                    true => answer.to_string(),
-                    false => self.secrets.redact(&answer.to_string()),
-                };
-                finished["outcome"] = json!("ok");
-                finished["result_bytes"] = json!(text.len());
                 if call.name == LLM_TOOL {
                     // The run's token usage lives in the journal, call by call.
                     let (prompt, completion) = llm_tokens(&answer);
                     sink.usage(prompt, completion);
                     finished["usage"] = llm::usage_of(&answer);
                 }
+                // Secrets are cut out of the answer's strings, never out of
+                // its JSON text: the answer stays valid JSON.
+                let text = self.secrets.redact_value(answer).to_string();
+                finished["outcome"] = json!("ok");
+                finished["result_bytes"] = json!(text.len());
                 Ok(text)
             }
             Err((outcome, e)) => {
