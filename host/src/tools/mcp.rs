@@ -17,7 +17,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -210,6 +210,9 @@ pub(crate) struct McpServer {
     changed: Arc<AtomicBool>,
     /// The protocol version of the last connection made.
     protocol: Mutex<Option<String>>,
+    /// Counts the connections made: a call that saw its connection break
+    /// resets only that one, never a healthy newer one.
+    generation: AtomicU64,
 }
 
 impl McpServer {
@@ -222,6 +225,7 @@ impl McpServer {
             listing: Mutex::new(None),
             changed: Arc::new(AtomicBool::new(false)),
             protocol: Mutex::new(None),
+            generation: AtomicU64::new(0),
         }))
     }
 
@@ -233,12 +237,13 @@ impl McpServer {
         HostError::ToolFailed(format!("MCP server {:?}: {what}: {e}", self.config.name))
     }
 
-    /// A peer on a live connection: the one there is, or a new one.
-    async fn peer(&self) -> Result<Peer<RoleClient>, HostError> {
+    /// A peer on a live connection (the one there is, or a new one) and
+    /// that connection's generation, for [`McpServer::reset`].
+    async fn peer(&self) -> Result<(Peer<RoleClient>, u64), HostError> {
         let mut connection = self.connection.lock().await;
         if let Some(c) = connection.as_ref() {
             if !c.is_closed() && !c.is_transport_closed() {
-                return Ok(c.peer().clone());
+                return Ok((c.peer().clone(), self.generation.load(Ordering::SeqCst)));
             }
         }
         *connection = None;
@@ -248,7 +253,15 @@ impl McpServer {
             .max_json_response_size(max)
             .max_sse_event_size(max)
             .reinit_on_expired_session(true);
-        let transport = StreamableHttpClientTransport::from_config(config);
+        // Like the webhooks, never through an HTTP(S)_PROXY of the
+        // environment: the operator's URL is the destination.
+        let client = reqwest_mcp::Client::builder()
+            .no_proxy()
+            .pool_max_idle_per_host(0)
+            .redirect(reqwest_mcp::redirect::Policy::none())
+            .build()
+            .map_err(|e| self.failed("unreachable", e))?;
+        let transport = StreamableHttpClientTransport::with_client(client, config);
         let handler = Handler { changed: self.changed.clone() };
         let lifecycle = ClientLifecycleMode::Auto {
             preferred_versions: vec![ProtocolVersion::V_2026_07_28],
@@ -264,14 +277,21 @@ impl McpServer {
         *self.protocol.lock().unwrap() = Some(version);
         let peer = c.peer().clone();
         *connection = Some(c);
+        let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
         // A new connection may be a new server: list again.
         self.changed.store(true, Ordering::SeqCst);
-        Ok(peer)
+        Ok((peer, generation))
     }
 
-    /// Forgets a broken connection, so the next call makes a new one.
-    async fn reset(&self) {
-        if let Some(c) = self.connection.lock().await.take() {
+    /// Forgets a broken connection, so the next call makes a new one; only
+    /// if it is still connection `generation` (another call may already have
+    /// made a healthy new one).
+    async fn reset(&self, generation: u64) {
+        let mut connection = self.connection.lock().await;
+        if self.generation.load(Ordering::SeqCst) != generation {
+            return;
+        }
+        if let Some(c) = connection.take() {
             let _ = tokio::time::timeout(Duration::from_secs(1), c.cancel()).await;
         }
     }
@@ -310,12 +330,12 @@ impl McpServer {
     }
 
     async fn list(&self) -> Result<Arc<Vec<McpTool>>, HostError> {
-        let peer = self.peer().await?;
+        let (peer, generation) = self.peer().await?;
         self.changed.store(false, Ordering::SeqCst);
         let listed = match peer.list_all_tools().await {
             Ok(listed) => listed,
             Err(e) => {
-                self.reset().await;
+                self.reset(generation).await;
                 return Err(self.failed("tools/list", e));
             }
         };
@@ -326,6 +346,13 @@ impl McpServer {
             .into_iter()
             .take(SERVER_TOOLS_MAX)
             .filter(|t| self.allows(&t.name))
+            .filter(|t| {
+                let ok = valid_mcp_tool_name(&t.name);
+                if !ok {
+                    tracing::warn!(server = %self.config.name, tool = %t.name.escape_debug(), "an MCP tool's name is not 1-128 characters of A-Z, a-z, 0-9, _, - and .; it is not offered");
+                }
+                ok
+            })
             .map(|t| McpTool {
                 name: t.name.to_string(),
                 description: t.description.as_ref().map(|d| d.to_string()),
@@ -349,13 +376,13 @@ impl McpServer {
         if !listed.iter().any(|t| t.name == tool) {
             return Err(HostError::Denied(format!("MCP server {:?} lists no tool {tool:?}", self.config.name)));
         }
-        let peer = self.peer().await?;
+        let (peer, generation) = self.peer().await?;
         let params = CallToolRequestParams::new(tool.to_string()).with_arguments(arguments);
         let result = match peer.call_tool(params).await {
             Ok(result) => result,
             Err(rmcp::ServiceError::McpError(e)) => return Err(self.failed(&format!("tools/call {tool:?}"), e.message)),
             Err(e) => {
-                self.reset().await;
+                self.reset(generation).await;
                 return Err(self.failed(&format!("tools/call {tool:?}"), e));
             }
         };
@@ -385,6 +412,12 @@ impl McpServer {
         }
         Ok(answer)
     }
+}
+
+/// A tool name as MCP allows it (1-128 characters of A-Z, a-z, 0-9, `_`,
+/// `-` and `.`); a server's tool named otherwise is not offered.
+pub(crate) fn valid_mcp_tool_name(name: &str) -> bool {
+    (1..=128).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b))
 }
 
 /// One of a server's tools, as the registry hands it out.
@@ -440,6 +473,19 @@ impl Tool for McpToolRef {
         match self.listed() {
             Some(t) => (t.description, t.input_schema),
             None => (None, json!({ "type": "object" })),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tool_names_outside_mcp_s_charset_or_length_are_not_offered() {
+        for ok in ["echo", "get-sum_2", "a.b", &"x".repeat(128)] {
+            assert!(super::valid_mcp_tool_name(ok), "{ok}");
+        }
+        for bad in ["", "has space", "naïve", "a/b", &"x".repeat(129)] {
+            assert!(!super::valid_mcp_tool_name(bad), "{bad}");
         }
     }
 }

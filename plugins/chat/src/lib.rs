@@ -61,10 +61,25 @@ impl Agent for Chat {
     }
 }
 
-/// A model's tool names are letters, digits, `_` and `-`: another character
-/// of a host tool's name (the `.` of `<server>.<tool>`) is offered as `_`.
+/// The longest tool name the `llm` tool accepts.
+const MODEL_NAME_BYTES_MAX: usize = 64;
+
+/// A model's tool names are 1-64 letters, digits, `_` and `-`: another
+/// character of a host tool's name (the `.` of `<server>.<tool>`) is offered
+/// as `_`, and a longer name is cut and ends with `_` and a hash of the
+/// whole name (so two long names stay apart). `offered` maps it back.
 fn model_name(name: &str) -> String {
-    name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' }).collect()
+    let clean: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' }).collect();
+    if !clean.is_empty() && clean.len() <= MODEL_NAME_BYTES_MAX {
+        return clean;
+    }
+    // FNV-1a, 32 bits: stable across builds and hosts.
+    let hash = name.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+    let suffix = format!("_{hash:08x}");
+    // `clean` is ASCII: any byte index is a character boundary.
+    let keep = clean.len().min(MODEL_NAME_BYTES_MAX - suffix.len());
+    format!("{}{suffix}", &clean[..keep])
 }
 
 /// The tools the model is offered, and the host tool each offered name
@@ -110,3 +125,20 @@ fn run_tool(turn: &Turn, call: &Value, names: &[(String, String)]) -> Result<Str
 }
 
 export_agent!(Chat);
+
+#[cfg(test)]
+mod tests {
+    use super::model_name;
+
+    #[test]
+    fn every_offered_name_is_one_the_llm_tool_accepts() {
+        assert_eq!(model_name("docs.search"), "docs_search");
+        let long = format!("docs.{}", "x".repeat(120));
+        let other = format!("docs.{}y", "x".repeat(119));
+        let (a, b) = (model_name(&long), model_name(&other));
+        assert_eq!(a.len(), 64);
+        assert_ne!(a, b, "two long names stay apart");
+        assert!(a.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-'), "{a}");
+        assert_eq!(model_name(&long), a, "the same name maps the same way");
+    }
+}
