@@ -12,7 +12,7 @@
 //! `{{secret:name}}` in a header value: the host substitutes the secret only
 //! for a destination whose rule lists it.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -169,10 +169,31 @@ fn path_matches(pattern: &str, path: &str) -> bool {
     rest.ends_with(last)
 }
 
+/// The IPv4 address an IPv6 one carries to an IPv4 host, if any:
+/// IPv4-mapped `::ffff:a.b.c.d`, IPv4-compatible `::a.b.c.d`, NAT64
+/// (`64:ff9b::/96`, `64:ff9b:1::/48`) and 6to4 (`2002::/16`). Such an
+/// address is checked as the IPv4 one it reaches.
+fn embedded_v4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
+    let seg = v6.segments();
+    let o = v6.octets();
+    let last = Ipv4Addr::new(o[12], o[13], o[14], o[15]);
+    if let Some(v4) = v6.to_ipv4_mapped() {
+        Some(v4)
+    } else if seg[..6] == [0; 6] && !v6.is_loopback() && !v6.is_unspecified() {
+        Some(last)
+    } else if seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || (seg[0] == 0x64 && seg[1] == 0xff9b && seg[2] == 1) {
+        Some(last)
+    } else if seg[0] == 0x2002 {
+        Some(Ipv4Addr::new(o[2], o[3], o[4], o[5]))
+    } else {
+        None
+    }
+}
+
 /// Why an address is refused, if it is in a blocked range.
 fn blocked(ip: IpAddr) -> Option<&'static str> {
     let ip = match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        IpAddr::V6(v6) => embedded_v4(v6).map_or(IpAddr::V6(v6), IpAddr::V4),
         v4 => v4,
     };
     match ip {
@@ -186,7 +207,11 @@ fn blocked(ip: IpAddr) -> Option<&'static str> {
                 Some("a link-local address (the cloud metadata range)")
             } else if o[0] == 100 && (64..128).contains(&o[1]) {
                 Some("a shared (carrier-grade NAT) address")
-            } else if o[0] == 0 || v4.is_broadcast() || v4.is_multicast() {
+            } else if o[0] == 192 && o[1] == 0 && o[2] == 0 {
+                Some("an IETF protocol assignment address (192.0.0.0/24)")
+            } else if o[0] == 198 && (o[1] & 0xfe) == 18 {
+                Some("a benchmarking address (198.18.0.0/15)")
+            } else if o[0] == 0 || o[0] >= 240 || v4.is_multicast() {
                 Some("an unroutable address")
             } else {
                 None
@@ -200,6 +225,8 @@ fn blocked(ip: IpAddr) -> Option<&'static str> {
                 Some("a private (unique local) address")
             } else if (seg[0] & 0xffc0) == 0xfe80 {
                 Some("a link-local address")
+            } else if (seg[0] & 0xffc0) == 0xfec0 {
+                Some("a site-local address (fec0::/10)")
             } else if v6.is_unspecified() || v6.is_multicast() {
                 Some("an unroutable address")
             } else {
@@ -524,10 +551,24 @@ mod tests {
             "fd00:ec2::254",
             "fe80::1",
             "::ffff:127.0.0.1",
+            "192.0.0.170",
+            "198.18.0.1",
+            "198.19.255.254",
+            "240.0.0.1",
+            "255.255.255.255",
+            "64:ff9b::a9fe:a9fe",
+            "64:ff9b::127.0.0.1",
+            "64:ff9b:1::10.0.0.1",
+            "2002:c0a8:0101::1",
+            "2002:7f00:1::",
+            "::10.0.0.1",
+            "::169.254.169.254",
+            "fec0::1",
         ] {
             assert!(blocked(ip.parse().unwrap()).is_some(), "{ip}");
         }
-        for ip in ["93.184.216.34", "2606:4700::1111", "8.8.8.8"] {
+        for ip in ["93.184.216.34", "2606:4700::1111", "8.8.8.8", "64:ff9b::8.8.8.8", "2002:0808:0808::1", "198.20.0.1"]
+        {
             assert!(blocked(ip.parse().unwrap()).is_none(), "{ip}");
         }
     }
