@@ -7,14 +7,18 @@
 //! appears nowhere else: not in the journal, the call log, the host's logs
 //! or `/metrics`; a missing one stops the host at start, named.
 
+#[allow(dead_code)]
+#[path = "support/mcp_servers.rs"]
+mod mcp_servers;
 mod support;
+#[path = "support/tools.rs"]
+mod tools_support;
 
 use std::sync::{Arc, Mutex};
 
 use agent_host::db::{plugins, tokens, RunId};
 use agent_host::error::HostError;
-use agent_host::tools::{EventSink, LlmConfig, ToolCall, ToolRegistry};
-use async_trait::async_trait;
+use agent_host::tools::{LlmConfig, ToolCall, ToolRegistry};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -23,6 +27,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use support::process::{HostProcess, FAST};
 use support::*;
+use tools_support::{tools_file, Sink};
 
 /// Every request a destination received: (path, headers).
 type Seen = Arc<Mutex<Vec<(String, HeaderMap)>>>;
@@ -59,32 +64,9 @@ async fn start_destination() -> (String, Seen) {
     (addr, seen)
 }
 
-#[derive(Default)]
-struct Sink(Mutex<Vec<(String, Value)>>);
-
-#[async_trait]
-impl EventSink for Sink {
-    async fn delta(&self, _text: &str) -> Result<(), HostError> {
-        Ok(())
-    }
-
-    async fn event(&self, kind: &str, payload: Value) -> Result<(), HostError> {
-        self.0.lock().unwrap().push((kind.to_string(), payload));
-        Ok(())
-    }
-}
-
 /// A registry from a tools file's text (with `env` for `${env:...}`).
 fn registry(text: &str, env: &[(&str, &str)]) -> ToolRegistry {
-    let path = std::env::temp_dir().join(format!("agent-host-http-{}.toml", uuid::Uuid::new_v4().simple()));
-    std::fs::write(&path, text).unwrap();
-    for (k, v) in env {
-        // Only this test binary's own, uniquely named variables.
-        unsafe { std::env::set_var(k, v) };
-    }
-    let file = agent_host::tools::load_tools_file(&path).unwrap();
-    std::fs::remove_file(&path).unwrap();
-    ToolRegistry::from_tools(&LlmConfig::default(), &file).unwrap()
+    ToolRegistry::from_tools(&LlmConfig::default(), &tools_file(text, env)).unwrap()
 }
 
 async fn fetch(r: &ToolRegistry, args: Value) -> Result<Value, HostError> {
@@ -215,7 +197,10 @@ async fn model_asking_for(args: Value, log: Arc<Mutex<Vec<Value>>>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_nowhere_else() {
     const SECRET: &str = "wk-process-7f3a9c";
+    // An MCP server's credential, in a header of its [[mcp]] entry.
+    const MCP_SECRET: &str = "mcp-token-55e1d0b2c4";
     let db = TestDb::new().await;
+    let mcp_server = mcp_servers::McpServerProcess::python(None, None).await;
     let (dest, seen) = start_destination().await;
     let url = format!("http://{dest}/v1/echo-key");
     let model_log = Arc::new(Mutex::new(Vec::new()));
@@ -228,11 +213,14 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
         &tools_file,
         format!(
             "[secrets]\nweather_key = \"${{env:AGENT_HOST_TEST_WEATHER_KEY}}\"\n\n\
-             [[http]]\nurl = \"http://{dest}\"\npaths = [\"/v1/*\"]\nsecrets = [\"weather_key\"]\n"
+             [[http]]\nurl = \"http://{dest}\"\npaths = [\"/v1/*\"]\nsecrets = [\"weather_key\"]\n\n\
+             [[mcp]]\nname = \"py\"\nurl = \"{}\"\n\
+             headers = {{ Authorization = \"Bearer ${{env:AGENT_HOST_TEST_MCP_TOKEN}}\" }}\n",
+            mcp_server.url()
         ),
     )
     .unwrap();
-    let manifest = json!({ "tools": ["llm", "http"], "durability": "resume" });
+    let manifest = json!({ "tools": ["llm", "http", "py.*"], "durability": "resume" });
     plugins::put(&db.pool, "chat", &plugin_wasm("chat"), &manifest).await.unwrap();
     let token = tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
 
@@ -241,20 +229,25 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
         .args(["--database-url", &db.url, "serve", "--listen", "127.0.0.1:0"])
         .args(["--tools-file", &tools_file.display().to_string()])
         .env_remove("AGENT_HOST_TEST_WEATHER_KEY")
+        .env("AGENT_HOST_TEST_MCP_TOKEN", MCP_SECRET)
         .output()
         .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("environment variable AGENT_HOST_TEST_WEATHER_KEY is not set"), "{stderr}");
 
-    // The host process inherits it (the variable is this test's alone).
-    unsafe { std::env::set_var("AGENT_HOST_TEST_WEATHER_KEY", SECRET) };
+    // The host process is given both, and logs at debug level.
     let mut args: Vec<String> = FAST.iter().map(|s| s.to_string()).collect();
     args.extend(["--tools-file".into(), tools_file.display().to_string()]);
     args.extend(["--llm-base-url".into(), model]);
     args.extend(["--cache-dir".into(), dir.join("cache").display().to_string()]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let host = HostProcess::spawn(&db.url, "secret-w", &args);
+    let env = [
+        ("AGENT_HOST_TEST_WEATHER_KEY", SECRET),
+        ("AGENT_HOST_TEST_MCP_TOKEN", MCP_SECRET),
+        ("AGENT_HOST_LOG", "debug"),
+    ];
+    let host = HostProcess::spawn_with_env(&db.url, "secret-w", &args, &env);
 
     let client = reqwest::Client::new();
     // `chat` offers what list-tools says is granted (`http`, described by the host).
@@ -292,8 +285,10 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
     // offered the http tool as the host describes it.
     assert!(calls.iter().any(|c| c.starts_with("list-tools") && c.contains("\"http\"")), "{calls:?}");
     let offered = model_log.lock().unwrap()[0]["tools"].clone();
-    assert_eq!(offered[0]["function"]["name"], "http", "{offered}");
-    assert_eq!(offered[0]["function"]["parameters"]["required"], json!(["method", "url"]), "{offered}");
+    let http = offered.as_array().unwrap().iter().find(|t| t["function"]["name"] == "http").expect("http offered");
+    assert_eq!(http["function"]["parameters"]["required"], json!(["method", "url"]), "{offered}");
+    // So was the MCP server's echo: its listing went through its header.
+    assert!(offered.as_array().unwrap().iter().any(|t| t["function"]["name"] == "py_echo"), "{offered}");
     // The recorded answer (replayed on a resume) holds the echo, cut out.
     assert!(calls.iter().any(|c| c.starts_with("call-tool http") && c.contains("<redacted>")), "{calls:?}");
     assert!(!calls.iter().any(|c| c.contains(SECRET)), "call log: {calls:?}");
@@ -302,9 +297,17 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
     let metrics = client.get(format!("http://{}/metrics", host.addr)).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("agent_host_"), "{metrics}");
     assert!(!metrics.contains(SECRET));
+    for secret in [SECRET, MCP_SECRET] {
+        assert!(!journal.iter().any(|p| p.contains(secret)), "journal: {journal:?}");
+        assert!(!calls.iter().any(|c| c.contains(secret)), "call log: {calls:?}");
+        assert!(!metrics.contains(secret));
+    }
     let log = host.log();
-    assert!(log.contains("tool") || !log.is_empty(), "the host logged nothing");
-    assert!(!log.contains(SECRET), "host log: {log}");
+    // The log is the debug-level one, and holds the MCP connection made with
+    // the credential, but neither secret.
+    assert!(log.contains("DEBUG"), "not a debug-level log: {log}");
+    assert!(log.contains("connected to an MCP server") && log.contains("py"), "host log: {log}");
+    assert!(!log.contains(SECRET) && !log.contains(MCP_SECRET), "host log: {log}");
     drop(host);
     let _ = std::fs::remove_dir_all(&dir);
 }

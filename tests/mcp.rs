@@ -10,8 +10,10 @@
 #[path = "support/mcp_servers.rs"]
 mod mcp_servers;
 mod support;
+#[path = "support/tools.rs"]
+mod tools_support;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
@@ -20,47 +22,21 @@ use agent_host::error::HostError;
 use agent_host::hub::Hub;
 use agent_host::run::manifest::Manifest;
 use agent_host::sandbox::Sandbox;
-use agent_host::tools::{EventSink, LlmConfig, McpApproval, McpConfig, ToolCall, ToolRegistry, ToolsConfig};
+use agent_host::tools::{LlmConfig, McpApproval, McpConfig, ToolCall, ToolRegistry, ToolsConfig};
 use async_trait::async_trait;
 use mcp_servers::McpServerProcess;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use support::http::TestHost;
 use support::*;
-
-/// What a call journaled, collected.
-#[derive(Default)]
-struct Sink(Mutex<Vec<(String, Value)>>);
-
-#[async_trait]
-impl EventSink for Sink {
-    async fn delta(&self, _text: &str) -> Result<(), HostError> {
-        Ok(())
-    }
-
-    async fn event(&self, kind: &str, payload: Value) -> Result<(), HostError> {
-        self.0.lock().unwrap().push((kind.to_string(), payload));
-        Ok(())
-    }
-}
-
-impl Sink {
-    fn finished(&self) -> Value {
-        let events = self.0.lock().unwrap();
-        events.iter().rev().find(|(k, _)| k == "tool_call_finished").expect("tool_call_finished").1.clone()
-    }
-}
+use tools_support::{tools_file, Sink};
 
 fn mcp(name: &str, url: &str, timeout_ms: u64, trusted: bool) -> McpConfig {
     let text = format!(
         "[[mcp]]\nname = \"{name}\"\nurl = \"{url}\"\ntimeout_ms = {timeout_ms}\ntrusted = {trusted}\n\
          headers = {{ X-Test = \"yes\" }}\n"
     );
-    let path = std::env::temp_dir().join(format!("agent-host-mcp-{}.toml", uuid::Uuid::new_v4().simple()));
-    std::fs::write(&path, text).unwrap();
-    let file = agent_host::tools::load_tools_file(&path).unwrap();
-    std::fs::remove_file(&path).unwrap();
-    file.mcp.into_iter().next().unwrap()
+    tools_file(&text, &[]).mcp.into_iter().next().unwrap()
 }
 
 fn registry(servers: Vec<McpConfig>) -> ToolRegistry {

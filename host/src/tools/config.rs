@@ -375,7 +375,9 @@ fn expand_entry(
     Ok(())
 }
 
-pub(crate) fn parse_tools_file_with(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<ToolsConfig, String> {
+/// A tools file's text, checked, with `${env:NAME}` looked up with `env`
+/// (what [`load_tools_file`] does with the process's environment).
+pub fn parse_tools_file_with(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<ToolsConfig, String> {
     let mut file: ToolsFile = toml::from_str(text).map_err(|e| e.to_string())?;
     let mut secrets = Secrets::default();
     let mut names = HashSet::new();

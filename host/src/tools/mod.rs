@@ -25,7 +25,7 @@ use crate::db::events::{TOOL_CALL_FINISHED, TOOL_CALL_STARTED};
 use crate::db::RunId;
 use crate::error::HostError;
 
-pub use config::{load_tools_file, LlmConfig, Secrets, ToolsConfig, WebhookConfig};
+pub use config::{load_tools_file, parse_tools_file_with, LlmConfig, Secrets, ToolsConfig, WebhookConfig};
 pub use http::HttpRule;
 pub use llm::{valid_tool_name, TOOL_NAME_BYTES_MAX};
 pub use mcp::{McpApproval, McpConfig};
