@@ -61,7 +61,11 @@ async fn both_servers_list_and_call_their_tools() {
     let grants: Vec<String> = ["py.*", "ev.echo", "llm"].iter().map(|s| s.to_string()).collect();
     let listed = r.list(&grants).await;
     let names: Vec<&str> = listed.iter().map(|t| t.name.as_str()).collect();
-    assert_eq!(names, ["ev.echo", "llm", "py.add_late", "py.echo", "py.fail", "py.slow", "py.weather"], "{listed:?}");
+    assert_eq!(
+        names,
+        ["ev.echo", "llm", "py.add_late", "py.echo", "py.fail", "py.ping", "py.slow", "py.weather"],
+        "{listed:?}"
+    );
     let echo = listed.iter().find(|t| t.name == "py.echo").unwrap();
     assert_eq!(echo.description.as_deref(), Some("Answers its input back"));
     assert_eq!(echo.input_schema["properties"]["input"]["type"], "string", "{:?}", echo.input_schema);
@@ -354,4 +358,55 @@ async fn a_server_that_goes_away_mid_run_fails_the_calls_that_need_it_and_the_ne
     assert_eq!(env.finish(run).await["status"], "completed");
     let answer: Value = serde_json::from_str(&env.answer(run).await).unwrap();
     assert_eq!(answer["answers"], json!([{ "ok": "echo: back" }]));
+}
+
+/// A resumed run replays its listing and its MCP call from the call log:
+/// the server (still up) is asked nothing more after the crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_run_replays_its_mcp_listing_and_call_without_asking_the_server() {
+    use support::durable::{start_following, Env as Durable, ModelLog};
+    // Request 1 asks for py.ping; 2 (after its result) stalls; 3 answers.
+    fn script(n: usize, _has_result: bool) -> (Vec<&'static str>, Option<&'static str>, bool) {
+        match n {
+            1 => (vec!["Pinging. "], Some("py_ping"), false),
+            2 => (vec!["Thinking ", "cut"], None, true),
+            _ => (vec!["Pinged."], None, false),
+        }
+    }
+    let py = McpServerProcess::python(None, None).await;
+    let models = ModelLog::default();
+    let llm = format!("{}/v1", support::durable::scripted_model(models.clone(), script).await);
+    let env = Durable::new("chat", "chat", &["llm", "py.*"], true, &["--llm-base-url", &llm]).await;
+    // The env's tools file, with the server added.
+    let at = env.args.iter().position(|a| a == "--tools-file").unwrap();
+    let tools_file = std::path::PathBuf::from(&env.args[at + 1]);
+    let mut text = std::fs::read_to_string(&tools_file).unwrap();
+    text.push_str(&format!("\n[[mcp]]\nname = \"py\"\nurl = \"{}\"\n", py.url()));
+    std::fs::write(&tools_file, text).unwrap();
+
+    let a = env.spawn("A");
+    let hosts = Arc::new(std::sync::Mutex::new(vec![a.addr.clone()]));
+    let run = env.post(&a, "chat", "ping it", json!({ "tools": "granted" })).await;
+    let client = start_following(&env, &hosts, run);
+    let pool = env.db.pool.clone();
+    wait_for("the second model answer to stall", LONG, || {
+        let pool = pool.clone();
+        async move { deltas_text(&journal_payloads(&pool, run).await).contains("cut") }
+    })
+    .await;
+    a.signal(nix::sys::signal::Signal::SIGKILL);
+    let requests_before = py.log().matches("POST /mcp").count();
+    assert!(requests_before > 0, "the server's log shows no requests: {}", py.log());
+    let b = env.spawn("B");
+    hosts.lock().unwrap().push(b.addr.clone());
+    client.await.unwrap();
+
+    let view = env.view(&b, run).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    assert_eq!(view["attempt"], 2, "{view}");
+    assert_eq!(env.assistant(run).await, "Pinged.");
+    // One ping, by attempt 1; attempt 2 sent the server no request at all.
+    assert_eq!(py.notes(), ["ping"]);
+    assert_eq!(py.log().matches("POST /mcp").count(), requests_before, "{}", py.log());
+    assert_eq!(models.lock().unwrap().len(), 3);
 }

@@ -63,6 +63,12 @@ async def slow(input: str = "", seconds: float = 60) -> str:
     return "slept"
 
 
+@server.tool(description="Notes that it was called", structured_output=False)
+def ping() -> str:
+    note("ping")
+    return "pong"
+
+
 def late(input: str = "") -> str:
     return f"late: {input}"
 

@@ -382,8 +382,12 @@ impl RunHost {
             return Err(self.limit(format!("more than {} tool calls", limits.tool_calls_max)));
         }
         let args_text = args;
-        // An MCP tool's annotations (approval, re-sending) come with its listing.
-        self.inner.tools.warm(name).await;
+        // An MCP tool's annotations (approval, re-sending) come with its
+        // listing; a call the log answers needs none (replay never touches
+        // the network).
+        if !self.inner.recording.as_ref().is_some_and(|r| r.next_answered()) {
+            self.inner.tools.warm(name).await;
+        }
         let mut args: Value =
             serde_json::from_str(args).map_err(|e| HostError::Invalid(format!("tool arguments are not JSON: {e}")))?;
         // A call that waits (for a person, or a time) suspends the run: only
@@ -484,8 +488,14 @@ impl RunHost {
     /// records the answer, so a resumed one sees what the first saw.
     pub async fn list_tools(&self) -> Result<Vec<ToolInfo>, HostError> {
         self.ended()?;
-        let live = self.inner.tools.list(&self.inner.manifest.tools).await;
-        let Some(rec) = &self.inner.recording else { return Ok(live) };
+        let Some(rec) = &self.inner.recording else {
+            return Ok(self.inner.tools.list(&self.inner.manifest.tools).await);
+        };
+        // On replay the log answers; the servers are not asked.
+        let live = match rec.replaying() {
+            true => Vec::new(),
+            false => self.inner.tools.list(&self.inner.manifest.tools).await,
+        };
         let to_text = |tools: &[ToolInfo]| {
             let list: Vec<Value> = tools
                 .iter()

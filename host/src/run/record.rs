@@ -197,6 +197,13 @@ impl Recording {
         Some(divergence(first, &format!("no more calls ({} recorded calls were not made)", s.replay.len())))
     }
 
+    /// Whether the log's next call is one with a recorded outcome (its
+    /// answer is replayed: nothing live, such as a server's listing, is
+    /// needed for it).
+    pub fn next_answered(&self) -> bool {
+        self.state().replay.front().is_some_and(|c| c.outcome.is_some())
+    }
+
     /// Whether calls of the log remain to be answered from it.
     pub fn replaying(&self) -> bool {
         !self.state().replay.is_empty()
