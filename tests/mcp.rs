@@ -223,6 +223,8 @@ impl Env {
         let mut agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(registry(servers));
         let granted = Manifest::parse(&json!({ "tools": ["py.echo", "py.slow"] })).unwrap();
         agents.insert_with_manifest("caller", Arc::new(Caller), granted);
+        let limited = json!({ "tools": ["py.echo"], "limits": { "tool_calls_max": 2 } });
+        agents.insert_with_manifest("limited", Arc::new(Caller), Manifest::parse(&limited).unwrap());
         let host = TestHost::start(&db, Some(Hub::start(db.url.clone())), agents, fast_config("w")).await;
         Env { db, host }
     }
@@ -409,4 +411,36 @@ async fn a_resumed_run_replays_its_mcp_listing_and_call_without_asking_the_serve
     assert_eq!(py.notes(), ["ping"]);
     assert_eq!(py.log().matches("POST /mcp").count(), requests_before, "{}", py.log());
     assert_eq!(models.lock().unwrap().len(), 3);
+}
+
+/// An answer past the server's `max_response_bytes` is `tool failed`, named;
+/// a smaller one of the same tool answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_past_max_response_bytes_is_refused_with_its_reason() {
+    let py = McpServerProcess::python(None, None).await;
+    let text = format!("[[mcp]]\nname = \"py\"\nurl = \"{}\"\nmax_response_bytes = 200\n", py.url());
+    let r = registry(tools_file(&text, &[]).mcp);
+    let (answer, _) = call(&r, "py.echo", json!({ "input": "short" })).await;
+    assert_eq!(answer.unwrap(), json!("echo: short"));
+    let (answer, finished) = call(&r, "py.echo", json!({ "input": "x".repeat(1000) })).await;
+    match answer {
+        Err(HostError::ToolFailed(m)) => assert!(m.contains("py") && m.contains("200"), "{m}"),
+        other => panic!("not tool failed: {other:?}"),
+    }
+    assert_eq!(finished["outcome"], "error", "{finished}");
+}
+
+/// A run's calls past its manifest's `tool_calls_max` fail it with the limit
+/// named; the calls within it reached the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_past_the_run_s_tool_calls_max_fail_the_run() {
+    let py = McpServerProcess::python(None, None).await;
+    let env = Env::new(vec![mcp("py", &py.url(), 10_000, false)], &["llm"]).await;
+    let calls: Vec<Value> =
+        (0..3).map(|i| json!({ "name": "py.echo", "args": { "input": format!("n{i}") } })).collect();
+    let run = env.run("limited", "go", json!({ "calls": calls })).await;
+    let view = env.finish(run).await;
+    assert_eq!(view["status"], "failed", "{view}");
+    assert!(view.to_string().contains("more than 2 tool calls"), "{view}");
+    assert_eq!(py.notes(), ["echo n0", "echo n1"]);
 }

@@ -200,6 +200,10 @@ impl ClientHandler for Handler {
 
 type Connection = RunningService<RoleClient, Handler>;
 
+/// The least any one message from a server may be (a tool list of many
+/// tools, the handshake), whatever the answer cap.
+const MESSAGE_BYTES_MIN: u64 = 4 << 20;
+
 /// One configured server: its connection (made when first needed) and its
 /// tool list.
 pub(crate) struct McpServer {
@@ -247,7 +251,11 @@ impl McpServer {
             }
         }
         *connection = None;
-        let max = usize::try_from(self.config.max_response_bytes).unwrap_or(usize::MAX);
+        // The transport's cap bounds every message (the handshake and the
+        // tool list too), so it is not the answer cap: that one is checked
+        // on each call's result.
+        let max = self.config.max_response_bytes.max(MESSAGE_BYTES_MIN);
+        let max = usize::try_from(max).unwrap_or(usize::MAX);
         let config = StreamableHttpClientTransportConfig::with_uri(self.config.url.as_str())
             .custom_headers(self.headers.clone())
             .max_json_response_size(max)
