@@ -38,6 +38,12 @@ impl EventSink for NoSink {
     }
 }
 
+/// A registry from a tools file's text (no `${env:...}` in it).
+fn registry(text: &str) -> anyhow::Result<ToolRegistry> {
+    let file = agent_host::tools::parse_tools_file_with(text, &|_| None).map_err(anyhow::Error::msg)?;
+    ToolRegistry::from_tools(&LlmConfig::default(), &file).map_err(anyhow::Error::msg)
+}
+
 fn p50(samples: &mut [Duration]) -> Duration {
     samples.sort();
     samples[samples.len() / 2]
@@ -124,11 +130,7 @@ async fn mcp(samples: usize) -> anyhow::Result<()> {
     }
     let url = format!("http://127.0.0.1:{port}/mcp");
     let text = format!("[[mcp]]\nname = \"py\"\nurl = \"{url}\"\n");
-    let file_path = std::env::temp_dir().join(format!("agent-host-bench-tools-{}.toml", std::process::id()));
-    std::fs::write(&file_path, text)?;
-    let file = agent_host::tools::load_tools_file(&file_path).map_err(anyhow::Error::msg)?;
-    let _ = std::fs::remove_file(&file_path);
-    let registry = ToolRegistry::from_tools(&LlmConfig::default(), &file).map_err(anyhow::Error::msg)?;
+    let registry = registry(&text)?;
 
     let lifecycle = ClientLifecycleMode::Auto {
         preferred_versions: vec![ProtocolVersion::V_2026_07_28],
@@ -173,11 +175,7 @@ async fn http(samples: usize) -> anyhow::Result<()> {
     let router = axum::Router::new().route("/v1/now", axum::routing::get(|| async { "sunny" }));
     let server = tokio::spawn(async move { axum::serve(listener, router).await });
     let text = format!("[[http]]\nurl = \"http://{addr}\"\npaths = [\"/v1/*\"]\n");
-    let file_path = std::env::temp_dir().join(format!("agent-host-bench-http-{}.toml", std::process::id()));
-    std::fs::write(&file_path, text)?;
-    let file = agent_host::tools::load_tools_file(&file_path).map_err(anyhow::Error::msg)?;
-    let _ = std::fs::remove_file(&file_path);
-    let registry = ToolRegistry::from_tools(&LlmConfig::default(), &file).map_err(anyhow::Error::msg)?;
+    let registry = registry(&text)?;
     let url = format!("http://{addr}/v1/now");
     let client = reqwest::Client::builder().no_proxy().build()?;
     let args = json!({ "method": "GET", "url": url });
