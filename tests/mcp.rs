@@ -444,3 +444,78 @@ async fn calls_past_the_run_s_tool_calls_max_fail_the_run() {
     assert!(view.to_string().contains("more than 2 tool calls"), "{view}");
     assert_eq!(py.notes(), ["echo n0", "echo n1"]);
 }
+
+/// What the host sent a server, JSON-RPC message by message.
+type Wire = Arc<std::sync::Mutex<Vec<Value>>>;
+
+/// A pass-through in front of a server that keeps every JSON body the host
+/// sends it: its URL and what it saw.
+async fn wire_tap(upstream: String) -> (String, Wire) {
+    use axum::body::{Body, Bytes};
+    use axum::extract::State;
+    use axum::http::{HeaderMap, Method};
+    use axum::response::Response;
+    async fn forward(
+        State((upstream, wire)): State<(String, Wire)>,
+        method: Method,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Response {
+        if let Ok(v) = serde_json::from_slice::<Value>(&body) {
+            wire.lock().unwrap().push(v);
+        }
+        let client = reqwest::Client::builder().no_proxy().build().unwrap();
+        let mut req = client.request(method, &upstream).body(body);
+        for (k, v) in headers.iter().filter(|(k, _)| *k != "host" && *k != "content-length") {
+            req = req.header(k, v);
+        }
+        let resp = req.send().await.unwrap();
+        let mut out = Response::builder().status(resp.status());
+        for (k, v) in resp.headers().iter().filter(|(k, _)| *k != "content-length" && *k != "transfer-encoding") {
+            out = out.header(k, v);
+        }
+        out.body(Body::from_stream(resp.bytes_stream())).unwrap()
+    }
+    let wire = Wire::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/mcp", listener.local_addr().unwrap());
+    let router = axum::Router::new().route("/mcp", axum::routing::any(forward)).with_state((upstream, wire.clone()));
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    (url, wire)
+}
+
+/// Under 2025-11-25 (server-everything), a stop during a call sends the
+/// server `notifications/cancelled` naming that call's request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_sends_notifications_cancelled_under_2025_11_25() {
+    let everything = McpServerProcess::everything().await;
+    let (url, wire) = wire_tap(everything.url()).await;
+    let r = registry(vec![mcp("ev", &url, 60_000, false)]);
+    let sink = Sink::default();
+    let args = json!({ "duration": 30, "steps": 30 });
+    let c = ToolCall {
+        run_id: RunId::new(),
+        call_index: 1,
+        name: "ev.trigger-long-running-operation",
+        args,
+        timeout_max: None,
+    };
+    let call_id = || {
+        let wire = wire.lock().unwrap();
+        wire.iter().find(|m| m["method"] == "tools/call").map(|m| m["id"].clone())
+    };
+    // The stop comes once the server has the call.
+    let stop = async {
+        wait_for("the tools/call to reach the server", LONG, || async { call_id().is_some() }).await;
+    };
+    let answer = r.invoke(c, &sink, stop).await;
+    assert_eq!(answer.unwrap_err(), HostError::Cancelled);
+    assert_eq!(r.mcp_protocol("ev").as_deref(), Some("2025-11-25"));
+    let id = call_id().unwrap();
+    wait_for("notifications/cancelled for the call", Duration::from_secs(10), || async {
+        let wire = wire.lock().unwrap();
+        wire.iter().any(|m| m["method"] == "notifications/cancelled" && m["params"]["requestId"] == id)
+    })
+    .await;
+    assert_eq!(sink.finished()["outcome"], "cancelled");
+}
