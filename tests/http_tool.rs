@@ -246,6 +246,11 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
         ("AGENT_HOST_TEST_WEATHER_KEY", SECRET),
         ("AGENT_HOST_TEST_MCP_TOKEN", MCP_SECRET),
         ("AGENT_HOST_LOG", "debug"),
+        // A proxy that is not there: every client of the host (MCP, http,
+        // the model) goes direct, so the run still completes.
+        ("HTTP_PROXY", "http://127.0.0.1:9"),
+        ("http_proxy", "http://127.0.0.1:9"),
+        ("ALL_PROXY", "http://127.0.0.1:9"),
     ];
     let host = HostProcess::spawn_with_env(&db.url, "secret-w", &args, &env);
 
