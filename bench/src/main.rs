@@ -20,6 +20,7 @@ mod queue;
 mod sandbox;
 mod sql;
 mod stream;
+mod tools;
 
 use std::path::PathBuf;
 
@@ -106,6 +107,10 @@ pub struct BenchArgs {
     /// Only the queue's figures (enqueue, pickup, drain, the comparison).
     #[arg(long)]
     pub queue_only: bool,
+    /// Only the tools' figures (an MCP call's and an `http` call's host
+    /// overhead over the server's own time); needs no database.
+    #[arg(long)]
+    pub tools_only: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -172,6 +177,7 @@ async fn main() -> anyhow::Result<()> {
             library::serve(&cli.db, args).await
         }
         Some(Role::Waiter) => approvals::waiter(&cli.db).await,
+        None if cli.bench.tools_only => tools::tools(&cli.bench).await,
         None => {
             cli.bench.validate()?;
             run(&cli.db, &cli.bench).await
@@ -209,6 +215,7 @@ async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow
     durable::durable(&pool, &url, db_args, args).await?;
     approvals::approvals(&pool, &url, db_args, args).await?;
     sandbox::sandbox(&pool, &url, db_args, args).await?;
+    tools::tools(args).await?;
 
     pool.close().await;
     Ok(())

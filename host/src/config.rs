@@ -317,8 +317,8 @@ pub struct ToolArgs {
     /// Silence allowed between two pieces of a streamed answer.
     #[arg(long, env = "AGENT_HOST_LLM_IDLE_TIMEOUT_MS", default_value_t = 30_000)]
     pub llm_idle_timeout_ms: u64,
-    /// Webhook tools (TOML, `[[webhook]]` tables with name, url, timeout_ms,
-    /// max_response_bytes, headers, description).
+    /// The tools file (TOML): `[[webhook]]`, `[[mcp]]` and `[[http]]` tables
+    /// and `[secrets]`; `${env:NAME}` takes a value from the environment.
     #[arg(long, env = "AGENT_HOST_TOOLS_FILE")]
     pub tools_file: Option<PathBuf>,
 }
@@ -333,11 +333,11 @@ impl ToolArgs {
             timeout: Duration::from_millis(self.llm_timeout_ms),
             idle_timeout: Duration::from_millis(self.llm_idle_timeout_ms),
         };
-        let webhooks = match &self.tools_file {
+        let file = match &self.tools_file {
             Some(path) => crate::tools::load_tools_file(path).map_err(anyhow::Error::msg)?,
-            None => Vec::new(),
+            None => Default::default(),
         };
-        crate::tools::ToolRegistry::from_config(&llm, &webhooks).map_err(anyhow::Error::msg)
+        crate::tools::ToolRegistry::from_tools(&llm, &file).map_err(anyhow::Error::msg)
     }
 }
 

@@ -32,11 +32,18 @@ pub const FAST: &[&str] = &[
 
 impl HostProcess {
     pub fn spawn(database_url: &str, worker_id: &str, args: &[&str]) -> HostProcess {
+        HostProcess::spawn_with_env(database_url, worker_id, args, &[])
+    }
+
+    /// [`HostProcess::spawn`] with `env` set for the process only (it may
+    /// set `AGENT_HOST_LOG`).
+    pub fn spawn_with_env(database_url: &str, worker_id: &str, args: &[&str], env: &[(&str, &str)]) -> HostProcess {
         let mut child = Command::new(env!("CARGO_BIN_EXE_agent-host"))
             .args(["--database-url", database_url, "--db-pool-max", "8", "serve", "--listen", "127.0.0.1:0"])
             .args(["--worker-id", worker_id])
             .args(args)
             .env("AGENT_HOST_LOG", "info")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -29,7 +29,7 @@ use crate::error::{AgentError, FailReason, HostError};
 use crate::run::journal::Journal;
 use crate::run::manifest::Manifest;
 use crate::run::record::{self, Decided, Divergence, Next, Recording};
-use crate::tools::{EventSink, ToolCall, ToolRegistry, LLM_TOOL, WAIT_TOOL};
+use crate::tools::{EventSink, ToolCall, ToolInfo, ToolRegistry, LLM_TOOL, WAIT_TOOL};
 
 /// The longest durable wait.
 pub const WAIT_MAX: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -382,6 +382,12 @@ impl RunHost {
             return Err(self.limit(format!("more than {} tool calls", limits.tool_calls_max)));
         }
         let args_text = args;
+        // An MCP tool's annotations (approval, re-sending) come with its
+        // listing; a call the log answers needs none (replay never touches
+        // the network).
+        if !self.inner.recording.as_ref().is_some_and(|r| r.next_answered()) {
+            self.inner.tools.warm(name).await;
+        }
         let mut args: Value =
             serde_json::from_str(args).map_err(|e| HostError::Invalid(format!("tool arguments are not JSON: {e}")))?;
         // A call that waits (for a person, or a time) suspends the run: only
@@ -475,6 +481,44 @@ impl RunHost {
         let text = answer?;
         self.check_payload_size("tool answer", "exceeds", text.len())?;
         Ok(text)
+    }
+
+    /// `list-tools`: the granted tools this host has, with descriptions and
+    /// input schemas (an MCP server down now is left out). A resumable run
+    /// records the answer, so a resumed one sees what the first saw.
+    pub async fn list_tools(&self) -> Result<Vec<ToolInfo>, HostError> {
+        self.ended()?;
+        let Some(rec) = &self.inner.recording else {
+            return Ok(self.inner.tools.list(&self.inner.manifest.tools).await);
+        };
+        // On replay the log answers; the servers are not asked.
+        let live = match rec.replaying() {
+            true => Vec::new(),
+            false => self.inner.tools.list(&self.inner.manifest.tools).await,
+        };
+        let to_text = |tools: &[ToolInfo]| {
+            let list: Vec<Value> = tools
+                .iter()
+                .map(|t| json!({ "name": t.name, "description": t.description, "input_schema": t.input_schema }))
+                .collect();
+            Value::Array(list).to_string()
+        };
+        let ops = self.state().ops;
+        let text = match rec.read(record::LIST_TOOLS, ops, || to_text(&live)) {
+            Ok(Ok(text)) => text,
+            Ok(Err(HostError::Limit(m))) => return Err(self.limit(m)),
+            Ok(Err(e)) => return Err(e),
+            Err(d) => return Err(self.diverged(d)),
+        };
+        let list: Vec<Value> = serde_json::from_str(&text).unwrap_or_default();
+        Ok(list
+            .into_iter()
+            .map(|t| ToolInfo {
+                name: t["name"].as_str().unwrap_or_default().to_string(),
+                description: t["description"].as_str().map(str::to_string),
+                input_schema: t["input_schema"].clone(),
+            })
+            .collect())
     }
 
     /// Whether a call of `name` waits, and for what: the durable wait until

@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
-    /// Tools `call-tool` may reach; anything else is `denied`.
+    /// Tools `call-tool` may reach; anything else is `denied`. An MCP
+    /// server's tools are `<server>.<tool>`, all of them `<server>.*`.
     #[serde(default)]
     pub tools: Vec<String>,
     #[serde(default)]
@@ -150,9 +151,13 @@ impl Manifest {
         self.durability == Durability::Resume
     }
 
-    /// Whether `call-tool` may reach `tool`.
+    /// Whether `call-tool` may reach `tool`: named, or one of an MCP
+    /// server's tools granted as `<server>.*`.
     pub fn grants(&self, tool: &str) -> bool {
-        self.tools.iter().any(|t| t == tool)
+        self.tools.iter().any(|t| match t.strip_suffix(".*") {
+            Some(server) => tool.split_once('.').is_some_and(|(s, rest)| s == server && !rest.is_empty()),
+            None => t == tool,
+        })
     }
 }
 
@@ -175,6 +180,9 @@ mod tests {
         assert!(Manifest::parse(&json!({ "tools": many })).unwrap_err().contains("at most"));
         assert!(Manifest::parse(&json!({ "tools": [""] })).unwrap_err().contains("tool name"));
         assert!(Manifest::parse(&json!({ "durability": "resume" })).unwrap().resumable());
+        let m = Manifest::parse(&json!({ "tools": ["docs.*", "py.echo", "llm"] })).unwrap();
+        assert!(m.grants("docs.search") && m.grants("py.echo") && m.grants("llm"));
+        assert!(!m.grants("py.slow") && !m.grants("docs.") && !m.grants("docs") && !m.grants("docsx.a"));
         assert!(!Manifest::parse(&json!({ "durability": "at-most-once" })).unwrap().resumable());
         assert!(!Manifest::parse(&json!({})).unwrap().resumable());
         let m = Manifest::parse(&json!({ "durability": "resume", "approval": { "send": "always", "look": "never" } }));

@@ -37,6 +37,8 @@ pub const CALL_TOOL: &str = "call-tool";
 pub const CHECK_CANCEL: &str = "check-cancel";
 pub const WALL_CLOCK: &str = "wall-clock";
 pub const MONOTONIC_CLOCK: &str = "monotonic-clock";
+/// A 0.2.0 guest's `list-tools` (its answer, the granted tools, as JSON).
+pub const LIST_TOOLS: &str = "list-tools";
 
 /// How long a failing write to the call log is retried before the run
 /// stands down (to be resumed from its log once its lease lapses).
@@ -193,6 +195,13 @@ impl Recording {
         let s = self.state();
         let first = s.replay.front()?;
         Some(divergence(first, &format!("no more calls ({} recorded calls were not made)", s.replay.len())))
+    }
+
+    /// Whether the log's next call is one with a recorded outcome (its
+    /// answer is replayed: nothing live, such as a server's listing, is
+    /// needed for it).
+    pub fn next_answered(&self) -> bool {
+        self.state().replay.front().is_some_and(|c| c.outcome.is_some())
     }
 
     /// Whether calls of the log remain to be answered from it.

@@ -1,7 +1,8 @@
 //! The WIT host interface, translated to [`RunHost`] and nothing more: every
 //! check, limit, ordinal and journal write lives behind `RunHost`, so a guest
 //! gets exactly what a built-in agent gets. Both worlds (0.1.0 and 0.2.0)
-//! import the same interface; one macro writes it for each.
+//! import the same interface, 0.2.0 with `list-tools` added; one macro
+//! writes it for each.
 
 use super::bindings::agent_host::plugin::{host as wit_host, types as wit_types};
 use super::bindings_v2::agent_host::plugin::{host as wit_host_v2, types as wit_types_v2};
@@ -10,7 +11,7 @@ use crate::error::HostError;
 
 /// `impl Host` of one world's host interface for [`Guest`].
 macro_rules! host_interface {
-    ($host:ident, $types:ident, $to_wit:ident) => {
+    ($host:ident, $types:ident, $to_wit:ident $(, { $($extra:item)* })?) => {
         fn $to_wit(e: HostError) -> $types::HostError {
             match e {
                 HostError::Cancelled => $types::HostError::Cancelled,
@@ -45,9 +46,26 @@ macro_rules! host_interface {
             async fn check_cancel(&mut self) -> wasmtime::Result<bool> {
                 Ok(self.host.check_cancel())
             }
+
+            $($($extra)*)?
         }
     };
 }
 
 host_interface!(wit_host, wit_types, to_wit);
-host_interface!(wit_host_v2, wit_types_v2, to_wit_v2);
+// 0.2.0 adds `list-tools`; a 0.1.0 component gets no new import.
+host_interface!(wit_host_v2, wit_types_v2, to_wit_v2, {
+    async fn list_tools(&mut self) -> wasmtime::Result<Vec<wit_types_v2::ToolInfo>> {
+        // A refusal (the run ended, a limit) leaves the list empty: the next
+        // import the guest makes gets the refusal itself.
+        let tools = self.host.list_tools().await.unwrap_or_default();
+        Ok(tools
+            .into_iter()
+            .map(|t| wit_types_v2::ToolInfo {
+                name: t.name,
+                description: t.description,
+                input_schema: t.input_schema.to_string(),
+            })
+            .collect())
+    }
+});

@@ -1,5 +1,5 @@
-//! What the operator configures: the model endpoint and the webhook tools
-//! file. Everything is checked when the host starts, so a typo is a refusal
+//! What the operator configures: the model endpoint and the tools file
+//! (webhooks, MCP servers, `http` rules, secrets). Everything is checked when the host starts, so a typo is a refusal
 //! to start rather than every run failing later.
 
 use std::collections::{BTreeMap, HashSet};
@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde::Deserialize;
+use serde_json::Value;
 
 use super::{LLM_TOOL, WAIT_TOOL};
 
@@ -171,7 +172,7 @@ impl WebhookConfig {
 
 /// http or https, with a host: anything else would fail on every call
 /// instead of at start.
-fn check_http_url(url: &str) -> Result<(), String> {
+pub(crate) fn check_http_url(url: &str) -> Result<(), String> {
     let parsed = reqwest::Url::parse(url).map_err(|e| format!("{url:?} is not a URL ({e})"))?;
     match parsed.scheme() {
         "http" | "https" if parsed.host().is_some() => Ok(()),
@@ -185,26 +186,239 @@ fn check_http_url(url: &str) -> Result<(), String> {
 struct ToolsFile {
     #[serde(default)]
     webhook: Vec<WebhookConfig>,
+    #[serde(default)]
+    mcp: Vec<super::mcp::McpConfig>,
+    #[serde(default)]
+    http: Vec<super::http::HttpRule>,
+    /// Named secrets (`name = "${env:VAR}"`) a guest may place in an `http`
+    /// call as `{{secret:name}}`, substituted only for the destinations
+    /// whose rule lists them.
+    #[serde(default)]
+    secrets: BTreeMap<String, String>,
 }
 
-/// Reads the operator's tools file (TOML, `[[webhook]]` tables) and checks
-/// every entry; the error names the file and the entry.
-pub fn load_tools_file(path: &Path) -> Result<Vec<WebhookConfig>, String> {
+/// Everything the operator's tools file configures, checked, with every
+/// `${env:NAME}` resolved.
+#[derive(Default)]
+pub struct ToolsConfig {
+    pub webhooks: Vec<WebhookConfig>,
+    pub mcp: Vec<super::mcp::McpConfig>,
+    pub http: Vec<super::http::HttpRule>,
+    pub secrets: Secrets,
+}
+
+impl fmt::Debug for ToolsConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ToolsConfig")
+            .field("webhooks", &self.webhooks)
+            .field("mcp", &self.mcp.iter().map(|m| &m.name).collect::<Vec<_>>())
+            .field("http", &self.http.len())
+            .field("secrets", &self.secrets)
+            .finish()
+    }
+}
+
+/// The values the tools file took from the environment, and its named
+/// secrets. Never printed: `Debug` shows names only. [`Secrets::redact`]
+/// cuts every value out of a text a guest, the journal or a log would see.
+#[derive(Clone, Default)]
+pub struct Secrets {
+    named: BTreeMap<String, String>,
+    /// The `[secrets]` values and the values header values took from the
+    /// environment: what redaction looks for (URL pieces such as hosts and
+    /// ports are not secrets and are left alone).
+    values: Vec<String>,
+}
+
+impl fmt::Debug for Secrets {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Secrets").field("named", &self.named.keys().collect::<Vec<_>>()).finish()
+    }
+}
+
+/// A secret shorter than this is refused at start: redacting it would cut
+/// ordinary words and numbers out of answers.
+pub(crate) const SECRET_BYTES_MIN: usize = 8;
+
+impl Secrets {
+    /// The value of the named secret.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.named.get(name).map(String::as_str)
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.named.contains_key(name)
+    }
+
+    /// `text` (an error or a log line, not JSON) with every secret value (as
+    /// is, and as escaped inside a JSON string) replaced by `<redacted>`.
+    pub fn redact(&self, text: &str) -> String {
+        let mut out = text.to_string();
+        for v in &self.values {
+            if out.contains(v.as_str()) {
+                out = out.replace(v.as_str(), "<redacted>");
+            }
+            let escaped = serde_json::to_string(v).unwrap_or_default();
+            let escaped = escaped.trim_matches('"');
+            if escaped != v && out.contains(escaped) {
+                out = out.replace(escaped, "<redacted>");
+            }
+        }
+        out
+    }
+
+    /// A JSON answer with every secret value cut out of its strings and
+    /// keys; numbers, booleans and the structure are left as they are, so
+    /// the answer stays valid JSON.
+    pub fn redact_value(&self, value: Value) -> Value {
+        if self.values.is_empty() {
+            return value;
+        }
+        let cut = |s: String| match self.values.iter().any(|v| s.contains(v.as_str())) {
+            true => self.values.iter().fold(s, |s, v| s.replace(v.as_str(), "<redacted>")),
+            false => s,
+        };
+        match value {
+            Value::String(s) => Value::String(cut(s)),
+            Value::Array(items) => Value::Array(items.into_iter().map(|v| self.redact_value(v)).collect()),
+            Value::Object(map) => Value::Object(map.into_iter().map(|(k, v)| (cut(k), self.redact_value(v))).collect()),
+            other => other,
+        }
+    }
+
+    /// Whether nothing needs redacting.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// Adds a value to redact (a test's, or one from the environment).
+    pub fn add_value(&mut self, value: &str) {
+        if !self.values.iter().any(|v| v == value) {
+            self.values.push(value.to_string());
+        }
+    }
+
+    /// A named secret (tests; the tools file uses `[secrets]`).
+    pub fn insert(&mut self, name: &str, value: &str) {
+        self.named.insert(name.to_string(), value.to_string());
+        self.add_value(value);
+    }
+}
+
+/// `text` with each `${env:NAME}` replaced by that variable's value (looked
+/// up with `env`); with `secrets`, each value is a secret remembered for
+/// redaction and must be at least [`SECRET_BYTES_MIN`] bytes. A variable
+/// that is not set is an error naming it.
+fn expand_env(
+    text: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+    secrets: Option<&mut Secrets>,
+) -> Result<String, String> {
+    let mut secrets = secrets;
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("${env:") {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + 6..];
+        let end = after.find('}').ok_or_else(|| "an unterminated ${env:...}".to_string())?;
+        let name = &after[..end];
+        let valid = !name.is_empty()
+            && !name.starts_with(|c: char| c.is_ascii_digit())
+            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !valid {
+            return Err(format!("${{env:{name}}} does not name an environment variable"));
+        }
+        let value = env(name).ok_or_else(|| format!("environment variable {name} is not set"))?;
+        if let Some(secrets) = secrets.as_deref_mut() {
+            if value.len() < SECRET_BYTES_MIN {
+                return Err(format!(
+                    "environment variable {name} holds {} bytes; a secret must be at least {SECRET_BYTES_MIN}",
+                    value.len()
+                ));
+            }
+            secrets.add_value(&value);
+        }
+        out.push_str(&value);
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Reads the operator's tools file (TOML: `[[webhook]]`, `[[mcp]]`,
+/// `[[http]]` tables and `[secrets]`), resolves `${env:NAME}` from the
+/// process's environment and checks every entry; the error names the file
+/// and the entry.
+pub fn load_tools_file(path: &Path) -> Result<ToolsConfig, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("tools file {}: {e}", path.display()))?;
-    parse_tools_file(&text).map_err(|e| format!("tools file {}: {e}", path.display()))
+    parse_tools_file_with(&text, &|name| std::env::var(name).ok())
+        .map_err(|e| format!("tools file {}: {e}", path.display()))
 }
 
+#[cfg(test)]
 fn parse_tools_file(text: &str) -> Result<Vec<WebhookConfig>, String> {
-    let file: ToolsFile = toml::from_str(text).map_err(|e| e.to_string())?;
-    let mut seen = HashSet::new();
-    for (i, w) in file.webhook.iter().enumerate() {
+    parse_tools_file_with(text, &|_| None).map(|c| c.webhooks)
+}
+
+/// Resolves `${env:NAME}` in an entry's URL (not a secret: hosts and ports
+/// are not redacted) and in its header values (secrets).
+fn expand_entry(
+    url: &mut String,
+    headers: &mut BTreeMap<String, String>,
+    env: &dyn Fn(&str) -> Option<String>,
+    secrets: &mut Secrets,
+) -> Result<(), String> {
+    *url = expand_env(url, env, None).map_err(|e| format!("url: {e}"))?;
+    for (k, v) in headers.iter_mut() {
+        *v = expand_env(v, env, Some(secrets)).map_err(|e| format!("header {k:?}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// A tools file's text, checked, with `${env:NAME}` looked up with `env`
+/// (what [`load_tools_file`] does with the process's environment).
+pub fn parse_tools_file_with(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<ToolsConfig, String> {
+    let mut file: ToolsFile = toml::from_str(text).map_err(|e| e.to_string())?;
+    let mut secrets = Secrets::default();
+    let mut names = HashSet::new();
+    for (i, w) in file.webhook.iter_mut().enumerate() {
         let entry = format!("webhook #{} ({:?})", i + 1, w.name);
+        expand_entry(&mut w.url, &mut w.headers, env, &mut secrets).map_err(|e| format!("{entry}: {e}"))?;
         w.check().map_err(|e| format!("{entry}: {e}"))?;
-        if !seen.insert(w.name.as_str()) {
+        if !names.insert(w.name.clone()) {
             return Err(format!("{entry}: the name is used by an earlier webhook"));
         }
     }
-    Ok(file.webhook)
+    for (i, m) in file.mcp.iter_mut().enumerate() {
+        let entry = format!("mcp #{} ({:?})", i + 1, m.name);
+        expand_entry(&mut m.url, &mut m.headers, env, &mut secrets).map_err(|e| format!("{entry}: {e}"))?;
+        m.check().map_err(|e| format!("{entry}: {e}"))?;
+        if !names.insert(m.name.clone()) {
+            return Err(format!("{entry}: the name is used by an earlier entry"));
+        }
+    }
+    for (name, value) in &file.secrets {
+        let valid = (1..=64).contains(&name.len())
+            && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+        if !valid {
+            return Err(format!("secret {name:?}: a name is 1-64 characters of a-z, 0-9, _ and -"));
+        }
+        let value = expand_env(value, env, Some(&mut secrets)).map_err(|e| format!("secret {name:?}: {e}"))?;
+        if value.len() < SECRET_BYTES_MIN {
+            return Err(format!(
+                "secret {name:?} is {} bytes; a secret must be at least {SECRET_BYTES_MIN}",
+                value.len()
+            ));
+        }
+        secrets.insert(name, &value);
+    }
+    if !file.http.is_empty() && names.contains(super::HTTP_TOOL) {
+        return Err(format!("the name {:?} is the host's http tool", super::HTTP_TOOL));
+    }
+    for (i, rule) in file.http.iter().enumerate() {
+        rule.check(&secrets).map_err(|e| format!("http rule #{} ({:?}): {e}", i + 1, rule.url))?;
+    }
+    Ok(ToolsConfig { webhooks: file.webhook, mcp: file.mcp, http: file.http, secrets })
 }
 
 #[cfg(test)]
@@ -286,6 +500,104 @@ max_response_bytes = 4096
         std::fs::write(&path, GOOD).unwrap();
         let loaded = load_tools_file(&path);
         std::fs::remove_file(&path).unwrap();
-        assert_eq!(loaded.unwrap().len(), 2);
+        assert_eq!(loaded.unwrap().webhooks.len(), 2);
+    }
+}
+
+#[cfg(test)]
+mod secret_tests {
+    use super::*;
+
+    fn env(name: &str) -> Option<String> {
+        match name {
+            "WEATHER_KEY" => Some("wk-12345".into()),
+            "MCP_TOKEN" => Some("tok\"en-678".into()),
+            _ => None,
+        }
+    }
+
+    const FILE: &str = r#"
+[secrets]
+weather_key = "${env:WEATHER_KEY}"
+
+[[webhook]]
+name = "hook"
+url = "http://127.0.0.1:9/hook"
+headers = { Authorization = "Bearer ${env:MCP_TOKEN}" }
+
+[[mcp]]
+name = "docs"
+url = "http://127.0.0.1:9/mcp"
+headers = { Authorization = "Bearer ${env:MCP_TOKEN}" }
+
+[[http]]
+url = "https://api.weather.example"
+methods = ["GET"]
+paths = ["/v1/*"]
+secrets = ["weather_key"]
+"#;
+
+    #[test]
+    fn env_references_resolve_and_are_redacted() {
+        let c = parse_tools_file_with(FILE, &env).unwrap();
+        assert_eq!(c.secrets.get("weather_key"), Some("wk-12345"));
+        assert_eq!(c.webhooks[0].headers["Authorization"], "Bearer tok\"en-678");
+        assert_eq!(c.mcp[0].headers["Authorization"], "Bearer tok\"en-678");
+        let text = json_text();
+        assert_eq!(c.secrets.redact(&text), r#"{"a":"<redacted>","b":"x <redacted> y"}"#);
+        assert!(!format!("{c:?}").contains("wk-12345") && !format!("{c:?}").contains("678"), "{c:?}");
+    }
+
+    fn json_text() -> String {
+        serde_json::json!({ "a": "wk-12345", "b": "x tok\"en-678 y" }).to_string()
+    }
+
+    #[test]
+    fn redaction_walks_strings_and_keys_and_leaves_json_valid() {
+        let env = |name: &str| match name {
+            "KEY" => Some("8080-secret-value".to_string()),
+            "PORT" => Some("8080".to_string()),
+            _ => None,
+        };
+        let file = "[secrets]\nk = \"${env:KEY}\"\n[[mcp]]\nname = \"m\"\nurl = \"http://127.0.0.1:${env:PORT}/mcp\"\n";
+        let c = parse_tools_file_with(file, &env).unwrap();
+        assert_eq!(c.mcp[0].url, "http://127.0.0.1:8080/mcp");
+        // The URL's port is not a secret: numbers and strings holding it stay.
+        let answer = serde_json::json!({ "port": 8080, "url": "http://x:8080/", "8080-secret-value": ["a 8080-secret-value b"] });
+        let redacted = c.secrets.redact_value(answer);
+        assert_eq!(
+            redacted,
+            serde_json::json!({ "port": 8080, "url": "http://x:8080/", "<redacted>": ["a <redacted> b"] })
+        );
+        assert!(serde_json::from_str::<Value>(&redacted.to_string()).is_ok());
+    }
+
+    #[test]
+    fn a_short_secret_is_refused_at_start() {
+        let env = |_: &str| Some("short".to_string());
+        let e = parse_tools_file_with("[secrets]\nk = \"${env:S}\"\n", &env).unwrap_err();
+        assert_eq!(e, "secret \"k\": environment variable S holds 5 bytes; a secret must be at least 8");
+        let e = parse_tools_file_with("[secrets]\nk = \"abc\"\n", &env).unwrap_err();
+        assert_eq!(e, "secret \"k\" is 3 bytes; a secret must be at least 8");
+        let file = "[[webhook]]\nname = \"w\"\nurl = \"http://x/\"\nheaders = { X-Key = \"${env:S}\" }\n";
+        let e = parse_tools_file_with(file, &env).unwrap_err();
+        assert!(e.starts_with("webhook #1 (\"w\"): header \"X-Key\": environment variable S holds 5 bytes"), "{e}");
+    }
+
+    #[test]
+    fn a_missing_variable_is_named() {
+        let e = parse_tools_file_with(FILE, &|_| None).unwrap_err();
+        assert_eq!(e, "webhook #1 (\"hook\"): header \"Authorization\": environment variable MCP_TOKEN is not set");
+        let e = parse_tools_file_with("[secrets]\nk = \"${env:NOPE_X}\"\n", &|_| None).unwrap_err();
+        assert_eq!(e, "secret \"k\": environment variable NOPE_X is not set");
+        let e = parse_tools_file_with("[secrets]\nk = \"${env:bad-name}\"\n", &|_| None).unwrap_err();
+        assert!(e.contains("does not name an environment variable"), "{e}");
+    }
+
+    #[test]
+    fn an_http_rule_may_bind_only_known_secrets() {
+        let text = "[[http]]\nurl = \"https://a.example\"\nsecrets = [\"nope\"]\n";
+        let e = parse_tools_file_with(text, &|_| None).unwrap_err();
+        assert!(e.contains("http rule #1") && e.contains("secret \"nope\" is not in [secrets]"), "{e}");
     }
 }

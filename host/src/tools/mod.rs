@@ -1,12 +1,15 @@
-//! Host tools behind the WIT import `call-tool`: the model (`llm`) and the
-//! operator's webhook tools. The host runs them, not the guest, so that
+//! Host tools behind the WIT import `call-tool`: the model (`llm`), the
+//! operator's webhook tools, the tools of MCP servers (`<server>.<tool>`)
+//! and the allow-listed `http` tool. The host runs them, not the guest, so that
 //! credentials stay in the host and timeouts, cancellation and journaling hold
 //! whatever the guest does. Grants, per-run limits and the call's ordinal
 //! are the run host's business (`run::host`); the registry runs one call it
 //! is handed, streaming into an [`EventSink`] (the run host, or a test's).
 
 mod config;
+mod http;
 mod llm;
+mod mcp;
 mod offline;
 mod webhook;
 
@@ -22,8 +25,10 @@ use crate::db::events::{TOOL_CALL_FINISHED, TOOL_CALL_STARTED};
 use crate::db::RunId;
 use crate::error::HostError;
 
-pub use config::{load_tools_file, LlmConfig, WebhookConfig};
+pub use config::{load_tools_file, parse_tools_file_with, LlmConfig, Secrets, ToolsConfig, WebhookConfig};
+pub use http::HttpRule;
 pub use llm::{valid_tool_name, TOOL_NAME_BYTES_MAX};
+pub use mcp::{McpApproval, McpConfig};
 
 /// The tokens an `llm` answer says it used: (prompt, completion).
 pub(crate) fn llm_tokens(answer: &Value) -> (u64, u64) {
@@ -37,6 +42,12 @@ pub const LLM_TOOL: &str = "llm";
 /// The durable wait's name (`{seconds}` or `{until}`): the run host suspends
 /// the run until then; the tool itself never runs. No webhook may take it.
 pub const WAIT_TOOL: &str = "wait";
+/// The allow-listed HTTP tool's name (present when the tools file has
+/// `[[http]]` rules).
+pub const HTTP_TOOL: &str = "http";
+/// How long fetching an MCP server's listing may hold a call back before it
+/// is made (the call then reports what is wrong, within its own timeout).
+const WARM_MAX: Duration = Duration::from_secs(2);
 /// Bytes of an error message kept in `tool_call_finished`.
 const JOURNAL_ERROR_BYTES_MAX: usize = 500;
 /// Bytes of an error answer's body quoted back in a tool error.
@@ -85,6 +96,24 @@ pub trait Tool: Send + Sync {
     fn requires_approval(&self) -> bool {
         false
     }
+    /// What the tool declares of itself (an MCP tool's annotations, and
+    /// whether they are trusted), journaled with each call.
+    fn annotations(&self) -> Option<Value> {
+        None
+    }
+    /// Its description and input schema, for a guest's `list-tools`.
+    fn describe(&self) -> (Option<String>, Value) {
+        (None, json!({ "type": "object" }))
+    }
+}
+
+/// A tool a guest may call, as `list-tools` answers it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolInfo {
+    pub name: String,
+    pub description: Option<String>,
+    /// Its input's JSON schema.
+    pub input_schema: Value,
 }
 
 /// [`WAIT_TOOL`]: only a name here (the run host suspends the run instead).
@@ -105,12 +134,25 @@ impl Tool for Wait {
 #[derive(Clone, Default)]
 pub struct ToolRegistry {
     tools: HashMap<String, Arc<dyn Tool>>,
+    /// MCP servers by name: their tools are `<server>.<tool>`.
+    mcp: HashMap<String, Arc<mcp::McpServer>>,
+    /// What the tools file took from the environment: cut out of every
+    /// answer and error a tool gives.
+    secrets: Secrets,
 }
 
 impl ToolRegistry {
     /// Always an `llm` tool (the OpenAI-compatible endpoint when
     /// `llm.base_url` is set, else the offline provider), plus `webhooks`.
     pub fn from_config(llm: &LlmConfig, webhooks: &[WebhookConfig]) -> Result<Self, String> {
+        let tools = ToolsConfig { webhooks: webhooks.to_vec(), ..Default::default() };
+        Self::from_tools(llm, &tools)
+    }
+
+    /// The `llm` tool and everything the tools file configures: webhooks,
+    /// MCP servers (connected when first needed) and the `http` tool.
+    pub fn from_tools(llm: &LlmConfig, file: &ToolsConfig) -> Result<Self, String> {
+        let webhooks = &file.webhooks;
         llm.check()?;
         let mut registry = ToolRegistry::default();
         let model: Arc<dyn Tool> = match &llm.base_url {
@@ -127,6 +169,25 @@ impl ToolRegistry {
             }
             registry.insert(&w.name, Arc::new(webhook::Webhook::new(w, headers, client.clone())));
         }
+        if !file.mcp.is_empty() {
+            // The MCP client's TLS takes the process's provider (ring, as the
+            // rest of the host); an error means one is installed already.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
+        for m in &file.mcp {
+            let server = mcp::McpServer::new(m).map_err(|e| format!("mcp {:?}: {e}", m.name))?;
+            if registry.tools.contains_key(&m.name) || registry.mcp.contains_key(&m.name) {
+                return Err(format!("mcp {:?}: the name is taken", m.name));
+            }
+            registry.mcp.insert(m.name.clone(), server);
+        }
+        if !file.http.is_empty() {
+            if registry.tools.contains_key(HTTP_TOOL) {
+                return Err(format!("the name {HTTP_TOOL:?} is the host's http tool"));
+            }
+            registry.insert(HTTP_TOOL, Arc::new(http::Http::new(&file.http, &file.secrets)?));
+        }
+        registry.secrets = file.secrets.clone();
         Ok(registry)
     }
 
@@ -134,14 +195,97 @@ impl ToolRegistry {
         self.tools.insert(name.to_string(), tool);
     }
 
+    /// The tool called `name`: one of the host's own, or `<server>.<tool>`
+    /// of an MCP server that the operator lets it offer.
     pub fn get(&self, name: &str) -> Option<Arc<dyn Tool>> {
-        self.tools.get(name).cloned()
+        if let Some(tool) = self.tools.get(name) {
+            return Some(tool.clone());
+        }
+        let (server, tool) = name.split_once('.')?;
+        let server = self.mcp.get(server)?;
+        if tool.is_empty() || !server.allows(tool) {
+            return None;
+        }
+        Some(Arc::new(mcp::McpToolRef { server: server.clone(), tool: tool.to_string() }))
     }
 
     pub fn names(&self) -> Vec<String> {
         let mut names: Vec<String> = self.tools.keys().cloned().collect();
         names.sort();
         names
+    }
+
+    /// The tools `grants` name (exact names, and `<server>.*` for all of an
+    /// MCP server's), with descriptions and input schemas, sorted by name.
+    /// An MCP server that cannot be listed now is left out (and logged):
+    /// its tools are offered again once it answers.
+    pub async fn list(&self, grants: &[String]) -> Vec<ToolInfo> {
+        let mut out: Vec<ToolInfo> = Vec::new();
+        let mut listed: HashMap<String, Option<Arc<Vec<mcp::McpTool>>>> = HashMap::new();
+        for grant in grants {
+            if let Some(tool) = self.tools.get(grant) {
+                let (description, input_schema) = tool.describe();
+                out.push(ToolInfo { name: grant.clone(), description, input_schema });
+                continue;
+            }
+            let Some((server_name, pattern)) = grant.split_once('.') else { continue };
+            let Some(server) = self.mcp.get(server_name) else { continue };
+            if !listed.contains_key(server_name) {
+                let tools = match server.tools().await {
+                    Ok(tools) => Some(tools),
+                    Err(e) => {
+                        tracing::warn!(server = server_name, error = %self.secrets.redact(&e.to_string()), "an MCP server's tools cannot be listed now");
+                        None
+                    }
+                };
+                listed.insert(server_name.to_string(), tools);
+            }
+            let Some(Some(tools)) = listed.get(server_name) else { continue };
+            for t in tools.iter().filter(|t| pattern == "*" || t.name == pattern) {
+                out.push(ToolInfo {
+                    name: format!("{server_name}.{}", t.name),
+                    description: t.description.clone(),
+                    input_schema: t.input_schema.clone(),
+                });
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out.dedup_by(|a, b| a.name == b.name);
+        out
+    }
+
+    /// The protocol version spoken with MCP server `server`, once connected.
+    pub fn mcp_protocol(&self, server: &str) -> Option<String> {
+        self.mcp.get(server)?.protocol()
+    }
+
+    /// Makes sure what `name`'s tool declares of itself is at hand (an MCP
+    /// server's listing, for its annotations) before a decision that
+    /// depends on it (re-sending after a crash, approval). A server that
+    /// cannot be listed now leaves the tool as declaring nothing.
+    pub async fn warm(&self, name: &str) {
+        let Some((server, _)) = name.split_once('.') else { return };
+        if let Some(server) = self.mcp.get(server) {
+            if server.cached().is_none() {
+                // Bounded: a server that does not answer is the call's to report.
+                let _ = tokio::time::timeout(WARM_MAX, server.tools()).await;
+            }
+        }
+    }
+
+    /// `e` with every secret cut out of its message.
+    fn redact_error(&self, e: HostError) -> HostError {
+        if self.secrets.is_empty() {
+            return e;
+        }
+        match e {
+            HostError::Denied(m) => HostError::Denied(self.secrets.redact(&m)),
+            HostError::Invalid(m) => HostError::Invalid(self.secrets.redact(&m)),
+            HostError::Limit(m) => HostError::Limit(self.secrets.redact(&m)),
+            HostError::ToolFailed(m) => HostError::ToolFailed(self.secrets.redact(&m)),
+            HostError::Unavailable(m) => HostError::Unavailable(self.secrets.redact(&m)),
+            other => other,
+        }
     }
 
     /// Runs one call and returns the tool's JSON answer as text. Journals
@@ -167,7 +311,7 @@ impl ToolRegistry {
             r = tokio::time::timeout(limit, tool.call(&call, sink)) => match r {
                 Ok(Ok(answer)) => Ok(answer),
                 Ok(Err(HostError::Cancelled)) => Err(("cancelled", HostError::Cancelled)),
-                Ok(Err(e)) => Err(("error", e)),
+                Ok(Err(e)) => Err(("error", self.redact_error(e))),
                 Err(_) => {
                     let why = format!("tool {:?} did not answer within {} ms", call.name, limit.as_millis());
                     Err(("timeout", HostError::ToolFailed(why)))
@@ -179,17 +323,22 @@ impl ToolRegistry {
             "name": call.name,
             "duration_ms": u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
         });
+        if let Some(annotations) = tool.annotations() {
+            finished["annotations"] = annotations;
+        }
         let answer = match ended {
             Ok(answer) => {
-                let text = answer.to_string();
-                finished["outcome"] = json!("ok");
-                finished["result_bytes"] = json!(text.len());
                 if call.name == LLM_TOOL {
                     // The run's token usage lives in the journal, call by call.
                     let (prompt, completion) = llm_tokens(&answer);
                     sink.usage(prompt, completion);
                     finished["usage"] = llm::usage_of(&answer);
                 }
+                // Secrets are cut out of the answer's strings, never out of
+                // its JSON text: the answer stays valid JSON.
+                let text = self.secrets.redact_value(answer).to_string();
+                finished["outcome"] = json!("ok");
+                finished["result_bytes"] = json!(text.len());
                 Ok(text)
             }
             Err((outcome, e)) => {

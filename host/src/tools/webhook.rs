@@ -20,6 +20,7 @@ pub(crate) struct Webhook {
     max_response_bytes: usize,
     idempotent: bool,
     approval: bool,
+    description: Option<String>,
 }
 
 impl Webhook {
@@ -33,6 +34,7 @@ impl Webhook {
             max_response_bytes: usize::try_from(config.max_response_bytes).unwrap_or(usize::MAX),
             idempotent: config.idempotent,
             approval: config.approval == Some(crate::run::manifest::Approval::Always),
+            description: config.description.clone(),
         }
     }
 }
@@ -85,6 +87,10 @@ impl Tool for Webhook {
 
     fn requires_approval(&self) -> bool {
         self.approval
+    }
+
+    fn describe(&self) -> (Option<String>, Value) {
+        (self.description.clone(), json!({ "type": "object" }))
     }
 }
 

@@ -28,7 +28,7 @@ pub mod bindings {
 use std::cell::RefCell;
 
 use bindings::agent_host::plugin::host;
-pub use bindings::agent_host::plugin::types::{ClientCall, ClientTool, HostError, Message};
+pub use bindings::agent_host::plugin::types::{ClientCall, ClientTool, HostError, Message, ToolInfo};
 pub use serde_json::{json, Value};
 
 /// Client calls a turn ends with; at most this many.
@@ -100,6 +100,13 @@ impl Turn {
     pub fn call_tool(&self, name: &str, args: &Value) -> Result<Value, Refusal> {
         let out = host::call_tool(name, &args.to_string())?;
         serde_json::from_str(&out).map_err(|e| Refusal(HostError::ToolFailed(format!("tool answered non-JSON: {e}"))))
+    }
+
+    /// The host tools this plugin was granted, with their descriptions and
+    /// input schemas (an MCP server's tools among them, as
+    /// `<server>.<tool>`): what [`Turn::call_tool`] may reach.
+    pub fn granted_tools(&self) -> Vec<ToolInfo> {
+        host::list_tools()
     }
 
     /// Whether `name` is a function the client runs.
