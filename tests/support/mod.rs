@@ -364,3 +364,18 @@ pub async fn install_audit(pool: &PgPool) {
         sqlx::query(sql).execute(pool).await.unwrap();
     }
 }
+
+/// An example plugin of any language (`plugins/<dir>`), built with
+/// `scripts/build-plugin` (which skips the build when its inputs are
+/// unchanged: the test command has built them already).
+pub fn example_wasm(dir: &str) -> Vec<u8> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+    let out = std::process::Command::new(root.join("scripts/build-plugin"))
+        .arg(root.join("plugins").join(dir))
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("running scripts/build-plugin");
+    assert!(out.status.success(), "scripts/build-plugin plugins/{dir} failed");
+    let path = String::from_utf8(out.stdout).unwrap().lines().last().unwrap().to_string();
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}

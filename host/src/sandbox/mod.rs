@@ -1,8 +1,18 @@
 //! The sandbox: WebAssembly components as agents. [`WasmAgent`] implements
 //! the same [`Agent`] trait as the built-ins and the agent registry finds it
-//! through [`Components`]; an `AgentPre` is cached per plugin digest,
-//! compiled code cached on disk keyed by digest and engine compatibility, and
-//! one `Store` per run, dropped after it.
+//! through [`Components`]; an `AgentPre` is cached per plugin digest and one
+//! `Store` per run, dropped after it.
+//!
+//! Compile once, run anywhere: a component is compiled by the first process
+//! that sees its digest (an upload's validation, or a first run) and the
+//! artifact is stored in PostgreSQL (`plugin_artifact`) keyed by digest and
+//! the engine's compatibility hash, with an HMAC over both and the bytes; a
+//! process that never saw the digest checks the MAC and deserializes instead
+//! of compiling. Lookup order: memory, the local disk cache (files this
+//! process's engine wrote), the database, then a compile. An artifact whose
+//! MAC does not match is never loaded: it is logged, recompiled and replaced.
+//! Users never hand the host precompiled bytes: uploads are components, and
+//! only [`Sandbox`] writes artifacts.
 //!
 //! Two worlds run side by side: `agent-host:plugin@0.2.0` (a turn is also told
 //! the functions its client runs, and may end with calls of them, which the
@@ -28,7 +38,7 @@ mod output;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -38,7 +48,7 @@ use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Engine, Store, UpdateDeadline};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
-use crate::agent::registry::{Components, InvalidComponent};
+use crate::agent::registry::{CompileStats, Compiled, Components, InvalidComponent};
 use crate::agent::{Agent, AgentError, FailReason, RunHost, RunInput};
 use crate::db;
 pub use crate::run::manifest::{self as manifest, Limits, Manifest};
@@ -131,15 +141,51 @@ pub enum SandboxError {
     Db(#[from] sqlx::Error),
 }
 
+/// The key of artifacts' MACs when the operator sets none
+/// (`--artifact-key`): the MAC then still binds the bytes to their digest
+/// and engine (a corrupted or mismatched row is refused), and a key of the
+/// operator's own also keeps a writer of the database from forging one.
+const ARTIFACT_KEY_DEFAULT: &[u8] = b"agent-host plugin_artifact v1";
+
+/// How long a run waits between tries for a slot of an exhausted pool.
+const POOL_RETRY: Duration = Duration::from_millis(20);
+
 /// The process's sandbox.
 pub struct Sandbox {
     engine: engine::SandboxEngine,
     linker: Linker<Guest>,
     pool: PgPool,
     cache_dir: Option<PathBuf>,
+    /// The engine's compatibility hash, hex (artifacts' key with the digest).
+    engine_hash: String,
+    artifact_key: Vec<u8>,
     /// One cell per digest: concurrent first runs of a plugin compile it once.
     pres: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<Pre>>>>,
     live: Arc<AtomicUsize>,
+    stats: Arc<Counters>,
+}
+
+/// What `/metrics` shows of compiling (see [`CompileStats`]).
+#[derive(Default)]
+struct Counters {
+    compiles: AtomicU64,
+    artifacts_loaded: AtomicU64,
+    artifacts_rejected: AtomicU64,
+    pool_waits: AtomicU64,
+}
+
+/// A `Hasher` that feeds SHA-256: the engine's compatibility hash as a
+/// digest that is the same in every process of this build.
+struct Sha256Hasher(sha2::Sha256);
+
+impl Hasher for Sha256Hasher {
+    fn write(&mut self, bytes: &[u8]) {
+        sha2::Digest::update(&mut self.0, bytes);
+    }
+
+    fn finish(&self) -> u64 {
+        unreachable!("read with finalize")
+    }
 }
 
 /// Counts a live guest instance for as long as it is held.
@@ -153,8 +199,24 @@ impl Drop for LiveGuard {
 
 impl Sandbox {
     /// Builds the engine and starts its epoch ticker. `cache_dir` keeps
-    /// compiled components across restarts.
+    /// compiled components across restarts; artifacts' MACs use the default key.
     pub fn new(pool: PgPool, cache_dir: Option<PathBuf>) -> Result<Arc<Sandbox>, SandboxError> {
+        Sandbox::with_artifact_key(pool, cache_dir, None)
+    }
+
+    /// The sandbox of a process started with `args` (its cache directory and
+    /// artifact key).
+    pub fn for_args(pool: PgPool, args: &crate::config::DbArgs) -> Result<Arc<Sandbox>, SandboxError> {
+        let key = args.artifact_key.as_deref().map(str::as_bytes);
+        Sandbox::with_artifact_key(pool, Some(args.cache_dir.clone()), key)
+    }
+
+    /// [`Sandbox::new`] with the operator's key for artifacts' MACs.
+    pub fn with_artifact_key(
+        pool: PgPool,
+        cache_dir: Option<PathBuf>,
+        artifact_key: Option<&[u8]>,
+    ) -> Result<Arc<Sandbox>, SandboxError> {
         let engine = engine::SandboxEngine::new().map_err(SandboxError::Engine)?;
         let mut linker = Linker::<Guest>::new(&engine.engine);
         // WASI is linked so standard guests instantiate, and grants nothing.
@@ -167,14 +229,63 @@ impl Sandbox {
             std::fs::create_dir_all(dir)
                 .map_err(|e| SandboxError::Engine(format!("cache dir {}: {e}", dir.display())))?;
         }
+        let mut hasher = Sha256Hasher(sha2::Sha256::default());
+        engine.engine.precompile_compatibility_hash().hash(&mut hasher);
+        let engine_hash = hex::encode(sha2::Digest::finalize(hasher.0));
         Ok(Arc::new(Sandbox {
             engine,
             linker,
             pool,
             cache_dir,
+            engine_hash,
+            artifact_key: artifact_key.unwrap_or(ARTIFACT_KEY_DEFAULT).to_vec(),
             pres: Mutex::new(HashMap::new()),
             live: Arc::new(AtomicUsize::new(0)),
+            stats: Arc::default(),
         }))
+    }
+
+    /// The engine's compatibility hash (hex): artifacts of another are not loaded.
+    pub fn engine_hash(&self) -> &str {
+        &self.engine_hash
+    }
+
+    /// The MAC of an artifact: HMAC-SHA256 over digest, engine hash and bytes.
+    fn mac(&self, digest: &str, artifact: &[u8]) -> Vec<u8> {
+        use hmac::Mac;
+        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.artifact_key).expect("HMAC takes any key");
+        for part in [digest.as_bytes(), b"\0", self.engine_hash.as_bytes(), b"\0", artifact] {
+            mac.update(part);
+        }
+        mac.finalize().into_bytes().to_vec()
+    }
+
+    /// Compiles `bytes` (CPU work: call it off the async threads), counted
+    /// and logged.
+    fn compile(&self, digest: &str, bytes: &[u8]) -> Result<Component, SandboxError> {
+        self.clone_for_compile().compile(digest, bytes)
+    }
+
+    /// Stores `component`'s artifact where every process finds it (the
+    /// database) and in the local cache. A failure costs only a later
+    /// compile, so it is logged, not returned.
+    async fn keep_artifact(&self, digest: &str, artifact: Vec<u8>) {
+        self.write_cache(digest, &artifact);
+        let mac = self.mac(digest, &artifact);
+        if let Err(e) = db::artifacts::put(&self.pool, digest, &self.engine_hash, &artifact, &mac).await {
+            tracing::warn!(digest, error = %e, "could not store the compiled component");
+        }
+    }
+
+    /// Writes the local cache's file (another process may write the same
+    /// one: a private temporary name, then an atomic rename).
+    fn write_cache(&self, digest: &str, artifact: &[u8]) {
+        let Some(path) = self.cache_path(digest) else { return };
+        let tmp = path.with_extension(format!("{}.{}.tmp", std::process::id(), uuid::Uuid::new_v4().simple()));
+        if std::fs::write(&tmp, artifact).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::warn!(path = %path.display(), "could not cache the compiled component");
+        }
     }
 
     fn wasm(&self) -> &Engine {
@@ -189,9 +300,29 @@ impl Sandbox {
     /// Checks that `bytes` are a component of this world that imports only
     /// what the host provides. The error says what does not fit.
     pub fn validate(&self, bytes: &[u8]) -> Result<(), SandboxError> {
-        let component = Component::new(self.wasm(), bytes).map_err(|e| SandboxError::Invalid(format!("{e:#}")))?;
+        self.compile_checked(bytes).map(|_| ())
+    }
+
+    /// Compiles and checks `bytes`; the compiled artifact, for
+    /// [`Components::keep`] once the component is stored.
+    pub fn compile_checked(&self, bytes: &[u8]) -> Result<Compiled, SandboxError> {
+        let digest = db::plugins::digest_of(bytes);
+        let component = self.compile(&digest, bytes)?;
         self.prepare(&component)?;
-        Ok(())
+        let artifact = component.serialize().map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
+        Ok(Compiled { digest, artifact })
+    }
+
+    /// Compiles, artifacts loaded from the database and refused, and waits
+    /// for an exhausted pool, since start.
+    pub fn compile_stats(&self) -> CompileStats {
+        let s = &self.stats;
+        CompileStats {
+            compiles: s.compiles.load(Ordering::Relaxed),
+            artifacts_loaded: s.artifacts_loaded.load(Ordering::Relaxed),
+            artifacts_rejected: s.artifacts_rejected.load(Ordering::Relaxed),
+            pool_waits: s.pool_waits.load(Ordering::Relaxed),
+        }
     }
 
     /// The component as the newest world whose `run` it exports.
@@ -204,10 +335,8 @@ impl Sandbox {
     }
 
     fn cache_path(&self, digest: &str) -> Option<PathBuf> {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        self.wasm().precompile_compatibility_hash().hash(&mut h);
         let hex = digest.trim_start_matches("sha256:");
-        self.cache_dir.as_ref().map(|d| d.join(format!("{hex}-{:016x}.cwasm", h.finish())))
+        self.cache_dir.as_ref().map(|d| d.join(format!("{hex}-{}.cwasm", &self.engine_hash[..16])))
     }
 
     /// The prepared component for `digest`: memory, then disk, then the
@@ -219,43 +348,79 @@ impl Sandbox {
 
     async fn load(&self, digest: &str) -> Result<Pre, SandboxError> {
         let cached = self.cache_path(digest).filter(|p| p.exists());
-        let component = match cached.as_ref().and_then(|p| {
-            // SAFETY: files in the cache directory are written only by
-            // `Component::serialize` of this engine configuration (the name
-            // carries the engine's compatibility hash).
-            unsafe { Component::deserialize_file(self.wasm(), p) }.ok()
-        }) {
-            Some(c) => c,
-            None => {
-                let bytes = db::plugins::component(&self.pool, digest)
-                    .await?
-                    .ok_or_else(|| SandboxError::Missing(digest.into()))?;
-                let engine = self.wasm().clone();
-                let component = tokio::task::spawn_blocking(move || Component::new(&engine, &bytes))
-                    .await
-                    .map_err(|e| SandboxError::Engine(e.to_string()))?
-                    .map_err(|e| SandboxError::Invalid(format!("{e:#}")))?;
-                if let (Some(path), Ok(bytes)) = (self.cache_path(digest), component.serialize()) {
-                    // Another process may write the same file: a private
-                    // temporary name, then an atomic rename.
-                    let tmp =
-                        path.with_extension(format!("{}.{}.tmp", std::process::id(), uuid::Uuid::new_v4().simple()));
-                    if std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
-                        let _ = std::fs::remove_file(&tmp);
-                        tracing::warn!(path = %path.display(), "could not cache the compiled component");
+        // SAFETY: files in the cache directory are written only by
+        // `write_cache` with `Component::serialize` output of this engine
+        // configuration (the name carries the engine's compatibility hash).
+        if let Some(c) = cached.as_ref().and_then(|p| unsafe { Component::deserialize_file(self.wasm(), p) }.ok()) {
+            return self.prepare(&c);
+        }
+        if let Some(stored) = db::artifacts::get(&self.pool, digest, &self.engine_hash).await? {
+            let mac = self.mac(digest, &stored.artifact);
+            if hmac_eq(&mac, &stored.mac) {
+                // SAFETY: the MAC proves this host wrote these bytes for this
+                // digest and engine (`keep_artifact`, from `serialize`).
+                match unsafe { Component::deserialize(self.wasm(), &stored.artifact) } {
+                    Ok(c) => {
+                        self.stats.artifacts_loaded.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(digest, bytes = stored.artifact.len(), "loaded a stored compiled component");
+                        self.write_cache(digest, &stored.artifact);
+                        return self.prepare(&c);
+                    }
+                    Err(e) => {
+                        tracing::warn!(digest, error = %format!("{e:#}"), "a stored compiled component did not load; recompiling")
                     }
                 }
-                component
+            } else {
+                self.stats.artifacts_rejected.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(digest, engine = %self.engine_hash, "a stored compiled component failed its MAC check: not loaded; recompiling");
             }
-        };
+        }
+        let bytes =
+            db::plugins::component(&self.pool, digest).await?.ok_or_else(|| SandboxError::Missing(digest.into()))?;
+        let this = self.clone_for_compile();
+        let owned = digest.to_string();
+        let component = tokio::task::spawn_blocking(move || this.compile(&owned, &bytes))
+            .await
+            .map_err(|e| SandboxError::Engine(e.to_string()))??;
+        if let Ok(artifact) = component.serialize() {
+            self.keep_artifact(digest, artifact).await;
+        }
         self.prepare(&component)
     }
+
+    /// What compiling on a blocking thread needs (the engine and counters).
+    fn clone_for_compile(&self) -> Compiler {
+        Compiler { engine: self.wasm().clone(), stats: self.stats.clone() }
+    }
+}
+
+/// Compiles off the async threads: the engine and the counters.
+struct Compiler {
+    engine: Engine,
+    stats: Arc<Counters>,
+}
+
+impl Compiler {
+    fn compile(&self, digest: &str, bytes: &[u8]) -> Result<Component, SandboxError> {
+        let started = std::time::Instant::now();
+        let component = Component::new(&self.engine, bytes).map_err(|e| SandboxError::Invalid(format!("{e:#}")))?;
+        self.stats.compiles.fetch_add(1, Ordering::Relaxed);
+        let took_ms = started.elapsed().as_millis() as u64;
+        tracing::info!(digest, bytes = bytes.len(), took_ms, "compiled a plugin component");
+        Ok(component)
+    }
+}
+
+/// MACs compared in constant time.
+fn hmac_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// A stored component as an [`Agent`]: one turn is one fresh instance.
 pub struct WasmAgent {
     engine: Engine,
     live: Arc<AtomicUsize>,
+    pool_waits: Arc<Counters>,
     pre: Pre,
     limits: Limits,
 }
@@ -266,36 +431,58 @@ impl WasmAgent {
         let (pre, limits) = (&self.pre, &self.limits);
         let stdout = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
         let stderr = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
-        // Nothing is granted: no preopens, no environment, no network.
-        let mut wasi = WasiCtx::builder();
-        wasi.stdout(stdout.clone()).stderr(stderr.clone());
-        // A resumable run's clocks and random numbers replay on resume.
-        clocks::install(&mut wasi, host);
-        let wasi = wasi.build();
-        let guest = Guest {
-            wasi,
-            table: ResourceTable::new(),
-            limiter: MemoryLimiter { memory_max: limits.memory_bytes as usize, denied: false },
-            host: host.clone(),
-            cpu_ticks: 0,
-            cpu_exceeded: false,
-        };
-        let mut store = Store::new(&self.engine, guest);
-        store.limiter(|g| &mut g.limiter);
         let cpu_ms = limits.cpu_ms;
         let cpu_ticks_max = cpu_ms.div_ceil(EPOCH_TICK.as_millis() as u64).max(1);
-        store.set_epoch_deadline(1);
-        store.epoch_deadline_callback(move |mut ctx| {
-            let g = ctx.data_mut();
-            g.cpu_ticks += 1;
-            if g.cpu_ticks > cpu_ticks_max {
-                g.cpu_exceeded = true;
-                return Ok(UpdateDeadline::Interrupt);
-            }
-            // Yield to the host every tick: the run's future can then be
-            // dropped (claim lost, drain) and other runs get the thread.
-            Ok(UpdateDeadline::Yield(1))
-        });
+        let new_store = || {
+            // Nothing is granted: no preopens, no environment, no network.
+            let mut wasi = WasiCtx::builder();
+            wasi.stdout(stdout.clone()).stderr(stderr.clone());
+            // A resumable run's clocks and random numbers replay on resume.
+            clocks::install(&mut wasi, host);
+            let guest = Guest {
+                wasi: wasi.build(),
+                table: ResourceTable::new(),
+                limiter: MemoryLimiter { memory_max: limits.memory_bytes as usize, denied: false },
+                host: host.clone(),
+                cpu_ticks: 0,
+                cpu_exceeded: false,
+            };
+            let mut store = Store::new(&self.engine, guest);
+            store.limiter(|g| &mut g.limiter);
+            store.set_epoch_deadline(1);
+            store.epoch_deadline_callback(move |mut ctx| {
+                let g = ctx.data_mut();
+                g.cpu_ticks += 1;
+                if g.cpu_ticks > cpu_ticks_max {
+                    g.cpu_exceeded = true;
+                    return Ok(UpdateDeadline::Interrupt);
+                }
+                // Yield to the host every tick: the run's future can then be
+                // dropped (claim lost, drain) and other runs get the thread.
+                Ok(UpdateDeadline::Yield(1))
+            });
+            store
+        };
+        let mut store = new_store();
+        let pool_waits = &self.pool_waits.pool_waits;
+        // An exhausted pooling allocator (every slot of some kind in use by
+        // other guests) is waited out, never a failure: a fresh store (the
+        // failed one may hold slots of the instances it did make) and
+        // another try, until a guest ends and frees one.
+        macro_rules! instantiate {
+            ($pre:expr) => {
+                loop {
+                    match $pre.instantiate_async(&mut store).await {
+                        Err(e) if e.chain().any(|c| c.is::<wasmtime::PoolConcurrencyLimitError>()) => {
+                            pool_waits.fetch_add(1, Ordering::Relaxed);
+                            store = new_store();
+                            tokio::time::sleep(POOL_RETRY).await;
+                        }
+                        other => break other,
+                    }
+                }
+            };
+        }
         let history: Vec<(String, String)> = input.history.into_iter().map(|m| (m.role, m.content)).collect();
         let (run_id, conversation_id, config) =
             (input.run_id.to_string(), input.conversation_id.to_string(), input.config.to_string());
@@ -317,7 +504,7 @@ impl WasmAgent {
                             .collect(),
                         config,
                     };
-                    let agent = pre.instantiate_async(&mut store).await?;
+                    let agent = instantiate!(pre)?;
                     live.fetch_add(1, Ordering::Relaxed);
                     let _live = LiveGuard(live.clone());
                     Ok(agent.call_run(&mut store, &wit_input).await?.map(|text| (text, Vec::new())))
@@ -334,7 +521,7 @@ impl WasmAgent {
                         config,
                         client_tools: tools,
                     };
-                    let agent = pre.instantiate_async(&mut store).await?;
+                    let agent = instantiate!(pre)?;
                     live.fetch_add(1, Ordering::Relaxed);
                     let _live = LiveGuard(live.clone());
                     let answer = agent.call_run(&mut store, &wit_input).await?;
@@ -406,12 +593,24 @@ impl Components for Sandbox {
                 }
             }
         })?;
-        let (engine, live) = (self.wasm().clone(), self.live.clone());
-        Ok(Arc::new(WasmAgent { engine, live, pre, limits: manifest.limits.clone() }))
+        let (engine, live, pool_waits) = (self.wasm().clone(), self.live.clone(), self.stats.clone());
+        Ok(Arc::new(WasmAgent { engine, live, pool_waits, pre, limits: manifest.limits.clone() }))
     }
 
     fn validate(&self, bytes: &[u8]) -> Result<(), InvalidComponent> {
         Sandbox::validate(self, bytes).map_err(|e| InvalidComponent(e.to_string()))
+    }
+
+    fn compile(&self, bytes: &[u8]) -> Result<Compiled, InvalidComponent> {
+        self.compile_checked(bytes).map_err(|e| InvalidComponent(e.to_string()))
+    }
+
+    async fn keep(&self, compiled: Compiled) {
+        self.keep_artifact(&compiled.digest, compiled.artifact).await;
+    }
+
+    fn compile_stats(&self) -> CompileStats {
+        Sandbox::compile_stats(self)
     }
 
     fn live(&self) -> usize {

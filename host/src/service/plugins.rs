@@ -3,7 +3,8 @@
 //! the manifest, validates the component against the world with the
 //! sandbox (off the async threads), then stores it content-addressed and
 //! points the name at it in its tenant or published (`db::plugins::put_as`,
-//! which writes the audit row in the same transaction).
+//! which writes the audit row in the same transaction), and keeps the
+//! validation's compiled artifact for every process (`sandbox`).
 
 use std::sync::Arc;
 
@@ -70,11 +71,15 @@ pub async fn register(
     if component.len() > COMPONENT_BYTES_MAX {
         return Err(RegisterError::TooLarge(component.len()));
     }
-    // Compiling is CPU work: off the async threads.
-    let sandbox = sandbox.clone();
-    let component = tokio::task::spawn_blocking(move || sandbox.validate(&component).map(|()| component))
-        .await
-        .map_err(|_| RegisterError::Interrupted)?
-        .map_err(|e| RegisterError::InvalidComponent(e.to_string()))?;
-    Ok(plugins::put_as(pool, actor, tenant, name, &component, manifest).await?)
+    // Compiling is CPU work: off the async threads. The compile is the
+    // digest's only one: its artifact is kept once the component is stored.
+    let compiler = sandbox.clone();
+    let (component, compiled) =
+        tokio::task::spawn_blocking(move || compiler.compile(&component).map(|compiled| (component, compiled)))
+            .await
+            .map_err(|_| RegisterError::Interrupted)?
+            .map_err(|e| RegisterError::InvalidComponent(e.to_string()))?;
+    let row = plugins::put_as(pool, actor, tenant, name, &component, manifest).await?;
+    sandbox.keep(compiled).await;
+    Ok(row)
 }

@@ -1,0 +1,18 @@
+-- Compiled components: the native code Cranelift made of a stored component
+-- for one engine configuration (wasmtime's precompile compatibility hash),
+-- written by the first process that compiled it (an upload's validation or
+-- a first run), so a process that never saw the digest deserializes instead
+-- of compiling. Only the host writes here (no API takes precompiled bytes);
+-- `mac` is an HMAC-SHA256 over (digest, engine, artifact) that a process
+-- checks before it loads the bytes, recompiling when it does not match.
+CREATE TABLE plugin_artifact (
+    digest      text NOT NULL REFERENCES plugin_component (digest) ON DELETE CASCADE,
+    engine      text NOT NULL CHECK (engine ~ '^[0-9a-f]{64}$'),
+    artifact    bytea NOT NULL,
+    mac         bytea NOT NULL CHECK (octet_length(mac) = 32),
+    size_bytes  integer NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (digest, engine)
+);
+-- Native code hardly compresses and is read whole: no pglz on the way in or out.
+ALTER TABLE plugin_artifact ALTER COLUMN artifact SET STORAGE EXTERNAL;

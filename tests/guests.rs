@@ -1,0 +1,192 @@
+//! Agents in three languages on one host: the `chat` example in Rust
+//! (plugins/chat), Python (plugins/chat-python, componentize-py) and
+//! JavaScript (plugins/chat-js, componentize-js), each built by
+//! `scripts/build-plugin`. Each runs a turn with a tool call, is stopped
+//! cooperatively, is interrupted when it ignores the stop, and fails with the
+//! named memory reason past its limit, while the other languages' runs on the
+//! same host complete. Compile once: a second real process runs a freshly
+//! uploaded Python plugin without compiling, and a tampered stored artifact
+//! is refused, logged and recompiled.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agent_host::agent::{AgentRegistry, Components};
+use agent_host::db::audit::Actor;
+use agent_host::db::RunId;
+use agent_host::error::HostError;
+use agent_host::hub::Hub;
+use agent_host::sandbox::Sandbox;
+use agent_host::tools::{EventSink, Tool, ToolCall, ToolRegistry};
+use agent_host::worker::WorkerConfig;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use support::http::TestHost;
+use support::process::{HostProcess, FAST};
+use support::*;
+
+/// The three languages' chat examples: (plugin name, directory).
+const CHATS: [(&str, &str); 3] = [("chat", "chat"), ("chat-python", "chat-python"), ("chat-js", "chat-js")];
+
+/// A host tool the model is offered: it answers with what it was asked.
+struct Lookup;
+
+#[async_trait::async_trait]
+impl Tool for Lookup {
+    async fn call(&self, call: &ToolCall<'_>, _sink: &dyn EventSink) -> Result<Value, HostError> {
+        Ok(json!(format!("lookup found {}", call.args["input"].as_str().unwrap_or("nothing"))))
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(5)
+    }
+}
+
+fn offered() -> Value {
+    json!({ "name": "lookup", "description": "looks things up", "parameters": { "type": "object" } })
+}
+
+/// A host in this process (worker and API) with the three chats
+/// registered through the upload path, granted `llm` and `lookup`.
+async fn host(db: &TestDb, config: WorkerConfig) -> TestHost {
+    let cache = std::env::temp_dir().join(format!("agent-host-guests-{}", uuid::Uuid::new_v4().simple()));
+    let sandbox: Arc<dyn Components> = Sandbox::new(db.pool.clone(), Some(cache)).unwrap();
+    let manifest = json!({ "tools": ["llm", "lookup"] });
+    for (name, dir) in CHATS {
+        let wasm = example_wasm(dir);
+        agent_host::service::plugins::register(&db.pool, &sandbox, &Actor::cli(), None, name, wasm, &manifest)
+            .await
+            .unwrap_or_else(|e| panic!("registering {name}: {e}"));
+    }
+    let mut tools = ToolRegistry::from_config(&Default::default(), &[]).unwrap();
+    tools.insert("lookup", Arc::new(Lookup));
+    let agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(tools);
+    TestHost::start(db, Some(Hub::start(db.url.clone())), agents, config).await
+}
+
+async fn post(host: &TestHost, plugin: &str, content: &str, config: Value) -> RunId {
+    let body = json!({ "content": content, "plugin": plugin, "config": config });
+    let (code, v) = host.call("POST", "/v1/runs", Some(body)).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{v}");
+    v["run_id"].as_str().unwrap().parse().unwrap()
+}
+
+async fn answer(db: &TestDb, run: RunId) -> String {
+    sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
+        .bind(run)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// A chat turn that calls the lookup tool: its answer quotes the tool's.
+async fn assert_chatted(db: &TestDb, plugin: &str, run: RunId, asked: &str) {
+    let status = wait_terminal(&db.pool, run, LONG).await;
+    assert_eq!(status, "completed", "{plugin}: {}", run_error(&db.pool, run).await);
+    let j = journal_payloads(&db.pool, run).await;
+    let started: Vec<_> = j.iter().filter(|(_, t, _)| t == "tool_call_started").map(|(_, _, p)| &p["name"]).collect();
+    assert_eq!(started, [&json!("llm"), &json!("lookup"), &json!("llm")], "{plugin}: {j:?}");
+    assert!(j.iter().any(|(_, t, p)| t == "step" && p["n"] == 2), "{plugin}: the loop's second step: {j:?}");
+    let text = answer(db, run).await;
+    assert!(text.contains(&format!("lookup found {asked}")), "{plugin}: {text}");
+    assert_eq!(deltas_text(&j), text, "{plugin}: the streamed text is the answer");
+    assert_journal_sound(&db.pool, run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_languages_chat_runs_a_turn_with_a_tool_call() {
+    let db = TestDb::new().await;
+    let host = host(&db, fast_config("w")).await;
+    let mut runs = Vec::new();
+    for (plugin, _) in CHATS {
+        let asked = format!("weather for {plugin}");
+        runs.push((plugin, post(&host, plugin, &asked, json!({ "tools": [offered()] })).await, asked));
+    }
+    for (plugin, run, asked) in runs {
+        assert_chatted(&db, plugin, run, &asked).await;
+    }
+    host.stop().await;
+}
+
+/// Stops each language's chat while it streams: one looks at the stop and
+/// returns, one ignores it and is interrupted after the grace; meanwhile a
+/// turn of every other language completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_languages_chat_stops_cooperatively_or_is_interrupted_after_the_grace() {
+    let db = TestDb::new().await;
+    let config = WorkerConfig { max_runs: 12, ..fast_config("w") };
+    let grace = config.cancel_grace;
+    let host = host(&db, config).await;
+    for (plugin, _) in CHATS {
+        for forced in [false, true] {
+            let hold = json!({ "hold_ms": 120_000, "ignore_stop": forced, "tools": [offered()] });
+            let run = post(&host, plugin, "hold on", hold).await;
+            let others: Vec<_> = futures_others(&host, plugin).await;
+            wait_for(&format!("{plugin} to stream"), LONG, || async {
+                journal(&db.pool, run).await.iter().any(|(_, t)| t == "content_delta")
+            })
+            .await;
+            let asked = Instant::now();
+            let (code, _) = host.call("POST", &format!("/v1/runs/{run}/cancel"), None).await;
+            assert_eq!(code, StatusCode::ACCEPTED);
+            let within = if forced { grace + Duration::from_secs(2) } else { Duration::from_secs(2) };
+            assert_eq!(wait_terminal(&db.pool, run, within).await, "cancelled", "{plugin} forced={forced}");
+            let took = asked.elapsed();
+            let error = run_error(&db.pool, run).await;
+            if forced {
+                assert!(took >= grace, "{plugin}: interrupted before the grace ({took:?})");
+                assert!(error.contains("interrupted"), "{plugin}: {error}");
+            } else {
+                assert!(took < grace, "{plugin}: a cooperative stop took {took:?}");
+                assert!(!error.contains("interrupted"), "{plugin}: {error}");
+            }
+            // What it streamed before the stop is kept.
+            let partial: Option<String> =
+                sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
+                    .bind(run)
+                    .fetch_optional(&db.pool)
+                    .await
+                    .unwrap();
+            assert!(partial.is_some_and(|p| p.starts_with('.')), "{plugin}: the partial answer is kept");
+            assert_journal_sound(&db.pool, run).await;
+            for (other, run, asked) in others {
+                assert_chatted(&db, other, run, &asked).await;
+            }
+            eprintln!("{plugin} forced={forced}: stop to terminal {took:?}");
+        }
+    }
+    host.stop().await;
+}
+
+/// One ordinary chat turn of each language other than `plugin`.
+async fn futures_others(host: &TestHost, plugin: &str) -> Vec<(&'static str, RunId, String)> {
+    let mut runs = Vec::new();
+    for (other, _) in CHATS.iter().filter(|(p, _)| *p != plugin) {
+        let asked = format!("news from {other}");
+        runs.push((*other, post(host, other, &asked, json!({ "tools": [offered()] })).await, asked));
+    }
+    runs
+}
+
+/// Past the default memory limit, each language's chat fails with the named
+/// reason; the other languages' turns on the same host complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_languages_chat_fails_with_the_memory_reason_past_its_limit() {
+    let db = TestDb::new().await;
+    let host = host(&db, WorkerConfig { max_runs: 12, ..fast_config("w") }).await;
+    let limit = agent_host::sandbox::manifest::MEMORY_BYTES_DEFAULT;
+    let hoard_mb = 2 * limit >> 20;
+    for (plugin, _) in CHATS {
+        let run = post(&host, plugin, "remember everything", json!({ "hoard_mb": hoard_mb })).await;
+        let others = futures_others(&host, plugin).await;
+        assert_eq!(wait_terminal(&db.pool, run, LONG).await, "failed", "{plugin}");
+        let error = run_error(&db.pool, run).await;
+        assert_eq!(error, format!("limit: memory of {limit} bytes exceeded"), "{plugin}");
+        for (other, run, asked) in others {
+            assert_chatted(&db, other, run, &asked).await;
+        }
+    }
+    host.stop().await;
+}
