@@ -30,6 +30,32 @@ use support::*;
 /// The three languages' chat examples: (plugin name, directory).
 const CHATS: [(&str, &str); 3] = [("chat", "chat"), ("chat-python", "chat-python"), ("chat-js", "chat-js")];
 
+/// How each language's guest misbehaves on purpose: (plugin, config of a
+/// turn that streams until a stop and looks at it, of one that ignores it,
+/// of one that keeps `mb` MiB alive). The Python and JavaScript chats have
+/// switches for it; the Rust `chat` has none, so Rust's are the fixtures
+/// plugin's modes (plugins/fixtures).
+fn misbehaving(mb: u64) -> [(&'static str, Value, Value, Value); 3] {
+    let chat = |plugin| {
+        (
+            plugin,
+            json!({ "hold_ms": 120_000, "tools": [offered()] }),
+            json!({ "hold_ms": 120_000, "ignore_stop": true, "tools": [offered()] }),
+            json!({ "hoard_mb": mb }),
+        )
+    };
+    [
+        (
+            "fixtures",
+            json!({ "mode": "work", "steps": 6_000, "step_ms": 20 }),
+            json!({ "mode": "ignore-cancel" }),
+            json!({ "mode": "membomb" }),
+        ),
+        chat("chat-python"),
+        chat("chat-js"),
+    ]
+}
+
 /// A host tool the model is offered: it answers with what it was asked.
 struct Lookup;
 
@@ -60,8 +86,14 @@ async fn host(db: &TestDb, config: WorkerConfig) -> TestHost {
             .await
             .unwrap_or_else(|e| panic!("registering {name}: {e}"));
     }
+    let fixtures = plugin_wasm("fixtures");
+    let manifest = json!({ "tools": ["record"] });
+    agent_host::service::plugins::register(&db.pool, &sandbox, &Actor::cli(), None, "fixtures", fixtures, &manifest)
+        .await
+        .unwrap();
     let mut tools = ToolRegistry::from_config(&Default::default(), &[]).unwrap();
     tools.insert("lookup", Arc::new(Lookup));
+    tools.insert("record", Arc::new(Lookup));
     let agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(tools);
     TestHost::start(db, Some(Hub::start(db.url.clone())), agents, config).await
 }
@@ -119,13 +151,13 @@ async fn each_languages_chat_stops_cooperatively_or_is_interrupted_after_the_gra
     let config = WorkerConfig { max_runs: 12, ..fast_config("w") };
     let grace = config.cancel_grace;
     let host = host(&db, config).await;
-    for (plugin, _) in CHATS {
-        for forced in [false, true] {
-            let hold = json!({ "hold_ms": 120_000, "ignore_stop": forced, "tools": [offered()] });
-            let run = post(&host, plugin, "hold on", hold).await;
+    for (plugin, cooperative, ignoring, _) in misbehaving(0) {
+        for (forced, config) in [(false, cooperative), (true, ignoring)] {
+            let run = post(&host, plugin, "hold on", config).await;
             let others: Vec<_> = futures_others(&host, plugin).await;
-            wait_for(&format!("{plugin} to stream"), LONG, || async {
-                journal(&db.pool, run).await.iter().any(|(_, t)| t == "content_delta")
+            wait_for(&format!("{plugin} to run"), LONG, || async {
+                let j = journal(&db.pool, run).await;
+                j.iter().any(|(_, t)| t == "content_delta") || (plugin == "fixtures" && forced && !j.is_empty())
             })
             .await;
             let asked = Instant::now();
@@ -143,13 +175,16 @@ async fn each_languages_chat_stops_cooperatively_or_is_interrupted_after_the_gra
                 assert!(!error.contains("interrupted"), "{plugin}: {error}");
             }
             // What it streamed before the stop is kept.
-            let partial: Option<String> =
-                sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
-                    .bind(run)
-                    .fetch_optional(&db.pool)
-                    .await
-                    .unwrap();
-            assert!(partial.is_some_and(|p| p.starts_with('.')), "{plugin}: the partial answer is kept");
+            let streamed = deltas_text(&journal_payloads(&db.pool, run).await);
+            if !streamed.is_empty() {
+                let partial: Option<String> =
+                    sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
+                        .bind(run)
+                        .fetch_optional(&db.pool)
+                        .await
+                        .unwrap();
+                assert_eq!(partial.as_deref(), Some(streamed.as_str()), "{plugin}: the partial answer is kept");
+            }
             assert_journal_sound(&db.pool, run).await;
             for (other, run, asked) in others {
                 assert_chatted(&db, other, run, &asked).await;
@@ -163,7 +198,8 @@ async fn each_languages_chat_stops_cooperatively_or_is_interrupted_after_the_gra
 /// One ordinary chat turn of each language other than `plugin`.
 async fn futures_others(host: &TestHost, plugin: &str) -> Vec<(&'static str, RunId, String)> {
     let mut runs = Vec::new();
-    for (other, _) in CHATS.iter().filter(|(p, _)| *p != plugin) {
+    let language = if plugin == "fixtures" { "chat" } else { plugin };
+    for (other, _) in CHATS.iter().filter(|(p, _)| *p != language) {
         let asked = format!("news from {other}");
         runs.push((*other, post(host, other, &asked, json!({ "tools": [offered()] })).await, asked));
     }
@@ -178,8 +214,8 @@ async fn each_languages_chat_fails_with_the_memory_reason_past_its_limit() {
     let host = host(&db, WorkerConfig { max_runs: 12, ..fast_config("w") }).await;
     let limit = agent_host::sandbox::manifest::MEMORY_BYTES_DEFAULT;
     let hoard_mb = 2 * limit >> 20;
-    for (plugin, _) in CHATS {
-        let run = post(&host, plugin, "remember everything", json!({ "hoard_mb": hoard_mb })).await;
+    for (plugin, _, _, hoard) in misbehaving(hoard_mb) {
+        let run = post(&host, plugin, "remember everything", hoard).await;
         let others = futures_others(&host, plugin).await;
         assert_eq!(wait_terminal(&db.pool, run, LONG).await, "failed", "{plugin}");
         let error = run_error(&db.pool, run).await;

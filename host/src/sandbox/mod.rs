@@ -551,6 +551,11 @@ impl WasmAgent {
             Ok(Ok(answer)) => match (hit, answer) {
                 (Some(f), _) => Err(f),
                 (None, Ok(answer)) => Ok(answer),
+                // A runtime that turns a refused growth into its own error
+                // (Python's MemoryError, a JS RangeError) hit the limit all the same.
+                (None, Err(_)) if data.limiter.denied => {
+                    Err(limit(format!("memory of {} bytes exceeded", limits.memory_bytes)))
+                }
                 (None, Err(message)) => Err(AgentError::failed(FailReason::Plugin, message)),
             },
         };
