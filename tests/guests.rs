@@ -226,3 +226,113 @@ async fn each_languages_chat_fails_with_the_memory_reason_past_its_limit() {
     }
     host.stop().await;
 }
+
+/// One sample of a process's `/metrics`.
+async fn metric(addr: &str, name: &str) -> f64 {
+    let text = reqwest::get(format!("http://{addr}/metrics")).await.unwrap().text().await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no {name} in /metrics:\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+async fn call(addr: &str, token: &str, method: reqwest::Method, path: &str, body: Value) -> (StatusCode, Value) {
+    let res = reqwest::Client::new()
+        .request(method, format!("http://{addr}{path}"))
+        .bearer_auth(token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = res.status();
+    (status, res.json().await.unwrap_or(Value::Null))
+}
+
+/// A run of `plugin` through `addr`'s API, waited for to complete; its answer.
+async fn run_via(db: &TestDb, addr: &str, token: &str, plugin: &str) -> String {
+    let body = json!({ "content": "hello from another process", "plugin": plugin });
+    let (code, v) = call(addr, token, reqwest::Method::POST, "/v1/runs", body).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{v}");
+    let run: RunId = v["run_id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(wait_terminal(&db.pool, run, LONG).await, "completed", "{}", run_error(&db.pool, run).await);
+    answer(db, run).await
+}
+
+fn cache_dir(what: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("agent-host-{what}-{}", uuid::Uuid::new_v4().simple()));
+    dir.to_string_lossy().into_owned()
+}
+
+/// Compile once, run anywhere: the process that takes an upload compiles
+/// it once (validation) and stores the artifact; a second process with an
+/// empty local cache runs it without compiling; a third finds the stored
+/// artifact tampered with, refuses it (logged), recompiles and replaces it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_that_never_saw_a_python_plugin_runs_it_without_compiling() {
+    let db = TestDb::new().await;
+    let token = agent_host::db::tokens::create(&db.pool, "alice", "acme", true).await.unwrap();
+    let wasm = example_wasm("chat-python");
+
+    let (cache_a, cache_b, cache_c) = (cache_dir("a"), cache_dir("b"), cache_dir("c"));
+    let mut a = HostProcess::spawn(&db.url, "a", &[FAST, &["--cache-dir", &cache_a]].concat());
+    let (content_type, body) = support::http::multipart(&[
+        ("name", b"py-fresh"),
+        ("component", &wasm),
+        ("manifest", br#"{"tools": ["llm"]}"#),
+    ]);
+    let res = reqwest::Client::new()
+        .post(format!("http://{}/v1/plugins", a.addr))
+        .bearer_auth(&token)
+        .header("content-type", content_type)
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert!(res.status().is_success(), "{}", res.text().await.unwrap());
+    assert_eq!(metric(&a.addr, "agent_host_component_compiles_total").await, 1.0, "the upload's validation");
+    a.signal(nix::sys::signal::Signal::SIGTERM);
+    a.wait_exit(LONG).await;
+    let digest = agent_host::db::plugins::digest_of(&wasm);
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM plugin_artifact WHERE digest = $1")
+        .bind(&digest)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, 1, "the validation's artifact is stored");
+
+    let b = HostProcess::spawn(&db.url, "b", &[FAST, &["--cache-dir", &cache_b]].concat());
+    let text = run_via(&db, &b.addr, &token, "py-fresh").await;
+    assert!(text.contains("hello from another process"), "{text}");
+    assert_eq!(metric(&b.addr, "agent_host_component_compiles_total").await, 0.0, "{}", b.log());
+    assert_eq!(metric(&b.addr, "agent_host_component_artifacts_loaded_total").await, 1.0);
+    drop(b);
+
+    // One byte of the stored artifact changed: not loaded, recompiled, replaced.
+    let original: i32 = sqlx::query_scalar("SELECT get_byte(artifact, 4096) FROM plugin_artifact WHERE digest = $1")
+        .bind(&digest)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE plugin_artifact SET artifact = set_byte(artifact, 4096, (get_byte(artifact, 4096) + 1) % 256) WHERE digest = $1")
+        .bind(&digest)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let c = HostProcess::spawn(&db.url, "c", &[FAST, &["--cache-dir", &cache_c]].concat());
+    run_via(&db, &c.addr, &token, "py-fresh").await;
+    assert_eq!(metric(&c.addr, "agent_host_component_artifacts_rejected_total").await, 1.0);
+    assert_eq!(metric(&c.addr, "agent_host_component_artifacts_loaded_total").await, 0.0);
+    assert_eq!(metric(&c.addr, "agent_host_component_compiles_total").await, 1.0);
+    c.wait_log("failed its MAC check", LONG).await;
+    let replaced: i32 = sqlx::query_scalar("SELECT get_byte(artifact, 4096) FROM plugin_artifact WHERE digest = $1")
+        .bind(&digest)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(replaced, original, "the recompiled artifact replaced the tampered one");
+    drop(c);
+    for dir in [cache_a, cache_b, cache_c] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
