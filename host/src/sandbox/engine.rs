@@ -15,8 +15,16 @@ use crate::run::manifest::MEMORY_BYTES_CEILING;
 /// longest a running guest goes without yielding to the host.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 /// Concurrent guest instances the pooling allocator is sized for: a host's
-/// `--max-runs` may not exceed it.
+/// `--max-runs` may not exceed it (refused at start).
 pub const INSTANCES_MAX: u32 = 2_000;
+/// Core instances one guest may use, on average, before the pool runs out:
+/// a Rust guest makes 3, a componentize-js one 4, a componentize-py one 14
+/// (CPython, its libc and the WASI adapter are separate core modules).
+/// A pool exhausted anyway makes a new guest wait for a slot, never fail.
+pub const CORE_INSTANCES_PER_GUEST: u32 = 16;
+/// Elements of one table: a componentize-py guest's largest table has
+/// about 7,700, a componentize-js one 5,700 (wasmtime's default, 20,000).
+pub const TABLE_ELEMENTS_MAX: usize = 20_000;
 
 /// The engine and its epoch ticker; the ticker stops when this is dropped.
 pub struct SandboxEngine {
@@ -34,9 +42,12 @@ impl SandboxEngine {
     pub fn new() -> Result<SandboxEngine, String> {
         let mut pooling = PoolingAllocationConfig::default();
         pooling.total_component_instances(INSTANCES_MAX);
-        pooling.total_core_instances(INSTANCES_MAX * 4);
+        pooling.total_core_instances(INSTANCES_MAX * CORE_INSTANCES_PER_GUEST);
         pooling.total_memories(INSTANCES_MAX * 2);
         pooling.total_tables(INSTANCES_MAX * 4);
+        // Each guest's async call runs on a fiber stack from the pool.
+        pooling.total_stacks(INSTANCES_MAX);
+        pooling.table_elements(TABLE_ELEMENTS_MAX);
         pooling.max_memory_size(MEMORY_BYTES_CEILING as usize);
         let mut config = Config::new();
         config.wasm_component_model(true);

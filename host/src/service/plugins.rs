@@ -18,8 +18,12 @@ use crate::run::manifest::Manifest;
 
 use super::storable::{self, Unstorable};
 
-/// Bytes of a component.
-pub const COMPONENT_BYTES_MAX: usize = 32 << 20;
+/// Bytes of a component: 64 MiB. An interpreter travels inside its
+/// component: the Python `chat` example (componentize-py, CPython) is about
+/// 19 MB and the JavaScript one (componentize-js, SpiderMonkey) 12 MB, so a
+/// Python agent with a few pure-Python dependencies still fits three times
+/// over, while one upload held in memory stays bounded.
+pub const COMPONENT_BYTES_MAX: usize = 64 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegisterError {
