@@ -16,3 +16,7 @@ CREATE TABLE plugin_artifact (
 );
 -- Native code hardly compresses and is read whole: no pglz on the way in or out.
 ALTER TABLE plugin_artifact ALTER COLUMN artifact SET STORAGE EXTERNAL;
+
+-- The language a component was written in (python, javascript, rust or
+-- unknown), read from its toolchain's marks at upload, for the console.
+ALTER TABLE plugin_component ADD COLUMN language text NOT NULL DEFAULT 'unknown';

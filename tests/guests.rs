@@ -74,11 +74,20 @@ fn offered() -> Value {
     json!({ "name": "lookup", "description": "looks things up", "parameters": { "type": "object" } })
 }
 
+/// A directory removed when dropped (compiled components are tens of MB).
+struct TempDir(std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A host in this process (worker and API) with the three chats
 /// registered through the upload path, granted `llm` and `lookup`.
-async fn host(db: &TestDb, config: WorkerConfig) -> TestHost {
-    let cache = std::env::temp_dir().join(format!("agent-host-guests-{}", uuid::Uuid::new_v4().simple()));
-    let sandbox: Arc<dyn Components> = Sandbox::new(db.pool.clone(), Some(cache)).unwrap();
+async fn host(db: &TestDb, config: WorkerConfig) -> (TestHost, TempDir) {
+    let cache = TempDir(std::env::temp_dir().join(format!("agent-host-guests-{}", uuid::Uuid::new_v4().simple())));
+    let sandbox: Arc<dyn Components> = Sandbox::new(db.pool.clone(), Some(cache.0.clone())).unwrap();
     let manifest = json!({ "tools": ["llm", "lookup"] });
     for (name, dir) in CHATS {
         let wasm = example_wasm(dir);
@@ -95,7 +104,7 @@ async fn host(db: &TestDb, config: WorkerConfig) -> TestHost {
     tools.insert("lookup", Arc::new(Lookup));
     tools.insert("record", Arc::new(Lookup));
     let agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(tools);
-    TestHost::start(db, Some(Hub::start(db.url.clone())), agents, config).await
+    (TestHost::start(db, Some(Hub::start(db.url.clone())), agents, config).await, cache)
 }
 
 async fn post(host: &TestHost, plugin: &str, content: &str, config: Value) -> RunId {
@@ -130,7 +139,7 @@ async fn assert_chatted(db: &TestDb, plugin: &str, run: RunId, asked: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_languages_chat_runs_a_turn_with_a_tool_call() {
     let db = TestDb::new().await;
-    let host = host(&db, fast_config("w")).await;
+    let (host, _cache) = host(&db, fast_config("w")).await;
     let mut runs = Vec::new();
     for (plugin, _) in CHATS {
         let asked = format!("weather for {plugin}");
@@ -150,7 +159,7 @@ async fn each_languages_chat_stops_cooperatively_or_is_interrupted_after_the_gra
     let db = TestDb::new().await;
     let config = WorkerConfig { max_runs: 12, ..fast_config("w") };
     let grace = config.cancel_grace;
-    let host = host(&db, config).await;
+    let (host, _cache) = host(&db, config).await;
     for (plugin, cooperative, ignoring, _) in misbehaving(0) {
         for (forced, config) in [(false, cooperative), (true, ignoring)] {
             let run = post(&host, plugin, "hold on", config).await;
@@ -211,7 +220,7 @@ async fn futures_others(host: &TestHost, plugin: &str) -> Vec<(&'static str, Run
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_languages_chat_fails_with_the_memory_reason_past_its_limit() {
     let db = TestDb::new().await;
-    let host = host(&db, WorkerConfig { max_runs: 12, ..fast_config("w") }).await;
+    let (host, _cache) = host(&db, WorkerConfig { max_runs: 12, ..fast_config("w") }).await;
     let limit = agent_host::sandbox::manifest::MEMORY_BYTES_DEFAULT;
     let hoard_mb = 2 * limit >> 20;
     for (plugin, _, _, hoard) in misbehaving(hoard_mb) {
