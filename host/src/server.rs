@@ -142,7 +142,7 @@ const DEMO_PLUGINS: [(&str, &str); 3] =
 
 /// What the demo offers the model: the clock.
 fn demo_config() -> serde_json::Value {
-    json!({ "tools": [{ "name": DEMO_TOOL, "description": "The host's current date and time", "parameters": { "type": "object", "properties": {} } }] })
+    json!({ "tools": [{ "name": DEMO_TOOL, "description": "The current date and time on the host", "parameters": { "type": "object", "properties": {} } }] })
 }
 
 /// Builds (when missing or changed) and registers one example plugin;
@@ -188,10 +188,12 @@ async fn demo_plugin(pool: &PgPool, agents: &AgentRegistry, name: &str, dir: &st
     Ok(true)
 }
 
-/// Enqueues one demo turn of `plugin`; its run id.
+/// Enqueues one demo turn of `plugin`, pinned to its digest and manifest
+/// (a built-in has neither); its run id.
 async fn demo_run(pool: &PgPool, plugin: &str, content: &str) -> anyhow::Result<crate::db::RunId> {
     let owner = db::enqueue::Owner { user_id: "demo".into(), tenant_id: "demo".into() };
     let config = demo_config();
+    let row = db::plugins::get(pool, plugin).await?;
     let request = json!({ "content": content, "plugin": plugin, "config": config });
     let run = db::enqueue::enqueue(
         pool,
@@ -200,8 +202,8 @@ async fn demo_run(pool: &PgPool, plugin: &str, content: &str) -> anyhow::Result<
             conversation_id: None,
             content,
             plugin,
-            plugin_digest: None,
-            plugin_manifest: None,
+            plugin_digest: row.as_ref().map(|r| r.digest.as_str()),
+            plugin_manifest: row.as_ref().map(|r| &r.manifest),
             config: &config,
             request: &request,
             idempotency_key: None,
