@@ -345,3 +345,29 @@ async fn a_process_that_never_saw_a_python_plugin_runs_it_without_compiling() {
         let _ = std::fs::remove_dir_all(dir);
     }
 }
+
+/// A pool with room for two guests at once and four Python turns wanting
+/// one each: the late ones wait for a slot (counted) and every turn completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_pool_makes_a_run_wait_never_fail() {
+    let db = TestDb::new().await;
+    let cache = TempDir(std::env::temp_dir().join(format!("agent-host-guests-{}", uuid::Uuid::new_v4().simple())));
+    let sandbox = Sandbox::with_pool_size(db.pool.clone(), Some(cache.0.clone()), 2).unwrap();
+    let components: Arc<dyn Components> = sandbox.clone();
+    let manifest = json!({ "tools": ["llm"] });
+    let wasm = example_wasm("chat-python");
+    agent_host::service::plugins::register(&db.pool, &components, &Actor::cli(), None, "chat-python", wasm, &manifest)
+        .await
+        .unwrap();
+    let agents = AgentRegistry::with_builtins().with_sandbox(components);
+    let host = TestHost::start(&db, Some(Hub::start(db.url.clone())), agents, fast_config("w")).await;
+    let mut runs = Vec::new();
+    for i in 0..4 {
+        runs.push(post(&host, "chat-python", &format!("turn {i}"), json!({ "hold_ms": 300 })).await);
+    }
+    for run in runs {
+        assert_eq!(wait_terminal(&db.pool, run, LONG).await, "completed", "{}", run_error(&db.pool, run).await);
+    }
+    assert!(sandbox.compile_stats().pool_waits > 0, "the late turns waited: {:?}", sandbox.compile_stats());
+    host.stop().await;
+}

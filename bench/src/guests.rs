@@ -6,7 +6,9 @@
 //!   has) whose worker claims the run; the upload compiled it once and
 //!   stored the artifact, so the fresh sandbox deserializes. Beside it, one
 //!   first run with no stored artifact (it compiles);
-//! - per run: store + instantiate + one chat turn over the offline model;
+//! - per run: store + instantiate + a bare turn (no host call: the chats'
+//!   `answer` switch, Rust's `echo` of nothing), and + one chat turn over the
+//!   offline model;
 //! - resident memory per parked Python guest (each in `hold_ms`).
 
 use std::path::PathBuf;
@@ -25,6 +27,7 @@ use crate::{sql, BenchArgs};
 
 /// First runs per language (each on a fresh sandbox).
 const FIRST_RUNS: usize = 5;
+
 /// Chat turns per language for the per-run figure, at most.
 const TURNS_MAX: usize = 200;
 /// Python guests parked at once, at most.
@@ -89,10 +92,18 @@ pub async fn guests(pool: &PgPool, url: &str, _db_args: &DbArgs, args: &BenchArg
     for (name, bytes) in &present {
         register(pool, &uploader, name, bytes.clone()).await?;
     }
+    let mut bare = Vec::new();
+    if let Ok(echo) = std::fs::read(args.plugin_dir.join("echo.wasm")) {
+        bare.push(("echo".to_string(), register(pool, &uploader, "echo", echo).await?, json!({})));
+    }
+    for (name, digest) in digests.iter().filter(|(n, _)| n != "chat") {
+        bare.push((name.clone(), digest.clone(), json!({ "answer": "" })));
+    }
     let python = digests.iter().find(|(n, _)| n == "chat-python").map(|(_, d)| d.clone());
     let probe = Arc::new(Probe {
         sandbox,
         digests,
+        bare,
         python,
         turns: args.samples.min(TURNS_MAX),
         parked: args.parked.min(PARKED_MAX),
@@ -177,6 +188,8 @@ async fn first_run(
 struct Probe {
     sandbox: Arc<Sandbox>,
     digests: Vec<(String, String)>,
+    /// (name, digest, config) of a turn that makes no host call.
+    bare: Vec<(String, String, Value)>,
     python: Option<String>,
     turns: usize,
     parked: usize,
@@ -197,6 +210,21 @@ impl Agent for Probe {
 impl Probe {
     async fn turns(&self, host: &RunHost, input: &RunInput) -> anyhow::Result<()> {
         let manifest = Manifest::parse(&manifest()).map_err(anyhow::Error::msg)?;
+        for (name, digest, config) in &self.bare {
+            let turn = || guest_input(input, "", config.clone());
+            run_guest(&self.sandbox, host, digest, &manifest, turn()).await?; // warm
+            let mut samples = Vec::with_capacity(self.turns);
+            for _ in 0..self.turns {
+                let t0 = Instant::now();
+                run_guest(&self.sandbox, host, digest, &manifest, turn()).await?;
+                samples.push(t0.elapsed());
+            }
+            println!(
+                "guests: {name}: store + instantiate + a turn with no host call, {} runs: {}",
+                self.turns,
+                percentiles(&mut samples)
+            );
+        }
         for (name, digest) in &self.digests {
             let turn = || guest_input(input, "hi", json!({}));
             run_guest(&self.sandbox, host, digest, &manifest, turn()).await?; // warm
@@ -258,7 +286,9 @@ async fn probe_run(pool: &PgPool, url: &str, probe: Arc<Probe>, measure: &str) -
     agents.insert(PROBE, probe);
     let config = WorkerConfig { max_runs: 1, worker_id: "bench".into(), ..WorkerConfig::default() };
     let worker = Worker::start(pool.clone(), Some(Hub::start(url.to_string())), agents, config).await?;
-    let run = library::enqueue(pool, "probe", PROBE, None, &json!({ "measure": measure })).await?;
+    // The guests' tool calls go through the probe run's host: its manifest grants them.
+    let run =
+        library::enqueue_pinned(pool, "probe", PROBE, None, Some(&manifest()), &json!({ "measure": measure })).await?;
     let t0 = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(20));
     while !library::is_terminal(pool, run.run_id).await? {

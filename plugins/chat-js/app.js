@@ -11,7 +11,8 @@
 // streams a "." every 20 ms for that long before the answer, stopping when a
 // stop is asked for; with `ignore_stop` it does not look; `hoard_mb` keeps
 // that many MiB alive first (past the memory limit the run fails with reason
-// `limit`).
+// `limit`); `answer` is returned as is, with no model call (the benchmark's
+// bare turn).
 
 import { exportAgent, Cancelled, Fenced, Refusal } from "../sdk-js/index.js";
 
@@ -53,6 +54,7 @@ function chat(turn) {
   const hoard = [];
   for (let i = 0; i < turn.configInt("hoard_mb", 0); i++) hoard.push(new Uint8Array(1 << 20).fill(1));
   hold(turn);
+  if (typeof turn.config.answer === "string") return turn.config.answer;
   const messages = [];
   if (typeof turn.config.system === "string") messages.push({ role: "system", content: turn.config.system });
   for (const m of turn.history) messages.push({ role: m.role, content: m.content });

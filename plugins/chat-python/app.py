@@ -11,7 +11,8 @@ Switches for trying the host's limits (the tests use them):
 `hold_ms` streams a "." every 20 ms for that long before the answer,
 stopping when a stop is asked for; with `ignore_stop` it does not look;
 `hoard_mb` keeps that many MiB alive first (past the memory limit the run
-fails with reason `limit`).
+fails with reason `limit`); `answer` is returned as is, with no model call
+(the benchmark's bare turn).
 """
 
 import json
@@ -55,6 +56,8 @@ def hold(turn: Turn) -> None:
 def chat(turn: Turn) -> str:
     hoard = [bytearray(1 << 20) for _ in range(turn.config_int("hoard_mb", 0))]  # noqa: F841
     hold(turn)
+    if isinstance(turn.config.get("answer"), str):
+        return turn.config["answer"]
     messages = []
     system = turn.config.get("system")
     if isinstance(system, str):

@@ -39,14 +39,16 @@ impl Drop for SandboxEngine {
 }
 
 impl SandboxEngine {
-    pub fn new() -> Result<SandboxEngine, String> {
+    /// The engine with a pool for `instances` concurrent guests
+    /// ([`INSTANCES_MAX`] in a host; tests exhaust a smaller one).
+    pub fn new(instances: u32) -> Result<SandboxEngine, String> {
         let mut pooling = PoolingAllocationConfig::default();
-        pooling.total_component_instances(INSTANCES_MAX);
-        pooling.total_core_instances(INSTANCES_MAX * CORE_INSTANCES_PER_GUEST);
-        pooling.total_memories(INSTANCES_MAX * 2);
-        pooling.total_tables(INSTANCES_MAX * 4);
+        pooling.total_component_instances(instances);
+        pooling.total_core_instances(instances * CORE_INSTANCES_PER_GUEST);
+        pooling.total_memories(instances * 2);
+        pooling.total_tables(instances * 4);
         // Each guest's async call runs on a fiber stack from the pool.
-        pooling.total_stacks(INSTANCES_MAX);
+        pooling.total_stacks(instances);
         pooling.table_elements(TABLE_ELEMENTS_MAX);
         pooling.max_memory_size(MEMORY_BYTES_CEILING as usize);
         let mut config = Config::new();

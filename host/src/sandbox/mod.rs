@@ -217,7 +217,26 @@ impl Sandbox {
         cache_dir: Option<PathBuf>,
         artifact_key: Option<&[u8]>,
     ) -> Result<Arc<Sandbox>, SandboxError> {
-        let engine = engine::SandboxEngine::new().map_err(SandboxError::Engine)?;
+        Sandbox::build(pool, cache_dir, artifact_key, INSTANCES_MAX)
+    }
+
+    /// [`Sandbox::new`] whose pool holds only `instances` guests at once (a
+    /// test's way to exhaust it).
+    pub fn with_pool_size(
+        pool: PgPool,
+        cache_dir: Option<PathBuf>,
+        instances: u32,
+    ) -> Result<Arc<Sandbox>, SandboxError> {
+        Sandbox::build(pool, cache_dir, None, instances)
+    }
+
+    fn build(
+        pool: PgPool,
+        cache_dir: Option<PathBuf>,
+        artifact_key: Option<&[u8]>,
+        instances: u32,
+    ) -> Result<Arc<Sandbox>, SandboxError> {
+        let engine = engine::SandboxEngine::new(instances).map_err(SandboxError::Engine)?;
         let mut linker = Linker::<Guest>::new(&engine.engine);
         // WASI is linked so standard guests instantiate, and grants nothing.
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
@@ -277,14 +296,10 @@ impl Sandbox {
         }
     }
 
-    /// Writes the local cache's file (another process may write the same
-    /// one: a private temporary name, then an atomic rename).
+    /// Writes the local cache's file for `digest`.
     fn write_cache(&self, digest: &str, artifact: &[u8]) {
-        let Some(path) = self.cache_path(digest) else { return };
-        let tmp = path.with_extension(format!("{}.{}.tmp", std::process::id(), uuid::Uuid::new_v4().simple()));
-        if std::fs::write(&tmp, artifact).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
-            let _ = std::fs::remove_file(&tmp);
-            tracing::warn!(path = %path.display(), "could not cache the compiled component");
+        if let Some(path) = self.cache_path(digest) {
+            write_cache_file(&path, artifact);
         }
     }
 
@@ -363,7 +378,11 @@ impl Sandbox {
                     Ok(c) => {
                         self.stats.artifacts_loaded.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(digest, bytes = stored.artifact.len(), "loaded a stored compiled component");
-                        self.write_cache(digest, &stored.artifact);
+                        // Tens of MB to disk: off the first run's path.
+                        if let Some(path) = self.cache_path(digest) {
+                            let artifact = stored.artifact;
+                            tokio::task::spawn_blocking(move || write_cache_file(&path, &artifact));
+                        }
                         return self.prepare(&c);
                     }
                     Err(e) => {
@@ -408,6 +427,16 @@ impl Compiler {
         let took_ms = started.elapsed().as_millis() as u64;
         tracing::info!(digest, bytes = bytes.len(), took_ms, "compiled a plugin component");
         Ok(component)
+    }
+}
+
+/// Writes a local cache file (another process may write the same one: a
+/// private temporary name, then an atomic rename).
+fn write_cache_file(path: &std::path::Path, artifact: &[u8]) {
+    let tmp = path.with_extension(format!("{}.{}.tmp", std::process::id(), uuid::Uuid::new_v4().simple()));
+    if std::fs::write(&tmp, artifact).and_then(|_| std::fs::rename(&tmp, path)).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+        tracing::warn!(path = %path.display(), "could not cache the compiled component");
     }
 }
 
