@@ -363,11 +363,24 @@ async fn an_exhausted_pool_makes_a_run_wait_never_fail() {
     let host = TestHost::start(&db, Some(Hub::start(db.url.clone())), agents, fast_config("w")).await;
     let mut runs = Vec::new();
     for i in 0..4 {
-        runs.push(post(&host, "chat-python", &format!("turn {i}"), json!({ "hold_ms": 300 })).await);
+        runs.push(post(&host, "chat-python", &format!("turn {i}"), json!({ "hold_ms": 300, "answer": "done" })).await);
     }
     for run in runs {
         assert_eq!(wait_terminal(&db.pool, run, LONG).await, "completed", "{}", run_error(&db.pool, run).await);
     }
     assert!(sandbox.compile_stats().pool_waits > 0, "the late turns waited: {:?}", sandbox.compile_stats());
     host.stop().await;
+}
+
+/// The JavaScript build leaves out the WASI features the host does not
+/// grant: its component names no `wasi:http` interface it would import
+/// (outgoing requests, their types), while the host's own interface is there.
+#[test]
+fn the_javascript_component_leaves_out_wasi_http() {
+    let wasm = example_wasm("chat-js");
+    let has = |name: &str| wasm.windows(name.len()).any(|w| w == name.as_bytes());
+    assert!(has("agent-host:plugin/host@0.2.0"));
+    for absent in ["wasi:http/outgoing-handler", "wasi:http/types"] {
+        assert!(!has(absent), "the component names {absent}");
+    }
 }
