@@ -183,8 +183,9 @@ impl Hasher for Sha256Hasher {
         sha2::Digest::update(&mut self.0, bytes);
     }
 
+    /// Unused: the digest is read with `finalize`.
     fn finish(&self) -> u64 {
-        unreachable!("read with finalize")
+        0
     }
 }
 
@@ -269,14 +270,24 @@ impl Sandbox {
         &self.engine_hash
     }
 
-    /// The MAC of an artifact: HMAC-SHA256 over digest, engine hash and bytes.
-    fn mac(&self, digest: &str, artifact: &[u8]) -> Vec<u8> {
+    /// The MAC of an artifact, ready for its last part: HMAC-SHA256 over
+    /// digest, engine hash and bytes.
+    fn mac_of(&self, digest: &str, artifact: &[u8]) -> hmac::Hmac<sha2::Sha256> {
         use hmac::Mac;
         let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.artifact_key).expect("HMAC takes any key");
         for part in [digest.as_bytes(), b"\0", self.engine_hash.as_bytes(), b"\0", artifact] {
             mac.update(part);
         }
-        mac.finalize().into_bytes().to_vec()
+        mac
+    }
+
+    fn mac(&self, digest: &str, artifact: &[u8]) -> Vec<u8> {
+        hmac::Mac::finalize(self.mac_of(digest, artifact)).into_bytes().to_vec()
+    }
+
+    /// Whether `tag` is this host's MAC of the artifact (compared in constant time).
+    fn mac_ok(&self, digest: &str, artifact: &[u8], tag: &[u8]) -> bool {
+        hmac::Mac::verify_slice(self.mac_of(digest, artifact), tag).is_ok()
     }
 
     /// Compiles `bytes` (CPU work: call it off the async threads), counted
@@ -370,8 +381,7 @@ impl Sandbox {
             return self.prepare(&c);
         }
         if let Some(stored) = db::artifacts::get(&self.pool, digest, &self.engine_hash).await? {
-            let mac = self.mac(digest, &stored.artifact);
-            if hmac_eq(&mac, &stored.mac) {
+            if self.mac_ok(digest, &stored.artifact, &stored.mac) {
                 // SAFETY: the MAC proves this host wrote these bytes for this
                 // digest and engine (`keep_artifact`, from `serialize`).
                 match unsafe { Component::deserialize(self.wasm(), &stored.artifact) } {
@@ -438,11 +448,6 @@ fn write_cache_file(path: &std::path::Path, artifact: &[u8]) {
         let _ = std::fs::remove_file(&tmp);
         tracing::warn!(path = %path.display(), "could not cache the compiled component");
     }
-}
-
-/// MACs compared in constant time.
-fn hmac_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// A stored component as an [`Agent`]: one turn is one fresh instance.
