@@ -1,5 +1,8 @@
 // Types of the agent-host JavaScript/TypeScript SDK (index.js) and of the
-// `agent-host:plugin@0.2.0` world it is built against.
+// `agent-host:plugin@0.2.0` world it is built against (the host interface's
+// bindings are typed in wit.d.ts).
+
+/// <reference path="./wit.d.ts" />
 
 /** One message of the conversation before this turn. */
 export interface Message {
