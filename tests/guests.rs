@@ -18,7 +18,7 @@ use agent_host::db::audit::Actor;
 use agent_host::db::RunId;
 use agent_host::error::HostError;
 use agent_host::hub::Hub;
-use agent_host::sandbox::Sandbox;
+use agent_host::sandbox::{Manifest, Sandbox};
 use agent_host::tools::{EventSink, Tool, ToolCall, ToolRegistry};
 use agent_host::worker::WorkerConfig;
 use reqwest::StatusCode;
@@ -275,16 +275,20 @@ fn cache_dir(what: &str) -> String {
 
 /// Compile once, run anywhere: the process that takes an upload compiles
 /// it once (validation) and stores the artifact; a second process with an
-/// empty local cache runs it without compiling; a third finds the stored
-/// artifact tampered with, refuses it (logged), recompiles and replaces it.
+/// empty local cache and the same artifact key (`AGENT_HOST_ARTIFACT_KEY`)
+/// runs it without compiling; a third finds the stored artifact tampered
+/// with, refuses it (logged), recompiles and replaces it; a fourth with
+/// another key compiles once for its key and leaves the first key's row be.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_that_never_saw_a_python_plugin_runs_it_without_compiling() {
     let db = TestDb::new().await;
     let token = agent_host::db::tokens::create(&db.pool, "alice", "acme", true).await.unwrap();
     let wasm = example_wasm("chat-python");
+    let key = [("AGENT_HOST_ARTIFACT_KEY", "6a0f3c1e9b7d4a2f8e5c0b1d3f7a9e2c4b6d8f0a1c3e5b7d9f2a4c6e8b0d1f3a")];
+    let other_key = [("AGENT_HOST_ARTIFACT_KEY", "another key of a host that shares no artifacts, 32+ bytes")];
 
-    let (cache_a, cache_b, cache_c) = (cache_dir("a"), cache_dir("b"), cache_dir("c"));
-    let mut a = HostProcess::spawn(&db.url, "a", &[FAST, &["--cache-dir", &cache_a]].concat());
+    let (cache_a, cache_b, cache_c, cache_d) = (cache_dir("a"), cache_dir("b"), cache_dir("c"), cache_dir("d"));
+    let mut a = HostProcess::spawn_env(&db.url, "a", &[FAST, &["--cache-dir", &cache_a]].concat(), &key);
     let (content_type, body) = support::http::multipart(&[
         ("name", b"py-fresh"),
         ("component", &wasm),
@@ -303,14 +307,20 @@ async fn a_process_that_never_saw_a_python_plugin_runs_it_without_compiling() {
     a.signal(nix::sys::signal::Signal::SIGTERM);
     a.wait_exit(LONG).await;
     let digest = agent_host::db::plugins::digest_of(&wasm);
-    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM plugin_artifact WHERE digest = $1")
+    let rows = || async {
+        sqlx::query_as::<_, (String, i32)>(
+            "SELECT key_id, get_byte(artifact, 4096) FROM plugin_artifact WHERE digest = $1 ORDER BY created_at",
+        )
         .bind(&digest)
-        .fetch_one(&db.pool)
+        .fetch_all(&db.pool)
         .await
-        .unwrap();
-    assert_eq!(stored, 1, "the validation's artifact is stored");
+        .unwrap()
+    };
+    let stored = rows().await;
+    assert_eq!(stored.len(), 1, "the validation's artifact is stored");
+    let (key_id, original) = stored[0].clone();
 
-    let b = HostProcess::spawn(&db.url, "b", &[FAST, &["--cache-dir", &cache_b]].concat());
+    let b = HostProcess::spawn_env(&db.url, "b", &[FAST, &["--cache-dir", &cache_b]].concat(), &key);
     let text = run_via(&db, &b.addr, &token, "py-fresh").await;
     assert!(text.contains("hello from another process"), "{text}");
     assert_eq!(metric(&b.addr, "agent_host_component_compiles_total").await, 0.0, "{}", b.log());
@@ -318,32 +328,101 @@ async fn a_process_that_never_saw_a_python_plugin_runs_it_without_compiling() {
     drop(b);
 
     // One byte of the stored artifact changed: not loaded, recompiled, replaced.
-    let original: i32 = sqlx::query_scalar("SELECT get_byte(artifact, 4096) FROM plugin_artifact WHERE digest = $1")
-        .bind(&digest)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
     sqlx::query("UPDATE plugin_artifact SET artifact = set_byte(artifact, 4096, (get_byte(artifact, 4096) + 1) % 256) WHERE digest = $1")
         .bind(&digest)
         .execute(&db.pool)
         .await
         .unwrap();
-    let c = HostProcess::spawn(&db.url, "c", &[FAST, &["--cache-dir", &cache_c]].concat());
+    let c = HostProcess::spawn_env(&db.url, "c", &[FAST, &["--cache-dir", &cache_c]].concat(), &key);
     run_via(&db, &c.addr, &token, "py-fresh").await;
     assert_eq!(metric(&c.addr, "agent_host_component_artifacts_rejected_total").await, 1.0);
     assert_eq!(metric(&c.addr, "agent_host_component_artifacts_loaded_total").await, 0.0);
     assert_eq!(metric(&c.addr, "agent_host_component_compiles_total").await, 1.0);
     c.wait_log("failed its MAC check", LONG).await;
-    let replaced: i32 = sqlx::query_scalar("SELECT get_byte(artifact, 4096) FROM plugin_artifact WHERE digest = $1")
-        .bind(&digest)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(replaced, original, "the recompiled artifact replaced the tampered one");
+    assert_eq!(rows().await, vec![(key_id.clone(), original)], "the recompiled artifact replaced the tampered one");
     drop(c);
-    for dir in [cache_a, cache_b, cache_c] {
+
+    // Another key: the first key's artifact is neither loaded nor called
+    // tampered nor overwritten; this host compiles once for its own key.
+    let d = HostProcess::spawn_env(&db.url, "d", &[FAST, &["--cache-dir", &cache_d]].concat(), &other_key);
+    run_via(&db, &d.addr, &token, "py-fresh").await;
+    assert_eq!(metric(&d.addr, "agent_host_component_compiles_total").await, 1.0);
+    assert_eq!(metric(&d.addr, "agent_host_component_artifacts_rejected_total").await, 0.0, "{}", d.log());
+    drop(d);
+    let both = rows().await;
+    assert_eq!(both.len(), 2, "one row per key");
+    assert_eq!(both[0], (key_id.clone(), original), "the first key's row is untouched");
+    assert_ne!(both[1].0, key_id);
+
+    // A key too short to be a secret is refused at start, naming the rule.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+        .args(["--database-url", &db.url, "--cache-dir", &cache_d, "serve", "--listen", "127.0.0.1:0"])
+        .env("AGENT_HOST_ARTIFACT_KEY", "hunter2")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("at least 32 bytes"), "{stderr}");
+    for dir in [cache_a, cache_b, cache_c, cache_d] {
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// The local cache trusts only files with this host's MAC: one byte of a
+/// cached compiled component changed, a fresh sandbox on that cache
+/// directory deletes the file (counted, logged), recompiles and writes a
+/// good one, which the next sandbox loads without compiling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_local_cache_file_is_not_loaded() {
+    let db = TestDb::new().await;
+    let cache = TempDir(std::env::temp_dir().join(format!("agent-host-guests-{}", uuid::Uuid::new_v4().simple())));
+    let wasm = plugin_wasm("fixtures");
+    let digest = agent_host::db::plugins::digest_of(&wasm);
+    let first: Arc<dyn Components> = Sandbox::new(db.pool.clone(), Some(cache.0.clone())).unwrap();
+    let manifest = Manifest::default();
+    let plugin_manifest = json!({ "tools": [] });
+    agent_host::service::plugins::register(&db.pool, &first, &Actor::cli(), None, "fx", wasm, &plugin_manifest)
+        .await
+        .unwrap();
+    let files = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(&cache.0)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "cwasm"))
+            .collect()
+    };
+    let file = files().pop().expect("the upload's artifact is cached");
+    // No stored row either: what is not loaded must be compiled.
+    sqlx::query("DELETE FROM plugin_artifact").execute(&db.pool).await.unwrap();
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 1;
+    std::fs::write(&file, &bytes).unwrap();
+
+    let second = Sandbox::new(db.pool.clone(), Some(cache.0.clone())).unwrap();
+    let before = second.compile_stats();
+    Components::agent(&*second, &digest, &manifest).await.expect("recompiled");
+    let after = second.compile_stats();
+    assert_eq!(after.artifacts_rejected - before.artifacts_rejected, 1, "{after:?}");
+    assert_eq!(after.compiles - before.compiles, 1, "{after:?}");
+    let rewritten = std::fs::read(&file).expect("a good file replaces the tampered one");
+    assert_ne!(rewritten, bytes);
+
+    let third = Sandbox::new(db.pool.clone(), Some(cache.0.clone())).unwrap();
+    Components::agent(&*third, &digest, &manifest).await.expect("loaded from the cache");
+    let stats = third.compile_stats();
+    assert_eq!((stats.compiles, stats.artifacts_rejected), (0, 0), "{stats:?}");
+}
+
+/// A component that could never fit one guest's share of the pool is
+/// refused when it is compiled (at upload), with the count it needs.
+#[tokio::test]
+async fn a_component_past_the_per_component_limits_is_refused_at_upload() {
+    let db = TestDb::new().await;
+    let sandbox = Sandbox::new(db.pool.clone(), None).unwrap();
+    let instances = "(core instance (instantiate $m))\n".repeat(65);
+    let wat = format!("(component (core module $m) {instances})");
+    let err = sandbox.validate(wat.as_bytes()).unwrap_err().to_string();
+    assert!(err.contains("core module instances") && err.contains("64"), "{err}");
 }
 
 /// A pool with room for two guests at once and four Python turns wanting

@@ -32,11 +32,17 @@ pub const FAST: &[&str] = &[
 
 impl HostProcess {
     pub fn spawn(database_url: &str, worker_id: &str, args: &[&str]) -> HostProcess {
+        HostProcess::spawn_env(database_url, worker_id, args, &[])
+    }
+
+    /// [`HostProcess::spawn`] with environment variables set.
+    pub fn spawn_env(database_url: &str, worker_id: &str, args: &[&str], envs: &[(&str, &str)]) -> HostProcess {
         let mut child = Command::new(env!("CARGO_BIN_EXE_agent-host"))
             .args(["--database-url", database_url, "--db-pool-max", "8", "serve", "--listen", "127.0.0.1:0"])
             .args(["--worker-id", worker_id])
             .args(args)
             .env("AGENT_HOST_LOG", "info")
+            .envs(envs.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -5,12 +5,14 @@
 //!
 //! Compile once, run anywhere: a component is compiled by the first process
 //! that sees its digest (an upload's validation, or a first run) and the
-//! artifact is stored in PostgreSQL (`plugin_artifact`) keyed by digest and
-//! the engine's compatibility hash, with an HMAC over both and the bytes; a
-//! process that never saw the digest checks the MAC and deserializes instead
-//! of compiling. Lookup order: memory, the local disk cache (files this
-//! process's engine wrote), the database, then a compile. An artifact whose
-//! MAC does not match is never loaded: it is logged, recompiled and replaced.
+//! artifact is stored in PostgreSQL (`plugin_artifact`) keyed by digest,
+//! the engine's compatibility hash and the artifact key's id, with an HMAC
+//! (under the host's secret key, see [`key`]) over digest, engine hash and
+//! bytes; a process that never saw the digest checks the MAC and
+//! deserializes instead of compiling. Lookup order: memory, the local disk
+//! cache (each file starts with the same MAC), the database, then a compile.
+//! An artifact whose MAC does not match is never loaded: it is logged,
+//! counted, deleted (a cache file) or replaced (a row), and recompiled.
 //! Users never hand the host precompiled bytes: uploads are components, and
 //! only [`Sandbox`] writes artifacts.
 //!
@@ -33,6 +35,7 @@
 mod clocks;
 mod engine;
 mod imports;
+pub mod key;
 mod output;
 
 use std::collections::HashMap;
@@ -139,13 +142,9 @@ pub enum SandboxError {
     Engine(String),
     #[error(transparent)]
     Db(#[from] sqlx::Error),
+    #[error("artifact key: {0}")]
+    Key(String),
 }
-
-/// The key of artifacts' MACs when the operator sets none
-/// (`--artifact-key`): the MAC then still binds the bytes to their digest
-/// and engine (a corrupted or mismatched row is refused), and a key of the
-/// operator's own also keeps a writer of the database from forging one.
-const ARTIFACT_KEY_DEFAULT: &[u8] = b"agent-host plugin_artifact v1";
 
 /// How long a run waits between tries for a slot of an exhausted pool.
 const POOL_RETRY: Duration = Duration::from_millis(20);
@@ -158,7 +157,11 @@ pub struct Sandbox {
     cache_dir: Option<PathBuf>,
     /// The engine's compatibility hash, hex (artifacts' key with the digest).
     engine_hash: String,
-    artifact_key: Vec<u8>,
+    /// MACs under the process's artifact key.
+    macs: key::Macs,
+    /// One compile at a time (Cranelift already uses every core for one):
+    /// upload validations and first runs share it.
+    compiling: Arc<Mutex<()>>,
     /// One cell per digest: concurrent first runs of a plugin compile it once.
     pres: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<Pre>>>>,
     live: Arc<AtomicUsize>,
@@ -200,25 +203,33 @@ impl Drop for LiveGuard {
 
 impl Sandbox {
     /// Builds the engine and starts its epoch ticker. `cache_dir` keeps
-    /// compiled components across restarts; artifacts' MACs use the default key.
+    /// compiled components across restarts; artifacts' MACs use its
+    /// generated key (`<cache-dir>/artifact.key`), or a random one without it.
     pub fn new(pool: PgPool, cache_dir: Option<PathBuf>) -> Result<Arc<Sandbox>, SandboxError> {
-        Sandbox::with_artifact_key(pool, cache_dir, None)
+        let key = match &cache_dir {
+            Some(dir) => key::ArtifactKey::in_cache_dir(dir),
+            None => key::ArtifactKey::random(),
+        }
+        .map_err(SandboxError::Key)?;
+        Sandbox::build(pool, cache_dir, key, INSTANCES_MAX)
     }
 
-    /// The sandbox of a process started with `args` (its cache directory and
-    /// artifact key).
+    /// The sandbox of a process started with `args`: its cache directory,
+    /// and its artifact key (`AGENT_HOST_ARTIFACT_KEY`, `--artifact-key-file`
+    /// or the cache directory's).
     pub fn for_args(pool: PgPool, args: &crate::config::DbArgs) -> Result<Arc<Sandbox>, SandboxError> {
-        let key = args.artifact_key.as_deref().map(str::as_bytes);
-        Sandbox::with_artifact_key(pool, Some(args.cache_dir.clone()), key)
+        let key = key::ArtifactKey::resolve(args.artifact_key_file.as_deref(), Some(&args.cache_dir))
+            .map_err(SandboxError::Key)?;
+        Sandbox::with_key(pool, Some(args.cache_dir.clone()), key)
     }
 
-    /// [`Sandbox::new`] with the operator's key for artifacts' MACs.
-    pub fn with_artifact_key(
+    /// [`Sandbox::new`] with `key` for artifacts' MACs.
+    pub fn with_key(
         pool: PgPool,
         cache_dir: Option<PathBuf>,
-        artifact_key: Option<&[u8]>,
+        key: key::ArtifactKey,
     ) -> Result<Arc<Sandbox>, SandboxError> {
-        Sandbox::build(pool, cache_dir, artifact_key, INSTANCES_MAX)
+        Sandbox::build(pool, cache_dir, key, INSTANCES_MAX)
     }
 
     /// [`Sandbox::new`] whose pool holds only `instances` guests at once (a
@@ -228,13 +239,13 @@ impl Sandbox {
         cache_dir: Option<PathBuf>,
         instances: u32,
     ) -> Result<Arc<Sandbox>, SandboxError> {
-        Sandbox::build(pool, cache_dir, None, instances)
+        Sandbox::build(pool, cache_dir, key::ArtifactKey::random().map_err(SandboxError::Key)?, instances)
     }
 
     fn build(
         pool: PgPool,
         cache_dir: Option<PathBuf>,
-        artifact_key: Option<&[u8]>,
+        key: key::ArtifactKey,
         instances: u32,
     ) -> Result<Arc<Sandbox>, SandboxError> {
         let engine = engine::SandboxEngine::new(instances).map_err(SandboxError::Engine)?;
@@ -252,13 +263,15 @@ impl Sandbox {
         let mut hasher = Sha256Hasher(sha2::Sha256::default());
         engine.engine.precompile_compatibility_hash().hash(&mut hasher);
         let engine_hash = hex::encode(sha2::Digest::finalize(hasher.0));
+        tracing::info!(key_id = key.id(), engine = %engine_hash, "sandbox ready");
         Ok(Arc::new(Sandbox {
+            macs: key::Macs::new(key, &engine_hash),
+            compiling: Arc::default(),
             engine,
             linker,
             pool,
             cache_dir,
             engine_hash,
-            artifact_key: artifact_key.unwrap_or(ARTIFACT_KEY_DEFAULT).to_vec(),
             pres: Mutex::new(HashMap::new()),
             live: Arc::new(AtomicUsize::new(0)),
             stats: Arc::default(),
@@ -270,24 +283,9 @@ impl Sandbox {
         &self.engine_hash
     }
 
-    /// The MAC of an artifact, ready for its last part: HMAC-SHA256 over
-    /// digest, engine hash and bytes.
-    fn mac_of(&self, digest: &str, artifact: &[u8]) -> hmac::Hmac<sha2::Sha256> {
-        use hmac::Mac;
-        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.artifact_key).expect("HMAC takes any key");
-        for part in [digest.as_bytes(), b"\0", self.engine_hash.as_bytes(), b"\0", artifact] {
-            mac.update(part);
-        }
-        mac
-    }
-
-    fn mac(&self, digest: &str, artifact: &[u8]) -> Vec<u8> {
-        hmac::Mac::finalize(self.mac_of(digest, artifact)).into_bytes().to_vec()
-    }
-
-    /// Whether `tag` is this host's MAC of the artifact (compared in constant time).
-    fn mac_ok(&self, digest: &str, artifact: &[u8], tag: &[u8]) -> bool {
-        hmac::Mac::verify_slice(self.mac_of(digest, artifact), tag).is_ok()
+    /// The artifact key's id (artifacts of other keys are neither loaded nor replaced).
+    pub fn key_id(&self) -> &str {
+        self.macs.key_id()
     }
 
     /// Compiles `bytes` (CPU work: call it off the async threads), counted
@@ -300,17 +298,20 @@ impl Sandbox {
     /// database) and in the local cache. A failure costs only a later
     /// compile, so it is logged, not returned.
     async fn keep_artifact(&self, digest: &str, artifact: Vec<u8>) {
-        self.write_cache(digest, &artifact);
-        let mac = self.mac(digest, &artifact);
-        if let Err(e) = db::artifacts::put(&self.pool, digest, &self.engine_hash, &artifact, &mac).await {
+        // Hashing and writing tens of MB: off the async threads.
+        let (macs, path, owned) = (self.macs.clone(), self.cache_path(digest), digest.to_string());
+        let kept = tokio::task::spawn_blocking(move || {
+            let mac = macs.mac(&owned, &artifact);
+            if let Some(path) = path {
+                write_cache_file(&path, &mac, &artifact);
+            }
+            (artifact, mac)
+        })
+        .await;
+        let Ok((artifact, mac)) = kept else { return };
+        if let Err(e) = db::artifacts::put(&self.pool, digest, &self.engine_hash, self.key_id(), &artifact, &mac).await
+        {
             tracing::warn!(digest, error = %e, "could not store the compiled component");
-        }
-    }
-
-    /// Writes the local cache's file for `digest`.
-    fn write_cache(&self, digest: &str, artifact: &[u8]) {
-        if let Some(path) = self.cache_path(digest) {
-            write_cache_file(&path, artifact);
         }
     }
 
@@ -362,7 +363,8 @@ impl Sandbox {
 
     fn cache_path(&self, digest: &str) -> Option<PathBuf> {
         let hex = digest.trim_start_matches("sha256:");
-        self.cache_dir.as_ref().map(|d| d.join(format!("{hex}-{}.cwasm", &self.engine_hash[..16])))
+        let (engine, key) = (&self.engine_hash[..16], &self.key_id()[..16]);
+        self.cache_dir.as_ref().map(|d| d.join(format!("{hex}-{engine}-{key}.cwasm")))
     }
 
     /// The prepared component for `digest`: memory, then disk, then the
@@ -373,25 +375,32 @@ impl Sandbox {
     }
 
     async fn load(&self, digest: &str) -> Result<Pre, SandboxError> {
-        let cached = self.cache_path(digest).filter(|p| p.exists());
-        // SAFETY: files in the cache directory are written only by
-        // `write_cache` with `Component::serialize` output of this engine
-        // configuration (the name carries the engine's compatibility hash).
-        if let Some(c) = cached.as_ref().and_then(|p| unsafe { Component::deserialize_file(self.wasm(), p) }.ok()) {
-            return self.prepare(&c);
+        if let Some(path) = self.cache_path(digest) {
+            let (engine, macs, owned) = (self.wasm().clone(), self.macs.clone(), digest.to_string());
+            let cached = tokio::task::spawn_blocking(move || read_cache_file(&engine, &macs, &owned, &path))
+                .await
+                .map_err(|e| SandboxError::Engine(e.to_string()))?;
+            match cached {
+                Cached::Loaded(c) => return self.prepare(&c),
+                Cached::Rejected => {
+                    self.stats.artifacts_rejected.fetch_add(1, Ordering::Relaxed);
+                }
+                Cached::Absent => {}
+            }
         }
-        if let Some(stored) = db::artifacts::get(&self.pool, digest, &self.engine_hash).await? {
-            if self.mac_ok(digest, &stored.artifact, &stored.mac) {
-                // SAFETY: the MAC proves this host wrote these bytes for this
-                // digest and engine (`keep_artifact`, from `serialize`).
+        if let Some(stored) = db::artifacts::get(&self.pool, digest, &self.engine_hash, self.key_id()).await? {
+            if self.macs.ok(digest, &stored.artifact, &stored.mac) {
+                // SAFETY: the MAC, under this host's secret key, proves this
+                // host wrote these bytes for this digest and engine
+                // (`keep_artifact`, from `serialize`).
                 match unsafe { Component::deserialize(self.wasm(), &stored.artifact) } {
                     Ok(c) => {
                         self.stats.artifacts_loaded.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(digest, bytes = stored.artifact.len(), "loaded a stored compiled component");
                         // Tens of MB to disk: off the first run's path.
                         if let Some(path) = self.cache_path(digest) {
-                            let artifact = stored.artifact;
-                            tokio::task::spawn_blocking(move || write_cache_file(&path, &artifact));
+                            let (mac, artifact) = (stored.mac, stored.artifact);
+                            tokio::task::spawn_blocking(move || write_cache_file(&path, &mac, &artifact));
                         }
                         return self.prepare(&c);
                     }
@@ -419,7 +428,7 @@ impl Sandbox {
 
     /// What compiling on a blocking thread needs (the engine and counters).
     fn clone_for_compile(&self) -> Compiler {
-        Compiler { engine: self.wasm().clone(), stats: self.stats.clone() }
+        Compiler { engine: self.wasm().clone(), stats: self.stats.clone(), compiling: self.compiling.clone() }
     }
 }
 
@@ -427,10 +436,12 @@ impl Sandbox {
 struct Compiler {
     engine: Engine,
     stats: Arc<Counters>,
+    compiling: Arc<Mutex<()>>,
 }
 
 impl Compiler {
     fn compile(&self, digest: &str, bytes: &[u8]) -> Result<Component, SandboxError> {
+        let _one_at_a_time = self.compiling.lock().unwrap_or_else(|e| e.into_inner());
         let started = std::time::Instant::now();
         let component = Component::new(&self.engine, bytes).map_err(|e| SandboxError::Invalid(format!("{e:#}")))?;
         self.stats.compiles.fetch_add(1, Ordering::Relaxed);
@@ -440,13 +451,48 @@ impl Compiler {
     }
 }
 
-/// Writes a local cache file (another process may write the same one: a
-/// private temporary name, then an atomic rename).
-fn write_cache_file(path: &std::path::Path, artifact: &[u8]) {
+/// Writes a local cache file: the artifact's MAC, then the artifact
+/// (another process may write the same one: a private temporary name, then
+/// an atomic rename).
+fn write_cache_file(path: &std::path::Path, mac: &[u8], artifact: &[u8]) {
     let tmp = path.with_extension(format!("{}.{}.tmp", std::process::id(), uuid::Uuid::new_v4().simple()));
-    if std::fs::write(&tmp, artifact).and_then(|_| std::fs::rename(&tmp, path)).is_err() {
+    let written = std::fs::File::create(&tmp).and_then(|mut f| {
+        use std::io::Write;
+        f.write_all(mac)?;
+        f.write_all(artifact)
+    });
+    if written.and_then(|_| std::fs::rename(&tmp, path)).is_err() {
         let _ = std::fs::remove_file(&tmp);
         tracing::warn!(path = %path.display(), "could not cache the compiled component");
+    }
+}
+
+/// What the local cache had for a digest.
+enum Cached {
+    Loaded(Component),
+    /// A file whose MAC did not match: deleted, not loaded.
+    Rejected,
+    Absent,
+}
+
+/// Reads, checks and deserializes a local cache file (blocking).
+fn read_cache_file(engine: &Engine, macs: &key::Macs, digest: &str, path: &std::path::Path) -> Cached {
+    let Ok(bytes) = std::fs::read(path) else { return Cached::Absent };
+    let (mac, artifact) = bytes.split_at(key::MAC_BYTES.min(bytes.len()));
+    if !macs.ok(digest, artifact, mac) {
+        let _ = std::fs::remove_file(path);
+        tracing::warn!(digest, path = %path.display(), "a cached compiled component failed its MAC check: deleted, not loaded");
+        return Cached::Rejected;
+    }
+    // SAFETY: the MAC, under this host's secret key, proves this host wrote
+    // these bytes (`Component::serialize` output) for this digest and engine.
+    match unsafe { Component::deserialize(engine, artifact) } {
+        Ok(c) => Cached::Loaded(c),
+        Err(e) => {
+            let _ = std::fs::remove_file(path);
+            tracing::warn!(digest, error = %format!("{e:#}"), "a cached compiled component did not load: deleted");
+            Cached::Absent
+        }
     }
 }
 
@@ -623,7 +669,7 @@ impl Components for Sandbox {
             // The database or the engine failing is the host's fault (and may
             // pass: a resumable run is handed back); the component's is not.
             match &e {
-                SandboxError::Db(_) | SandboxError::Engine(_) => {
+                SandboxError::Db(_) | SandboxError::Engine(_) | SandboxError::Key(_) => {
                     tracing::error!(error = %e, digest, "loading a plugin component failed");
                     AgentError::failed(FailReason::Host, format!("the component {digest} could not be loaded"))
                 }
