@@ -52,6 +52,14 @@ impl TempDir {
     }
 }
 
+/// A sandbox on `cache` with the bench's one artifact key (its sandboxes
+/// stand for processes of one deployment, which share a key).
+fn sandbox(pool: &PgPool, cache: &TempDir) -> anyhow::Result<Arc<Sandbox>> {
+    static KEY: std::sync::OnceLock<agent_host::sandbox::key::ArtifactKey> = std::sync::OnceLock::new();
+    let key = KEY.get_or_init(|| agent_host::sandbox::key::ArtifactKey::random().expect("a random key")).clone();
+    Ok(Sandbox::with_key(pool.clone(), Some(cache.0.clone()), key)?)
+}
+
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
@@ -87,7 +95,7 @@ pub async fn guests(pool: &PgPool, url: &str, _db_args: &DbArgs, args: &BenchArg
     // Per-run cost and parked memory, on one sandbox that has them all.
     sql::reset(pool).await?;
     let cache = TempDir::new("guests");
-    let sandbox = Sandbox::new(pool.clone(), Some(cache.0.clone()))?;
+    let sandbox = sandbox(pool, &cache)?;
     let uploader: Arc<dyn Components> = sandbox.clone();
     for (name, bytes) in &present {
         register(pool, &uploader, name, bytes.clone()).await?;
@@ -124,7 +132,7 @@ async fn first_runs(pool: &PgPool, url: &str, name: &str, bytes: &[u8]) -> anyho
     sql::reset(pool).await?;
     sqlx::query("TRUNCATE plugin_artifact").execute(pool).await?;
     let cache = TempDir::new("upload");
-    let uploader: Arc<dyn Components> = Sandbox::new(pool.clone(), Some(cache.0.clone()))?;
+    let uploader: Arc<dyn Components> = sandbox(pool, &cache)?;
     let t0 = Instant::now();
     let digest = register(pool, &uploader, name, bytes.to_vec()).await?;
     println!(
@@ -161,7 +169,7 @@ async fn first_run(
     digest: &str,
 ) -> anyhow::Result<(Duration, agent_host::agent::CompileStats)> {
     let cache = TempDir::new("fresh");
-    let sandbox = Sandbox::new(pool.clone(), Some(cache.0.clone()))?;
+    let sandbox = sandbox(pool, &cache)?;
     let agents = AgentRegistry::default().with_sandbox(sandbox.clone()).with_tools(tools()?);
     let config = WorkerConfig { max_runs: 1, worker_id: "bench".into(), ..WorkerConfig::default() };
     let worker = Worker::start(pool.clone(), Some(Hub::start(url.to_string())), agents, config).await?;

@@ -33,6 +33,7 @@ pub const KEY_ENV: &str = "AGENT_HOST_ARTIFACT_KEY";
 pub const KEY_FILE: &str = "artifact.key";
 
 /// A key for artifacts' MACs and its public id.
+#[derive(Clone)]
 pub struct ArtifactKey {
     key: Vec<u8>,
     id: String,
