@@ -411,6 +411,13 @@ async fn a_tampered_local_cache_file_is_not_loaded() {
     Components::agent(&*third, &digest, &manifest).await.expect("loaded from the cache");
     let stats = third.compile_stats();
     assert_eq!((stats.compiles, stats.artifacts_rejected), (0, 0), "{stats:?}");
+    // An upload of a digest the cache has is validated without a compile.
+    let third: Arc<dyn Components> = third;
+    let wasm = plugin_wasm("fixtures");
+    agent_host::service::plugins::register(&db.pool, &third, &Actor::cli(), None, "fx-again", wasm, &plugin_manifest)
+        .await
+        .unwrap();
+    assert_eq!(third.compile_stats().compiles, 0);
 }
 
 /// A component that could never fit one guest's share of the pool is

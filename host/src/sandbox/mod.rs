@@ -332,8 +332,24 @@ impl Sandbox {
 
     /// Compiles and checks `bytes`; the compiled artifact, for
     /// [`Components::keep`] once the component is stored.
+    /// A digest whose artifact the local cache already has (MAC checked; a
+    /// re-upload, the demo's registrations on a restart) is deserialized
+    /// and prepared instead of compiled.
     pub fn compile_checked(&self, bytes: &[u8]) -> Result<Compiled, SandboxError> {
         let digest = db::plugins::digest_of(bytes);
+        if let Some(path) = self.cache_path(&digest) {
+            match read_cache_file(self.wasm(), &self.macs, &digest, &path) {
+                Cached::Loaded(component, file) => {
+                    self.prepare(&component)?;
+                    let artifact = file[key::MAC_BYTES..].to_vec();
+                    return Ok(Compiled { digest, artifact });
+                }
+                Cached::Rejected => {
+                    self.stats.artifacts_rejected.fetch_add(1, Ordering::Relaxed);
+                }
+                Cached::Absent => {}
+            }
+        }
         let component = self.compile(&digest, bytes)?;
         self.prepare(&component)?;
         let artifact = component.serialize().map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
@@ -381,7 +397,7 @@ impl Sandbox {
                 .await
                 .map_err(|e| SandboxError::Engine(e.to_string()))?;
             match cached {
-                Cached::Loaded(c) => return self.prepare(&c),
+                Cached::Loaded(c, _) => return self.prepare(&c),
                 Cached::Rejected => {
                     self.stats.artifacts_rejected.fetch_add(1, Ordering::Relaxed);
                 }
@@ -469,7 +485,8 @@ fn write_cache_file(path: &std::path::Path, mac: &[u8], artifact: &[u8]) {
 
 /// What the local cache had for a digest.
 enum Cached {
-    Loaded(Component),
+    /// The component and the file's bytes (MAC, then artifact).
+    Loaded(Component, Vec<u8>),
     /// A file whose MAC did not match: deleted, not loaded.
     Rejected,
     Absent,
@@ -487,7 +504,7 @@ fn read_cache_file(engine: &Engine, macs: &key::Macs, digest: &str, path: &std::
     // SAFETY: the MAC, under this host's secret key, proves this host wrote
     // these bytes (`Component::serialize` output) for this digest and engine.
     match unsafe { Component::deserialize(engine, artifact) } {
-        Ok(c) => Cached::Loaded(c),
+        Ok(c) => Cached::Loaded(c, bytes),
         Err(e) => {
             let _ = std::fs::remove_file(path);
             tracing::warn!(digest, error = %format!("{e:#}"), "a cached compiled component did not load: deleted");
