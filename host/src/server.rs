@@ -226,7 +226,8 @@ async fn demo(pool: &PgPool, agents: &AgentRegistry, addr: std::net::SocketAddr)
         ("sleep", "the built-in sleep agent: build the plugins for the real thing")
     };
     let run_id = demo_run(pool, plugin, content).await?;
-    let body = json!({ "content": content, "plugin": "chat-python", "config": demo_config() }).to_string();
+    // The plugin registered now (the Python and JavaScript ones follow when built).
+    let body = json!({ "content": content, "plugin": plugin, "config": demo_config() }).to_string();
     println!(
         "\nconsole:    http://{addr}/ (sign in with the demo token)\n\
          demo token: {token}\n\
@@ -235,7 +236,7 @@ async fn demo(pool: &PgPool, agents: &AgentRegistry, addr: std::net::SocketAddr)
          stream it:  curl -sN -H 'Authorization: Bearer {token}' -H 'Accept: text/event-stream' http://{addr}/v1/runs/{run_id}/events\n\
          start one:  curl -s -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' \\\n\
          \x20           -d '{body}' http://{addr}/v1/runs\n\
-         \x20           (plugin chat, chat-python or chat-js)\n"
+         \x20           (plugin chat-python or chat-js too, once ready below)\n"
     );
     // The Python and JavaScript examples take a while to build the first
     // time: the host serves meanwhile, and each says when it is ready.
