@@ -74,19 +74,10 @@ fn offered() -> Value {
     json!({ "name": "lookup", "description": "looks things up", "parameters": { "type": "object" } })
 }
 
-/// A directory removed when dropped (compiled components are tens of MB).
-struct TempDir(std::path::PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A host in this process (worker and API) with the three chats
 /// registered through the upload path, granted `llm` and `lookup`.
 async fn host(db: &TestDb, config: WorkerConfig) -> (TestHost, TempDir) {
-    let cache = TempDir(std::env::temp_dir().join(format!("agent-host-guests-{}", uuid::Uuid::new_v4().simple())));
+    let cache = TempDir::new("guests");
     let sandbox: Arc<dyn Components> = Sandbox::new(db.pool.clone(), Some(cache.0.clone())).unwrap();
     let manifest = json!({ "tools": ["llm", "lookup"] });
     for (name, dir) in CHATS {
@@ -268,11 +259,6 @@ async fn run_via(db: &TestDb, addr: &str, token: &str, plugin: &str) -> String {
     answer(db, run).await
 }
 
-fn cache_dir(what: &str) -> String {
-    let dir = std::env::temp_dir().join(format!("agent-host-{what}-{}", uuid::Uuid::new_v4().simple()));
-    dir.to_string_lossy().into_owned()
-}
-
 /// Compile once, run anywhere: the process that takes an upload compiles
 /// it once (validation) and stores the artifact; a second process with an
 /// empty local cache and the same artifact key (`AGENT_HOST_ARTIFACT_KEY`)
@@ -287,7 +273,8 @@ async fn a_process_that_never_saw_a_python_plugin_runs_it_without_compiling() {
     let key = [("AGENT_HOST_ARTIFACT_KEY", "6a0f3c1e9b7d4a2f8e5c0b1d3f7a9e2c4b6d8f0a1c3e5b7d9f2a4c6e8b0d1f3a")];
     let other_key = [("AGENT_HOST_ARTIFACT_KEY", "another key of a host that shares no artifacts, 32+ bytes")];
 
-    let (cache_a, cache_b, cache_c, cache_d) = (cache_dir("a"), cache_dir("b"), cache_dir("c"), cache_dir("d"));
+    let dirs = [TempDir::new("a"), TempDir::new("b"), TempDir::new("c"), TempDir::new("d")];
+    let [cache_a, cache_b, cache_c, cache_d] = dirs.each_ref().map(TempDir::arg);
     let mut a = HostProcess::spawn_env(&db.url, "a", &[FAST, &["--cache-dir", &cache_a]].concat(), &key);
     let (content_type, body) = support::http::multipart(&[
         ("name", b"py-fresh"),
@@ -362,9 +349,6 @@ async fn a_process_that_never_saw_a_python_plugin_runs_it_without_compiling() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("at least 32 bytes"), "{stderr}");
-    for dir in [cache_a, cache_b, cache_c, cache_d] {
-        let _ = std::fs::remove_dir_all(dir);
-    }
 }
 
 /// The local cache trusts only files with this host's MAC: one byte of a
@@ -374,7 +358,7 @@ async fn a_process_that_never_saw_a_python_plugin_runs_it_without_compiling() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tampered_local_cache_file_is_not_loaded() {
     let db = TestDb::new().await;
-    let cache = TempDir(std::env::temp_dir().join(format!("agent-host-guests-{}", uuid::Uuid::new_v4().simple())));
+    let cache = TempDir::new("guests");
     let wasm = plugin_wasm("fixtures");
     let digest = agent_host::db::plugins::digest_of(&wasm);
     let first: Arc<dyn Components> = Sandbox::new(db.pool.clone(), Some(cache.0.clone())).unwrap();
@@ -437,7 +421,7 @@ async fn a_component_past_the_per_component_limits_is_refused_at_upload() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exhausted_pool_makes_a_run_wait_never_fail() {
     let db = TestDb::new().await;
-    let cache = TempDir(std::env::temp_dir().join(format!("agent-host-guests-{}", uuid::Uuid::new_v4().simple())));
+    let cache = TempDir::new("guests");
     let sandbox = Sandbox::with_pool_size(db.pool.clone(), Some(cache.0.clone()), 2).unwrap();
     let components: Arc<dyn Components> = sandbox.clone();
     let manifest = json!({ "tools": ["llm"] });

@@ -337,6 +337,27 @@ pub async fn wait_fenced(worker: &Worker, what: &str) {
     assert_eq!(worker.in_flight(), 0);
 }
 
+/// A fresh directory under the system's temporary one, removed when
+/// dropped (compiled components are tens of MB).
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    pub fn new(what: &str) -> TempDir {
+        TempDir(std::env::temp_dir().join(format!("agent-host-{what}-{}", uuid::Uuid::new_v4().simple())))
+    }
+
+    /// The path as a command-line argument.
+    pub fn arg(&self) -> String {
+        self.0.to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Built-in agents with a sandbox (so plugin names reach the registry), and
 /// the router in-process over them.
 pub fn sandboxed_router(db: &TestDb) -> (AgentRegistry, axum::Router) {
