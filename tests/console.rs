@@ -114,6 +114,30 @@ impl Browser {
             .collect()
     }
 
+    async fn get(&self, path: &str) -> Value {
+        let v: Value = self.http.get(format!("{}{path}", self.session)).send().await.unwrap().json().await.unwrap();
+        assert!(v["value"].get("error").is_none(), "webdriver {path}: {v}");
+        v["value"].clone()
+    }
+
+    /// The WebDriver id of the element `css` selects (its W3C reference key).
+    async fn element(&self, css: &str) -> String {
+        let v = self.command("/element", json!({ "using": "css selector", "value": css })).await;
+        let id = v["element-6066-11e4-a52e-4f735466cecf"].as_str();
+        id.unwrap_or_else(|| panic!("no element {css}: {v}")).to_string()
+    }
+
+    /// Whether a person sees the element (WebDriver's "is displayed": not
+    /// hidden by CSS, with a size), and its box (x, y, width, height).
+    async fn seen(&self, css: &str) -> (bool, [f64; 4]) {
+        let id = self.element(css).await;
+        let shown = self.get(&format!("/element/{id}/displayed")).await;
+        let shown = shown.as_bool().unwrap_or_else(|| panic!("displayed: {shown}"));
+        let r = self.get(&format!("/element/{id}/rect")).await;
+        let f = |k: &str| r[k].as_f64().unwrap();
+        (shown, [f("x"), f("y"), f("width"), f("height")])
+    }
+
     async fn text(&self, id: &str) -> String {
         self.run("return document.getElementById(arguments[0]).textContent", json!([id])).await.as_str().unwrap().into()
     }
@@ -345,4 +369,105 @@ async fn the_console_shows_a_pending_approval_and_approve_resumes_the_run_on_the
     let timeline = browser.text("timeline").await;
     assert!(timeline.contains("approval_requested") && timeline.contains("approval_decided"), "{timeline}");
     browser.quit().await;
+}
+
+/// What a newcomer sees: after sign-in only the app (the sign-in form is
+/// gone, not merely marked hidden), a plugin picker that names each plugin's
+/// language, digest and granted tools, and a run pane whose timeline stays
+/// in view while the page scrolls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_sign_in_a_person_sees_the_app_the_plugins_languages_and_a_run_pane_in_view() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let db = TestDb::new().await;
+    let token = tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
+    let python = example_wasm("chat-python");
+    let manifest = json!({ "tools": ["llm"] });
+    let digest = agent_host::db::plugins::put(&db.pool, "chat-python", &python, &manifest).await.unwrap().digest;
+    agent_host::db::plugins::put(&db.pool, "chat", &plugin_wasm("chat"), &manifest).await.unwrap();
+    let cache = std::env::temp_dir().join(format!("agent-host-console-{}", uuid::Uuid::new_v4().simple()));
+    let cache_arg = cache.to_string_lossy().into_owned();
+    let host = HostProcess::spawn(&db.url, "w", &[FAST, &["--cache-dir", &cache_arg]].concat());
+    let browser = Browser::start().await;
+    browser.command("/window/rect", json!({ "width": 1280, "height": 700 })).await;
+    browser.goto(&format!("http://{}/", host.addr)).await;
+    let (signin_seen, _) = browser.seen("#signin").await;
+    assert!(signin_seen, "before sign-in, the form is on screen");
+    browser
+        .run(
+            "document.getElementById('token').value = arguments[0]; document.getElementById('signin-button').click()",
+            json!([token]),
+        )
+        .await;
+    browser.until("the plugin list", "return document.getElementById('plugin').options.length > 1").await;
+    let (signin_seen, signin_box) = browser.seen("#signin").await;
+    assert!(!signin_seen, "after sign-in the form is gone from the screen ({signin_box:?})");
+    assert_eq!(signin_box[2] * signin_box[3], 0.0, "the form takes no space: {signin_box:?}");
+    let (app_seen, app_box) = browser.seen("#app").await;
+    assert!(app_seen && app_box[1] < 80.0, "the app is right under the header: {app_box:?}");
+
+    // The picker: language, digest and granted tools of each plugin.
+    let options: Vec<String> = serde_json::from_value(
+        browser.run("return [...document.getElementById('plugin').options].map(o => o.textContent)", json!([])).await,
+    )
+    .unwrap();
+    let python_option = options.iter().find(|o| o.starts_with("chat-python")).expect("chat-python is offered");
+    assert!(python_option.contains("python"), "{python_option}");
+    assert!(python_option.contains(&digest[7..19]), "{python_option}");
+    assert!(python_option.contains("tools: llm"), "{python_option}");
+    let rust_option = options.iter().find(|o| o.starts_with("chat ·")).expect("chat is offered");
+    assert!(rust_option.contains("rust"), "{rust_option}");
+    assert!(options.iter().any(|o| o == "echo · built-in"), "{options:?}");
+    browser
+        .run(
+            "const s = document.getElementById('plugin'); s.value = 'chat-python'; s.dispatchEvent(new Event('change'))",
+            json!([]),
+        )
+        .await;
+    let (info_seen, _) = browser.seen("#plugin-info").await;
+    let info = browser.text("plugin-info").await;
+    assert!(info_seen && info.contains(&digest) && info.contains("Language: python"), "{info}");
+
+    // A Python chat turn, watched in the run pane.
+    browser
+        .run(
+            "document.getElementById('message').value = 'hello from the console';
+             document.getElementById('send').click();",
+            json!([]),
+        )
+        .await;
+    browser
+        .until("the run to finish", "return document.getElementById('run-status').textContent === 'completed'")
+        .await;
+    let shown = browser.text("output").await;
+    assert!(shown.contains("hello from the console"), "{shown}");
+    let (run_seen, _) = browser.seen("#run").await;
+    let (timeline_seen, timeline_box) = browser.seen("#timeline").await;
+    assert!(run_seen && timeline_seen && timeline_box[3] > 0.0, "the timeline is on screen: {timeline_box:?}");
+    // A long conversation scrolls the page: the run pane stays in view.
+    browser
+        .run(
+            "const t = document.getElementById('transcript');
+             for (let i = 0; i < 60; i++) { const d = document.createElement('div'); d.className = 'msg';
+               d.textContent = 'an earlier message ' + i; t.append(d); }
+             window.scrollTo(0, document.body.scrollHeight);",
+            json!([]),
+        )
+        .await;
+    let scrolled = browser.run("return window.scrollY", json!([])).await.as_f64().unwrap();
+    assert!(scrolled > 0.0, "the page scrolled");
+    let viewport = browser.run("return window.innerHeight", json!([])).await.as_f64().unwrap();
+    let in_view = browser
+        .run(
+            "const r = document.getElementById('timeline').getBoundingClientRect(); return [r.top, r.bottom]",
+            json!([]),
+        )
+        .await;
+    let (top, bottom) = (in_view[0].as_f64().unwrap(), in_view[1].as_f64().unwrap());
+    assert!(
+        top >= 0.0 && bottom <= viewport && bottom > top,
+        "the timeline stays in view: {top}..{bottom} of {viewport}"
+    );
+    browser.quit().await;
+    drop(host);
+    let _ = std::fs::remove_dir_all(cache);
 }

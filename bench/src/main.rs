@@ -15,6 +15,7 @@ mod approvals;
 mod durable;
 mod figures;
 mod graphile;
+mod guests;
 mod library;
 mod queue;
 mod sandbox;
@@ -111,6 +112,13 @@ pub struct BenchArgs {
     /// overhead over the server's own time); needs no database.
     #[arg(long)]
     pub tools_only: bool,
+    /// Where the Python and JavaScript examples are (scripts/build-plugin's
+    /// chat-python.wasm, chat-js.wasm).
+    #[arg(long, default_value = "plugins/target/guests")]
+    pub guest_dir: PathBuf,
+    /// Only the guests' figures (Python and JavaScript beside Rust).
+    #[arg(long)]
+    pub guests_only: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -199,6 +207,11 @@ async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow
     let pool = library::connect_and_migrate(&url, (args.in_flight as u32 + 8).max(16)).await?;
     println!("agent-host bench: {} cores, database {}", figures::num_cpus(), figures::redact(&url));
 
+    if args.guests_only {
+        guests::guests(&pool, &url, db_args, args).await?;
+        pool.close().await;
+        return Ok(());
+    }
     queue::enqueue_latency(&pool, args).await?;
     let pickup_p50 = queue::pickup_latency(&pool, &url, args, true).await?;
     queue::pickup_latency(&pool, &url, args, false).await?;
@@ -216,6 +229,7 @@ async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow
     approvals::approvals(&pool, &url, db_args, args).await?;
     sandbox::sandbox(&pool, &url, db_args, args).await?;
     tools::tools(args).await?;
+    guests::guests(&pool, &url, db_args, args).await?;
 
     pool.close().await;
     Ok(())

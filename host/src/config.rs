@@ -35,6 +35,14 @@ pub struct DbArgs {
     /// Where compiled plugin components are cached (keyed by digest and engine).
     #[arg(long, env = "AGENT_HOST_CACHE_DIR", default_value = ".agent-host/cache", global = true)]
     pub cache_dir: PathBuf,
+    /// File holding the secret key (at least 32 bytes, e.g. 64 hex
+    /// characters) of the MACs that let a process trust compiled components
+    /// stored in the database and the cache. The key may instead be given in
+    /// AGENT_HOST_ARTIFACT_KEY; with neither, one is generated on first start
+    /// into <cache-dir>/artifact.key (mode 0600). Processes share artifacts
+    /// only when they share the key.
+    #[arg(long, env = "AGENT_HOST_ARTIFACT_KEY_FILE", global = true)]
+    pub artifact_key_file: Option<PathBuf>,
     /// Connections in the process's pool.
     #[arg(long, env = "AGENT_HOST_DB_POOL_MAX", default_value_t = 32, global = true)]
     pub db_pool_max: u32,

@@ -73,6 +73,26 @@ impl Exposition {
     }
 }
 
+/// The sandbox's compile counters (compile once, run anywhere).
+pub fn compile_stats(e: &mut Exposition, s: &crate::agent::CompileStats) {
+    e.counter("agent_host_component_compiles_total", "Plugin components this process compiled.", s.compiles);
+    e.counter(
+        "agent_host_component_artifacts_loaded_total",
+        "Compiled components this process loaded from the database instead of compiling.",
+        s.artifacts_loaded,
+    );
+    e.counter(
+        "agent_host_component_artifacts_rejected_total",
+        "Stored compiled components refused (MAC mismatch) and recompiled.",
+        s.artifacts_rejected,
+    );
+    e.counter(
+        "agent_host_sandbox_pool_waits_total",
+        "Guest instantiations that waited for a slot of the exhausted pooling allocator.",
+        s.pool_waits,
+    );
+}
+
 /// A label value made safe for the text format.
 pub fn label_value(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")

@@ -57,13 +57,17 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let mut shutdown = ShutdownSignal::install().context("installing signal handlers")?;
     let config = args.worker.to_config();
     config.validate()?;
-    let tools = args.tools.registry()?;
+    let mut tools = args.tools.registry()?;
+    if args.demo {
+        tools.insert(DEMO_TOOL, Arc::new(Clock));
+    }
     tracing::info!(tools = ?tools.names(), "tools ready");
     let mut database = open_database(db_args).await?;
     let pool = connect_and_migrate(&database.url, db_args.db_pool_max).await?;
     let hub = (!args.worker.no_hub).then(|| Hub::start(database.listen_url.clone()));
-    let sandbox = crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
+    let sandbox = crate::sandbox::Sandbox::for_args(pool.clone(), db_args)?;
     let agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(tools);
+    let agents_for_demo = agents.clone();
     // One policy (and so one set of quota buckets) for the API and the scheduler.
     let policy = config.policy.clone();
     let worker = Worker::start(pool.clone(), hub.clone(), agents.clone(), config).await?;
@@ -79,7 +83,7 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     // A line scripts and tests read to find the port.
     println!("agent-host listening on http://{addr}");
     if args.demo {
-        demo(&pool, addr).await?;
+        demo(&pool, &agents_for_demo, addr).await?;
     }
 
     let http_stop = tokio_util::sync::CancellationToken::new();
@@ -105,20 +109,101 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn demo(pool: &PgPool, addr: std::net::SocketAddr) -> anyhow::Result<()> {
-    let token = db::tokens::create(pool, "demo", "demo", true).await?;
+/// The demo's tool: the host's clock (the offline model calls the first tool
+/// it is offered, so the demo turn is a real tool call).
+const DEMO_TOOL: &str = "clock";
+
+struct Clock;
+
+#[async_trait::async_trait]
+impl crate::tools::Tool for Clock {
+    async fn call(
+        &self,
+        _call: &crate::tools::ToolCall<'_>,
+        _sink: &dyn crate::tools::EventSink,
+    ) -> Result<serde_json::Value, crate::error::HostError> {
+        Ok(json!(format!("it is {} UTC", chrono::Utc::now().format("%H:%M:%S on %A %-d %B %Y"))))
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+
+    fn idempotent(&self) -> bool {
+        true
+    }
+}
+
+/// The example plugins the demo registers: (name, directory under the
+/// checkout, manifest). Each is built with `scripts/build-plugin`; a language
+/// whose toolchain is missing is skipped with a line saying so.
+const DEMO_PLUGINS: [(&str, &str); 3] =
+    [("chat", "plugins/chat"), ("chat-python", "plugins/chat-python"), ("chat-js", "plugins/chat-js")];
+
+/// What the demo offers the model: the clock.
+fn demo_config() -> serde_json::Value {
+    json!({ "tools": [{ "name": DEMO_TOOL, "description": "The current date and time on the host", "parameters": { "type": "object", "properties": {} } }] })
+}
+
+/// Builds (when missing or changed) and registers one example plugin;
+/// `Ok(false)` when it cannot be built here.
+async fn demo_plugin(pool: &PgPool, agents: &AgentRegistry, name: &str, dir: &str) -> anyhow::Result<bool> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let script = root.join("scripts/build-plugin");
+    if !script.exists() {
+        println!("demo: {name} skipped (no checkout at {} to build it from)", root.display());
+        return Ok(false);
+    }
+    let out = tokio::process::Command::new(&script)
+        .arg(root.join(dir))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        let why = String::from_utf8_lossy(&out.stderr);
+        let last = why.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+        println!("demo: {name} skipped: its build failed ({last})");
+        return Ok(false);
+    }
+    let path = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().to_string();
+    let bytes = tokio::fs::read(&path).await.with_context(|| format!("reading {path}"))?;
+    let manifest_path = root.join(dir).join("manifest.json");
+    let manifest = match tokio::fs::read_to_string(&manifest_path).await {
+        Ok(text) => serde_json::from_str(&text).with_context(|| format!("{} is not JSON", manifest_path.display()))?,
+        Err(_) => json!({ "tools": ["llm", DEMO_TOOL] }),
+    };
+    let digest = db::plugins::digest_of(&bytes);
+    let current = db::plugins::get(pool, name).await?;
+    if current.is_some_and(|p| p.digest == digest && p.manifest == manifest) {
+        return Ok(true);
+    }
+    let sandbox = agents.sandbox().context("the demo needs the sandbox")?.clone();
+    crate::service::plugins::register(pool, &sandbox, &db::audit::Actor::cli(), None, name, bytes, &manifest).await?;
+    println!(
+        "demo: registered {name} ({digest}, {} tools: {})",
+        manifest["tools"].as_array().map_or(0, |t| t.len()),
+        manifest["tools"]
+    );
+    Ok(true)
+}
+
+/// Enqueues one demo turn of `plugin`, pinned to its digest and manifest
+/// (a built-in has neither); its run id.
+async fn demo_run(pool: &PgPool, plugin: &str, content: &str) -> anyhow::Result<crate::db::RunId> {
     let owner = db::enqueue::Owner { user_id: "demo".into(), tenant_id: "demo".into() };
-    let config = json!({ "steps": 20, "step_ms": 200 });
-    let request = json!({ "content": "demo", "plugin": "sleep", "config": config });
+    let config = demo_config();
+    let row = db::plugins::get(pool, plugin).await?;
+    let request = json!({ "content": content, "plugin": plugin, "config": config });
     let run = db::enqueue::enqueue(
         pool,
         &db::enqueue::NewRun {
             owner: &owner,
             conversation_id: None,
-            content: "Count to twenty, slowly.",
-            plugin: "sleep",
-            plugin_digest: None,
-            plugin_manifest: None,
+            content,
+            plugin,
+            plugin_digest: row.as_ref().map(|r| r.digest.as_str()),
+            plugin_manifest: row.as_ref().map(|r| &r.manifest),
             config: &config,
             request: &request,
             idempotency_key: None,
@@ -126,16 +211,48 @@ async fn demo(pool: &PgPool, addr: std::net::SocketAddr) -> anyhow::Result<()> {
         },
     )
     .await?;
+    Ok(run.run_id)
+}
+
+/// The demo: the example plugins built and registered (Rust `chat` first,
+/// then Python and JavaScript when their toolchains are here), a token, and
+/// a sandboxed `chat` turn that calls the clock tool.
+async fn demo(pool: &PgPool, agents: &AgentRegistry, addr: std::net::SocketAddr) -> anyhow::Result<()> {
+    let token = db::tokens::create(pool, "demo", "demo", true).await?;
+    let content = "What time is it?";
+    let (plugin, what) = if demo_plugin(pool, agents, "chat", "plugins/chat").await? {
+        ("chat", "the Rust chat plugin, sandboxed: a model call, a clock tool call, the answer")
+    } else {
+        ("sleep", "the built-in sleep agent: build the plugins for the real thing")
+    };
+    let run_id = demo_run(pool, plugin, content).await?;
+    // The plugin registered now (the Python and JavaScript ones follow when built).
+    let body = json!({ "content": content, "plugin": plugin, "config": demo_config() }).to_string();
     println!(
         "\nconsole:    http://{addr}/ (sign in with the demo token)\n\
          demo token: {token}\n\
-         demo run:   {run_id} (plugin sleep, 20 steps of 200 ms)\n\n\
+         demo run:   {run_id} ({what})\n\n\
          watch it:   curl -s -H 'Authorization: Bearer {token}' http://{addr}/v1/runs/{run_id}\n\
          stream it:  curl -sN -H 'Authorization: Bearer {token}' -H 'Accept: text/event-stream' http://{addr}/v1/runs/{run_id}/events\n\
          start one:  curl -s -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' \\\n\
-         \x20           -d '{{\"content\":\"hello there\",\"plugin\":\"echo\"}}' http://{addr}/v1/runs\n",
-        run_id = run.run_id
+         \x20           -d '{body}' http://{addr}/v1/runs\n\
+         \x20           (plugin chat-python or chat-js too, once ready below)\n"
     );
+    // The Python and JavaScript examples take a while to build the first
+    // time: the host serves meanwhile, and each says when it is ready.
+    let (pool, agents) = (pool.clone(), agents.clone());
+    tokio::spawn(async move {
+        for (name, dir) in DEMO_PLUGINS.iter().skip(1) {
+            match demo_plugin(&pool, &agents, name, dir).await {
+                Ok(true) => match demo_run(&pool, name, content).await {
+                    Ok(run) => println!("demo: {name} is ready; its demo run is {run}"),
+                    Err(e) => println!("demo: {name}: enqueueing its run failed: {e:#}"),
+                },
+                Ok(false) => {}
+                Err(e) => println!("demo: {name} skipped: {e:#}"),
+            }
+        }
+    });
     Ok(())
 }
 
@@ -180,8 +297,7 @@ pub async fn plugins_add(
     // Before a database is opened (or a private cluster started).
     crate::service::plugins::check(name, &manifest)?;
     with_pool(db_args, |pool| async move {
-        let sandbox: Arc<dyn crate::agent::Components> =
-            crate::sandbox::Sandbox::new(pool.clone(), Some(db_args.cache_dir.clone()))?;
+        let sandbox: Arc<dyn crate::agent::Components> = crate::sandbox::Sandbox::for_args(pool.clone(), db_args)?;
         let actor = db::audit::Actor::cli();
         let row = crate::service::plugins::register(&pool, &sandbox, &actor, tenant, name, bytes, &manifest).await?;
         let scope = tenant.map_or("published".to_string(), |t| format!("tenant {t}"));

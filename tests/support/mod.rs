@@ -349,6 +349,27 @@ pub async fn wait_fenced(worker: &Worker, what: &str) {
     assert_eq!(worker.in_flight(), 0);
 }
 
+/// A fresh directory under the system's temporary one, removed when
+/// dropped (compiled components are tens of MB).
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    pub fn new(what: &str) -> TempDir {
+        TempDir(std::env::temp_dir().join(format!("agent-host-{what}-{}", uuid::Uuid::new_v4().simple())))
+    }
+
+    /// The path as a command-line argument.
+    pub fn arg(&self) -> String {
+        self.0.to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Built-in agents with a sandbox (so plugin names reach the registry), and
 /// the router in-process over them.
 pub fn sandboxed_router(db: &TestDb) -> (AgentRegistry, axum::Router) {
@@ -375,4 +396,19 @@ pub async fn install_audit(pool: &PgPool) {
     ] {
         sqlx::query(sql).execute(pool).await.unwrap();
     }
+}
+
+/// An example plugin of any language (`plugins/<dir>`), built with
+/// `scripts/build-plugin` (which skips the build when its inputs are
+/// unchanged: the test command has built them already).
+pub fn example_wasm(dir: &str) -> Vec<u8> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+    let out = std::process::Command::new(root.join("scripts/build-plugin"))
+        .arg(root.join("plugins").join(dir))
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("running scripts/build-plugin");
+    assert!(out.status.success(), "scripts/build-plugin plugins/{dir} failed");
+    let path = String::from_utf8(out.stdout).unwrap().lines().last().unwrap().to_string();
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
 }

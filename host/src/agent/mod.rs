@@ -19,7 +19,7 @@ use crate::db::{ConversationId, RunId};
 pub use crate::error::{AgentError, FailReason, HostError};
 pub use crate::run::host::{RunHost, Usage};
 pub use builtins::{Echo, Noop, Sleep};
-pub use registry::{AgentRegistry, Components, Resolved};
+pub use registry::{AgentRegistry, CompileStats, Compiled, Components, Resolved};
 
 /// One message of the conversation before this turn.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]

@@ -30,8 +30,39 @@ pub trait Components: Send + Sync + 'static {
     /// Checks that `bytes` are a component this host can run; the error says
     /// what does not fit.
     fn validate(&self, bytes: &[u8]) -> Result<(), InvalidComponent>;
+    /// [`Components::validate`] that also hands back the compiled artifact,
+    /// for [`Components::keep`] once the component is stored: an upload's
+    /// validation is the digest's one compile.
+    fn compile(&self, bytes: &[u8]) -> Result<Compiled, InvalidComponent>;
+    /// Keeps a stored component's compiled artifact where every process
+    /// finds it (a failure only costs a later compile, and is logged).
+    async fn keep(&self, compiled: Compiled);
     /// Guest instances alive right now.
     fn live(&self) -> usize;
+    /// Compiles and stored artifacts since start, for `/metrics`.
+    fn compile_stats(&self) -> CompileStats {
+        CompileStats::default()
+    }
+}
+
+/// A validated component's compiled code (the engine's serialization).
+pub struct Compiled {
+    /// The component's digest (`sha256:<hex>` of its bytes).
+    pub digest: String,
+    pub artifact: Vec<u8>,
+}
+
+/// Counters of the sandbox's compiles since the process started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CompileStats {
+    /// Components compiled by Cranelift (uploads' validations and first runs).
+    pub compiles: u64,
+    /// Compiled artifacts loaded from the database instead of compiling.
+    pub artifacts_loaded: u64,
+    /// Stored artifacts refused (their MAC did not match) and recompiled.
+    pub artifacts_rejected: u64,
+    /// Instantiations that waited for a slot of an exhausted pool.
+    pub pool_waits: u64,
 }
 
 /// A run's agent with the manifest it runs under.

@@ -48,14 +48,45 @@ async function listAll(path, field, pagesMax) {
   return items;
 }
 
+// The plugins the caller may run, by name (from sign-in).
+let pluginsByName = new Map();
+
+function grantedTools(p) {
+  return (p.manifest && Array.isArray(p.manifest.tools)) ? p.manifest.tools : [];
+}
+
+// One picker line: name, language, short digest, granted tools.
+function pluginLabel(p) {
+  if (p.builtin) return `${p.name} · built-in`;
+  const tools = grantedTools(p);
+  return `${p.name} · ${p.language} · ${p.digest.slice(7, 19)} · tools: ${tools.length ? tools.join(", ") : "none"}`;
+}
+
+// The picked plugin in full, under the picker.
+function showPluginInfo() {
+  const p = pluginsByName.get($("plugin").value);
+  const info = $("plugin-info");
+  if (!p) { info.textContent = ""; return; }
+  if (p.builtin) { info.textContent = "A built-in agent (runs in the host, not sandboxed)."; return; }
+  const code = (text) => { const c = document.createElement("code"); c.textContent = text; return c; };
+  const tools = grantedTools(p);
+  info.replaceChildren(
+    `Language: ${p.language} · digest `, code(p.digest),
+    ` · granted tools: ${tools.length ? tools.join(", ") : "none"}`,
+  );
+}
+$("plugin").addEventListener("change", showPluginInfo);
+
 async function signIn() {
   token = $("token").value.trim() || token;
   try {
     const plugins = await listAll("/v1/plugins", "plugins", 20);
     localStorage.setItem("agent-host-token", token);
-    $("plugin").replaceChildren(...plugins.map((p) => new Option(p.name, p.name)));
-    const echo = plugins.find((p) => p.name === "echo");
-    if (echo) $("plugin").value = "echo";
+    pluginsByName = new Map(plugins.map((p) => [p.name, p]));
+    $("plugin").replaceChildren(...plugins.map((p) => new Option(pluginLabel(p), p.name)));
+    const first = ["chat", "echo"].find((n) => pluginsByName.has(n));
+    if (first) $("plugin").value = first;
+    showPluginInfo();
     $("signin").hidden = true;
     $("app").hidden = false;
     $("who").textContent = "signed in";

@@ -134,6 +134,7 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
     e.counter("agent_host_sse_tails_refused_total", "SSE tails refused at the bound (503).", tails.refused());
     if let Some(sandbox) = state.agents.sandbox() {
         e.gauge("agent_host_sandboxes_live", "Guest instances alive.", sandbox.live() as f64);
+        crate::metrics::compile_stats(&mut e, &sandbox.compile_stats());
     }
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], e.finish()))
 }

@@ -78,7 +78,7 @@ pub async fn upload(
     let tenant = (!published).then_some(p.tenant_id.as_str());
     let actor = Actor::from(&p);
     let row = registry::register(&state.pool, &sandbox, &actor, tenant, &name, component.into(), &manifest).await?;
-    let body = json!({ "name": row.name, "digest": row.digest, "manifest": row.manifest, "tenant_id": row.tenant_id,
+    let body = json!({ "name": row.name, "digest": row.digest, "language": row.language, "manifest": row.manifest, "tenant_id": row.tenant_id,
                        "published": row.tenant_id.is_none() });
     Ok((StatusCode::CREATED, Json(body)))
 }
@@ -98,7 +98,7 @@ pub async fn list(
     let mut plugins: Vec<(String, Value)> = rows
         .into_iter()
         .map(|p| {
-            let v = json!({ "name": p.name, "digest": p.digest, "manifest": p.manifest,
+            let v = json!({ "name": p.name, "digest": p.digest, "language": p.language, "manifest": p.manifest,
                             "size_bytes": p.size_bytes, "updated_at": p.updated_at, "tenant_id": p.tenant_id,
                             "builtin": false });
             (p.name, v)
@@ -108,7 +108,7 @@ pub async fn list(
     // one within them was among the rows if a plugin took its name.
     for name in state.agents.names() {
         if after.is_none_or(|a| name.as_str() > a) && !plugins.iter().any(|(n, _)| *n == name) {
-            let v = json!({ "name": name, "digest": null, "manifest": null, "builtin": true });
+            let v = json!({ "name": name, "digest": null, "language": "built-in", "manifest": null, "builtin": true });
             plugins.push((name, v));
         }
     }

@@ -443,7 +443,10 @@ pub const ROUTES: &[Route] = &[
         summary: "The plugins the caller may run (its tenant's, then published ones) and built-in agents, by name, \
                   100 a page unless ?limit says otherwise",
         auth: true,
-        ok: (200, "{plugins: [{name, digest, manifest, size_bytes, updated_at, tenant_id, builtin}], next_cursor}"),
+        ok: (
+            200,
+            "{plugins: [{name, digest, language, manifest, size_bytes, updated_at, tenant_id, builtin}], next_cursor}",
+        ),
         errors: &[400],
         query: PAGING,
         body: None,
@@ -455,7 +458,7 @@ pub const ROUTES: &[Route] = &[
         summary: "Register a WebAssembly component under a name in the caller's tenant (admin tokens only), or \
                   published to every tenant (operator tokens, published=true)",
         auth: true,
-        ok: (201, "{name, digest, manifest}"),
+        ok: (201, "{name, digest, language, manifest}"),
         errors: &[400, 403, 413, 415, 422],
         query: &[],
         body: Some(("multipart/form-data", plugin_form)),

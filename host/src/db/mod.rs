@@ -26,6 +26,7 @@
 //!   schedules and their firings.
 //! - [`cluster`]: the private PostgreSQL cluster; [`bench`]: the benchmark's SQL.
 
+pub mod artifacts;
 pub mod audit;
 pub mod calls;
 pub mod cluster;

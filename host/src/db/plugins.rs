@@ -25,10 +25,29 @@ pub fn digest_of(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
+/// The language a component was written in, as far as its toolchain's
+/// marks tell (shown in the console's plugin picker; nothing depends on it):
+/// `python` (componentize-py), `javascript` (componentize-js, whose engine
+/// is StarlingMonkey), `rust` (its standard library's paths), else `unknown`.
+pub fn language_of(bytes: &[u8]) -> &'static str {
+    let has = |mark: &str| memchr::memmem::find(bytes, mark.as_bytes()).is_some();
+    if has("componentize-py") {
+        "python"
+    } else if has("StarlingMonkey") || has("componentize-js") {
+        "javascript"
+    } else if has("library/std/src") || has("/rustc/") {
+        "rust"
+    } else {
+        "unknown"
+    }
+}
+
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct PluginRow {
     pub name: String,
     pub digest: String,
+    /// See [`language_of`].
+    pub language: String,
     pub manifest: Value,
     pub size_bytes: i32,
     pub updated_at: DateTime<Utc>,
@@ -36,7 +55,7 @@ pub struct PluginRow {
     pub tenant_id: Option<String>,
 }
 
-const COLUMNS: &str = "p.name, p.digest, p.manifest, c.size_bytes, p.updated_at, p.tenant_id";
+const COLUMNS: &str = "p.name, p.digest, c.language, p.manifest, c.size_bytes, p.updated_at, p.tenant_id";
 
 /// Stores the component (once per digest) and publishes `name` (every
 /// tenant may run it) pointing at it with `manifest`, in one transaction.
@@ -69,12 +88,13 @@ async fn put_in(
     let digest = digest_of(bytes);
     let mut tx = pool.begin().await?;
     sqlx::query(
-        "INSERT INTO plugin_component (digest, component, size_bytes) VALUES ($1, $2, $3)
+        "INSERT INTO plugin_component (digest, component, size_bytes, language) VALUES ($1, $2, $3, $4)
          ON CONFLICT (digest) DO NOTHING",
     )
     .bind(&digest)
     .bind(bytes)
     .bind(bytes.len() as i32)
+    .bind(language_of(bytes))
     .execute(&mut *tx)
     .await?;
     // The name in this scope, locked (a row lock would lock nothing on a

@@ -15,8 +15,21 @@ use crate::run::manifest::MEMORY_BYTES_CEILING;
 /// longest a running guest goes without yielding to the host.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 /// Concurrent guest instances the pooling allocator is sized for: a host's
-/// `--max-runs` may not exceed it.
+/// `--max-runs` may not exceed it (refused at start).
 pub const INSTANCES_MAX: u32 = 2_000;
+/// Core instances one guest may use, on average, before the pool runs out:
+/// a Rust guest makes 3, a componentize-js one 4, a componentize-py one 14
+/// (CPython, its libc and the WASI adapter are separate core modules).
+/// A pool exhausted anyway makes a new guest wait for a slot, never fail.
+pub const CORE_INSTANCES_PER_GUEST: u32 = 16;
+/// Core instances, memories and tables one component may have (a
+/// componentize-py guest, the largest example, has 14 core instances).
+pub const CORE_INSTANCES_PER_COMPONENT_MAX: u32 = 64;
+pub const MEMORIES_PER_COMPONENT_MAX: u32 = 8;
+pub const TABLES_PER_COMPONENT_MAX: u32 = 16;
+/// Elements of one table: a componentize-py guest's largest table has
+/// about 7,700, a componentize-js one 5,700 (wasmtime's default, 20,000).
+pub const TABLE_ELEMENTS_MAX: usize = 20_000;
 
 /// The engine and its epoch ticker; the ticker stops when this is dropped.
 pub struct SandboxEngine {
@@ -31,12 +44,26 @@ impl Drop for SandboxEngine {
 }
 
 impl SandboxEngine {
-    pub fn new() -> Result<SandboxEngine, String> {
+    /// The engine with a pool for `instances` concurrent guests
+    /// ([`INSTANCES_MAX`] in a host; tests exhaust a smaller one).
+    pub fn new(instances: u32) -> Result<SandboxEngine, String> {
         let mut pooling = PoolingAllocationConfig::default();
-        pooling.total_component_instances(INSTANCES_MAX);
-        pooling.total_core_instances(INSTANCES_MAX * 4);
-        pooling.total_memories(INSTANCES_MAX * 2);
-        pooling.total_tables(INSTANCES_MAX * 4);
+        let (core, memories, tables) = (instances * CORE_INSTANCES_PER_GUEST, instances * 2, instances * 4);
+        pooling.total_component_instances(instances);
+        pooling.total_core_instances(core);
+        pooling.total_memories(memories);
+        pooling.total_tables(tables);
+        // What one component may need, checked when it is compiled (so at
+        // upload): a component past them is refused with the count it
+        // needs, instead of waiting forever for a pool that can never fit it.
+        pooling.max_core_instances_per_component(CORE_INSTANCES_PER_COMPONENT_MAX.min(core));
+        pooling.max_memories_per_component(MEMORIES_PER_COMPONENT_MAX.min(memories));
+        pooling.max_tables_per_component(TABLES_PER_COMPONENT_MAX.min(tables));
+        // Each guest's async call runs on a fiber stack from the pool; twice
+        // the instances, so runs waiting for an instance (whose stores may
+        // hold a stack) never leave a running guest without one.
+        pooling.total_stacks(instances * 2);
+        pooling.table_elements(TABLE_ELEMENTS_MAX);
         pooling.max_memory_size(MEMORY_BYTES_CEILING as usize);
         let mut config = Config::new();
         config.wasm_component_model(true);

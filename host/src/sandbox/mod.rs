@@ -1,8 +1,20 @@
 //! The sandbox: WebAssembly components as agents. [`WasmAgent`] implements
 //! the same [`Agent`] trait as the built-ins and the agent registry finds it
-//! through [`Components`]; an `AgentPre` is cached per plugin digest,
-//! compiled code cached on disk keyed by digest and engine compatibility, and
-//! one `Store` per run, dropped after it.
+//! through [`Components`]; an `AgentPre` is cached per plugin digest and one
+//! `Store` per run, dropped after it.
+//!
+//! Compile once, run anywhere: a component is compiled by the first process
+//! that sees its digest (an upload's validation, or a first run) and the
+//! artifact is stored in PostgreSQL (`plugin_artifact`) keyed by digest,
+//! the engine's compatibility hash and the artifact key's id, with an HMAC
+//! (under the host's secret key, see [`key`]) over digest, engine hash and
+//! bytes; a process that never saw the digest checks the MAC and
+//! deserializes instead of compiling. Lookup order: memory, the local disk
+//! cache (each file starts with the same MAC), the database, then a compile.
+//! An artifact whose MAC does not match is never loaded: it is logged,
+//! counted, deleted (a cache file) or replaced (a row), and recompiled.
+//! Users never hand the host precompiled bytes: uploads are components, and
+//! only [`Sandbox`] writes artifacts.
 //!
 //! Two worlds run side by side: `agent-host:plugin@0.2.0` (a turn is also told
 //! the functions its client runs, and may end with calls of them, which the
@@ -23,12 +35,13 @@
 mod clocks;
 mod engine;
 mod imports;
+pub mod key;
 mod output;
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -38,7 +51,7 @@ use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Engine, Store, UpdateDeadline};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
-use crate::agent::registry::{Components, InvalidComponent};
+use crate::agent::registry::{CompileStats, Compiled, Components, InvalidComponent};
 use crate::agent::{Agent, AgentError, FailReason, RunHost, RunInput};
 use crate::db;
 pub use crate::run::manifest::{self as manifest, Limits, Manifest};
@@ -129,7 +142,12 @@ pub enum SandboxError {
     Engine(String),
     #[error(transparent)]
     Db(#[from] sqlx::Error),
+    #[error("artifact key: {0}")]
+    Key(String),
 }
+
+/// How long a run waits between tries for a slot of an exhausted pool.
+const POOL_RETRY: Duration = Duration::from_millis(20);
 
 /// The process's sandbox.
 pub struct Sandbox {
@@ -137,9 +155,41 @@ pub struct Sandbox {
     linker: Linker<Guest>,
     pool: PgPool,
     cache_dir: Option<PathBuf>,
+    /// The engine's compatibility hash, hex (artifacts' key with the digest).
+    engine_hash: String,
+    /// MACs under the process's artifact key.
+    macs: key::Macs,
+    /// One compile at a time (Cranelift already uses every core for one):
+    /// upload validations and first runs share it.
+    compiling: Arc<Mutex<()>>,
     /// One cell per digest: concurrent first runs of a plugin compile it once.
     pres: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<Pre>>>>,
     live: Arc<AtomicUsize>,
+    stats: Arc<Counters>,
+}
+
+/// What `/metrics` shows of compiling (see [`CompileStats`]).
+#[derive(Default)]
+struct Counters {
+    compiles: AtomicU64,
+    artifacts_loaded: AtomicU64,
+    artifacts_rejected: AtomicU64,
+    pool_waits: AtomicU64,
+}
+
+/// A `Hasher` that feeds SHA-256: the engine's compatibility hash as a
+/// digest that is the same in every process of this build.
+struct Sha256Hasher(sha2::Sha256);
+
+impl Hasher for Sha256Hasher {
+    fn write(&mut self, bytes: &[u8]) {
+        sha2::Digest::update(&mut self.0, bytes);
+    }
+
+    /// Unused: the digest is read with `finalize`.
+    fn finish(&self) -> u64 {
+        0
+    }
 }
 
 /// Counts a live guest instance for as long as it is held.
@@ -153,9 +203,52 @@ impl Drop for LiveGuard {
 
 impl Sandbox {
     /// Builds the engine and starts its epoch ticker. `cache_dir` keeps
-    /// compiled components across restarts.
+    /// compiled components across restarts; artifacts' MACs use its
+    /// generated key (`<cache-dir>/artifact.key`), or a random one without it.
     pub fn new(pool: PgPool, cache_dir: Option<PathBuf>) -> Result<Arc<Sandbox>, SandboxError> {
-        let engine = engine::SandboxEngine::new().map_err(SandboxError::Engine)?;
+        let key = match &cache_dir {
+            Some(dir) => key::ArtifactKey::in_cache_dir(dir),
+            None => key::ArtifactKey::random(),
+        }
+        .map_err(SandboxError::Key)?;
+        Sandbox::build(pool, cache_dir, key, INSTANCES_MAX)
+    }
+
+    /// The sandbox of a process started with `args`: its cache directory,
+    /// and its artifact key (`AGENT_HOST_ARTIFACT_KEY`, `--artifact-key-file`
+    /// or the cache directory's).
+    pub fn for_args(pool: PgPool, args: &crate::config::DbArgs) -> Result<Arc<Sandbox>, SandboxError> {
+        let key = key::ArtifactKey::resolve(args.artifact_key_file.as_deref(), Some(&args.cache_dir))
+            .map_err(SandboxError::Key)?;
+        Sandbox::with_key(pool, Some(args.cache_dir.clone()), key)
+    }
+
+    /// [`Sandbox::new`] with `key` for artifacts' MACs.
+    pub fn with_key(
+        pool: PgPool,
+        cache_dir: Option<PathBuf>,
+        key: key::ArtifactKey,
+    ) -> Result<Arc<Sandbox>, SandboxError> {
+        Sandbox::build(pool, cache_dir, key, INSTANCES_MAX)
+    }
+
+    /// [`Sandbox::new`] whose pool holds only `instances` guests at once (a
+    /// test's way to exhaust it).
+    pub fn with_pool_size(
+        pool: PgPool,
+        cache_dir: Option<PathBuf>,
+        instances: u32,
+    ) -> Result<Arc<Sandbox>, SandboxError> {
+        Sandbox::build(pool, cache_dir, key::ArtifactKey::random().map_err(SandboxError::Key)?, instances)
+    }
+
+    fn build(
+        pool: PgPool,
+        cache_dir: Option<PathBuf>,
+        key: key::ArtifactKey,
+        instances: u32,
+    ) -> Result<Arc<Sandbox>, SandboxError> {
+        let engine = engine::SandboxEngine::new(instances).map_err(SandboxError::Engine)?;
         let mut linker = Linker::<Guest>::new(&engine.engine);
         // WASI is linked so standard guests instantiate, and grants nothing.
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
@@ -167,14 +260,59 @@ impl Sandbox {
             std::fs::create_dir_all(dir)
                 .map_err(|e| SandboxError::Engine(format!("cache dir {}: {e}", dir.display())))?;
         }
+        let mut hasher = Sha256Hasher(sha2::Sha256::default());
+        engine.engine.precompile_compatibility_hash().hash(&mut hasher);
+        let engine_hash = hex::encode(sha2::Digest::finalize(hasher.0));
+        tracing::info!(key_id = key.id(), engine = %engine_hash, "sandbox ready");
         Ok(Arc::new(Sandbox {
+            macs: key::Macs::new(key, &engine_hash),
+            compiling: Arc::default(),
             engine,
             linker,
             pool,
             cache_dir,
+            engine_hash,
             pres: Mutex::new(HashMap::new()),
             live: Arc::new(AtomicUsize::new(0)),
+            stats: Arc::default(),
         }))
+    }
+
+    /// The engine's compatibility hash (hex): artifacts of another are not loaded.
+    pub fn engine_hash(&self) -> &str {
+        &self.engine_hash
+    }
+
+    /// The artifact key's id (artifacts of other keys are neither loaded nor replaced).
+    pub fn key_id(&self) -> &str {
+        self.macs.key_id()
+    }
+
+    /// Compiles `bytes` (CPU work: call it off the async threads), counted
+    /// and logged.
+    fn compile(&self, digest: &str, bytes: &[u8]) -> Result<Component, SandboxError> {
+        self.clone_for_compile().compile(digest, bytes)
+    }
+
+    /// Stores `component`'s artifact where every process finds it (the
+    /// database) and in the local cache. A failure costs only a later
+    /// compile, so it is logged, not returned.
+    async fn keep_artifact(&self, digest: &str, artifact: Vec<u8>) {
+        // Hashing and writing tens of MB: off the async threads.
+        let (macs, path, owned) = (self.macs.clone(), self.cache_path(digest), digest.to_string());
+        let kept = tokio::task::spawn_blocking(move || {
+            let mac = macs.mac(&owned, &artifact);
+            if let Some(path) = path {
+                write_cache_file(&path, &mac, &artifact);
+            }
+            (artifact, mac)
+        })
+        .await;
+        let Ok((artifact, mac)) = kept else { return };
+        if let Err(e) = db::artifacts::put(&self.pool, digest, &self.engine_hash, self.key_id(), &artifact, &mac).await
+        {
+            tracing::warn!(digest, error = %e, "could not store the compiled component");
+        }
     }
 
     fn wasm(&self) -> &Engine {
@@ -189,9 +327,45 @@ impl Sandbox {
     /// Checks that `bytes` are a component of this world that imports only
     /// what the host provides. The error says what does not fit.
     pub fn validate(&self, bytes: &[u8]) -> Result<(), SandboxError> {
-        let component = Component::new(self.wasm(), bytes).map_err(|e| SandboxError::Invalid(format!("{e:#}")))?;
+        self.compile_checked(bytes).map(|_| ())
+    }
+
+    /// Compiles and checks `bytes`; the compiled artifact, for
+    /// [`Components::keep`] once the component is stored.
+    /// A digest whose artifact the local cache already has (MAC checked; a
+    /// re-upload, the demo's registrations on a restart) is deserialized
+    /// and prepared instead of compiled.
+    pub fn compile_checked(&self, bytes: &[u8]) -> Result<Compiled, SandboxError> {
+        let digest = db::plugins::digest_of(bytes);
+        if let Some(path) = self.cache_path(&digest) {
+            match read_cache_file(self.wasm(), &self.macs, &digest, &path) {
+                Cached::Loaded(component, file) => {
+                    self.prepare(&component)?;
+                    let artifact = file[key::MAC_BYTES..].to_vec();
+                    return Ok(Compiled { digest, artifact });
+                }
+                Cached::Rejected => {
+                    self.stats.artifacts_rejected.fetch_add(1, Ordering::Relaxed);
+                }
+                Cached::Absent => {}
+            }
+        }
+        let component = self.compile(&digest, bytes)?;
         self.prepare(&component)?;
-        Ok(())
+        let artifact = component.serialize().map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
+        Ok(Compiled { digest, artifact })
+    }
+
+    /// Compiles, artifacts loaded from the database and refused, and waits
+    /// for an exhausted pool, since start.
+    pub fn compile_stats(&self) -> CompileStats {
+        let s = &self.stats;
+        CompileStats {
+            compiles: s.compiles.load(Ordering::Relaxed),
+            artifacts_loaded: s.artifacts_loaded.load(Ordering::Relaxed),
+            artifacts_rejected: s.artifacts_rejected.load(Ordering::Relaxed),
+            pool_waits: s.pool_waits.load(Ordering::Relaxed),
+        }
     }
 
     /// The component as the newest world whose `run` it exports.
@@ -204,10 +378,9 @@ impl Sandbox {
     }
 
     fn cache_path(&self, digest: &str) -> Option<PathBuf> {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        self.wasm().precompile_compatibility_hash().hash(&mut h);
         let hex = digest.trim_start_matches("sha256:");
-        self.cache_dir.as_ref().map(|d| d.join(format!("{hex}-{:016x}.cwasm", h.finish())))
+        let (engine, key) = (&self.engine_hash[..16], &self.key_id()[..16]);
+        self.cache_dir.as_ref().map(|d| d.join(format!("{hex}-{engine}-{key}.cwasm")))
     }
 
     /// The prepared component for `digest`: memory, then disk, then the
@@ -218,37 +391,125 @@ impl Sandbox {
     }
 
     async fn load(&self, digest: &str) -> Result<Pre, SandboxError> {
-        let cached = self.cache_path(digest).filter(|p| p.exists());
-        let component = match cached.as_ref().and_then(|p| {
-            // SAFETY: files in the cache directory are written only by
-            // `Component::serialize` of this engine configuration (the name
-            // carries the engine's compatibility hash).
-            unsafe { Component::deserialize_file(self.wasm(), p) }.ok()
-        }) {
-            Some(c) => c,
-            None => {
-                let bytes = db::plugins::component(&self.pool, digest)
-                    .await?
-                    .ok_or_else(|| SandboxError::Missing(digest.into()))?;
-                let engine = self.wasm().clone();
-                let component = tokio::task::spawn_blocking(move || Component::new(&engine, &bytes))
-                    .await
-                    .map_err(|e| SandboxError::Engine(e.to_string()))?
-                    .map_err(|e| SandboxError::Invalid(format!("{e:#}")))?;
-                if let (Some(path), Ok(bytes)) = (self.cache_path(digest), component.serialize()) {
-                    // Another process may write the same file: a private
-                    // temporary name, then an atomic rename.
-                    let tmp =
-                        path.with_extension(format!("{}.{}.tmp", std::process::id(), uuid::Uuid::new_v4().simple()));
-                    if std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
-                        let _ = std::fs::remove_file(&tmp);
-                        tracing::warn!(path = %path.display(), "could not cache the compiled component");
+        if let Some(path) = self.cache_path(digest) {
+            let (engine, macs, owned) = (self.wasm().clone(), self.macs.clone(), digest.to_string());
+            let cached = tokio::task::spawn_blocking(move || read_cache_file(&engine, &macs, &owned, &path))
+                .await
+                .map_err(|e| SandboxError::Engine(e.to_string()))?;
+            match cached {
+                Cached::Loaded(c, _) => return self.prepare(&c),
+                Cached::Rejected => {
+                    self.stats.artifacts_rejected.fetch_add(1, Ordering::Relaxed);
+                }
+                Cached::Absent => {}
+            }
+        }
+        if let Some(stored) = db::artifacts::get(&self.pool, digest, &self.engine_hash, self.key_id()).await? {
+            if self.macs.ok(digest, &stored.artifact, &stored.mac) {
+                // SAFETY: the MAC, under this host's secret key, proves this
+                // host wrote these bytes for this digest and engine
+                // (`keep_artifact`, from `serialize`).
+                match unsafe { Component::deserialize(self.wasm(), &stored.artifact) } {
+                    Ok(c) => {
+                        self.stats.artifacts_loaded.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(digest, bytes = stored.artifact.len(), "loaded a stored compiled component");
+                        // Tens of MB to disk: off the first run's path.
+                        if let Some(path) = self.cache_path(digest) {
+                            let (mac, artifact) = (stored.mac, stored.artifact);
+                            tokio::task::spawn_blocking(move || write_cache_file(&path, &mac, &artifact));
+                        }
+                        return self.prepare(&c);
+                    }
+                    Err(e) => {
+                        tracing::warn!(digest, error = %format!("{e:#}"), "a stored compiled component did not load; recompiling")
                     }
                 }
-                component
+            } else {
+                self.stats.artifacts_rejected.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(digest, engine = %self.engine_hash, "a stored compiled component failed its MAC check: not loaded; recompiling");
             }
-        };
+        }
+        let bytes =
+            db::plugins::component(&self.pool, digest).await?.ok_or_else(|| SandboxError::Missing(digest.into()))?;
+        let this = self.clone_for_compile();
+        let owned = digest.to_string();
+        let component = tokio::task::spawn_blocking(move || this.compile(&owned, &bytes))
+            .await
+            .map_err(|e| SandboxError::Engine(e.to_string()))??;
+        if let Ok(artifact) = component.serialize() {
+            self.keep_artifact(digest, artifact).await;
+        }
         self.prepare(&component)
+    }
+
+    /// What compiling on a blocking thread needs (the engine and counters).
+    fn clone_for_compile(&self) -> Compiler {
+        Compiler { engine: self.wasm().clone(), stats: self.stats.clone(), compiling: self.compiling.clone() }
+    }
+}
+
+/// Compiles off the async threads: the engine and the counters.
+struct Compiler {
+    engine: Engine,
+    stats: Arc<Counters>,
+    compiling: Arc<Mutex<()>>,
+}
+
+impl Compiler {
+    fn compile(&self, digest: &str, bytes: &[u8]) -> Result<Component, SandboxError> {
+        let _one_at_a_time = self.compiling.lock().unwrap_or_else(|e| e.into_inner());
+        let started = std::time::Instant::now();
+        let component = Component::new(&self.engine, bytes).map_err(|e| SandboxError::Invalid(format!("{e:#}")))?;
+        self.stats.compiles.fetch_add(1, Ordering::Relaxed);
+        let took_ms = started.elapsed().as_millis() as u64;
+        tracing::info!(digest, bytes = bytes.len(), took_ms, "compiled a plugin component");
+        Ok(component)
+    }
+}
+
+/// Writes a local cache file: the artifact's MAC, then the artifact
+/// (another process may write the same one: a private temporary name, then
+/// an atomic rename).
+fn write_cache_file(path: &std::path::Path, mac: &[u8], artifact: &[u8]) {
+    let tmp = path.with_extension(format!("{}.{}.tmp", std::process::id(), uuid::Uuid::new_v4().simple()));
+    let written = std::fs::File::create(&tmp).and_then(|mut f| {
+        use std::io::Write;
+        f.write_all(mac)?;
+        f.write_all(artifact)
+    });
+    if written.and_then(|_| std::fs::rename(&tmp, path)).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+        tracing::warn!(path = %path.display(), "could not cache the compiled component");
+    }
+}
+
+/// What the local cache had for a digest.
+enum Cached {
+    /// The component and the file's bytes (MAC, then artifact).
+    Loaded(Component, Vec<u8>),
+    /// A file whose MAC did not match: deleted, not loaded.
+    Rejected,
+    Absent,
+}
+
+/// Reads, checks and deserializes a local cache file (blocking).
+fn read_cache_file(engine: &Engine, macs: &key::Macs, digest: &str, path: &std::path::Path) -> Cached {
+    let Ok(bytes) = std::fs::read(path) else { return Cached::Absent };
+    let (mac, artifact) = bytes.split_at(key::MAC_BYTES.min(bytes.len()));
+    if !macs.ok(digest, artifact, mac) {
+        let _ = std::fs::remove_file(path);
+        tracing::warn!(digest, path = %path.display(), "a cached compiled component failed its MAC check: deleted, not loaded");
+        return Cached::Rejected;
+    }
+    // SAFETY: the MAC, under this host's secret key, proves this host wrote
+    // these bytes (`Component::serialize` output) for this digest and engine.
+    match unsafe { Component::deserialize(engine, artifact) } {
+        Ok(c) => Cached::Loaded(c, bytes),
+        Err(e) => {
+            let _ = std::fs::remove_file(path);
+            tracing::warn!(digest, error = %format!("{e:#}"), "a cached compiled component did not load: deleted");
+            Cached::Absent
+        }
     }
 }
 
@@ -256,6 +517,7 @@ impl Sandbox {
 pub struct WasmAgent {
     engine: Engine,
     live: Arc<AtomicUsize>,
+    pool_waits: Arc<Counters>,
     pre: Pre,
     limits: Limits,
 }
@@ -266,36 +528,58 @@ impl WasmAgent {
         let (pre, limits) = (&self.pre, &self.limits);
         let stdout = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
         let stderr = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
-        // Nothing is granted: no preopens, no environment, no network.
-        let mut wasi = WasiCtx::builder();
-        wasi.stdout(stdout.clone()).stderr(stderr.clone());
-        // A resumable run's clocks and random numbers replay on resume.
-        clocks::install(&mut wasi, host);
-        let wasi = wasi.build();
-        let guest = Guest {
-            wasi,
-            table: ResourceTable::new(),
-            limiter: MemoryLimiter { memory_max: limits.memory_bytes as usize, denied: false },
-            host: host.clone(),
-            cpu_ticks: 0,
-            cpu_exceeded: false,
-        };
-        let mut store = Store::new(&self.engine, guest);
-        store.limiter(|g| &mut g.limiter);
         let cpu_ms = limits.cpu_ms;
         let cpu_ticks_max = cpu_ms.div_ceil(EPOCH_TICK.as_millis() as u64).max(1);
-        store.set_epoch_deadline(1);
-        store.epoch_deadline_callback(move |mut ctx| {
-            let g = ctx.data_mut();
-            g.cpu_ticks += 1;
-            if g.cpu_ticks > cpu_ticks_max {
-                g.cpu_exceeded = true;
-                return Ok(UpdateDeadline::Interrupt);
-            }
-            // Yield to the host every tick: the run's future can then be
-            // dropped (claim lost, drain) and other runs get the thread.
-            Ok(UpdateDeadline::Yield(1))
-        });
+        let new_store = || {
+            // Nothing is granted: no preopens, no environment, no network.
+            let mut wasi = WasiCtx::builder();
+            wasi.stdout(stdout.clone()).stderr(stderr.clone());
+            // A resumable run's clocks and random numbers replay on resume.
+            clocks::install(&mut wasi, host);
+            let guest = Guest {
+                wasi: wasi.build(),
+                table: ResourceTable::new(),
+                limiter: MemoryLimiter { memory_max: limits.memory_bytes as usize, denied: false },
+                host: host.clone(),
+                cpu_ticks: 0,
+                cpu_exceeded: false,
+            };
+            let mut store = Store::new(&self.engine, guest);
+            store.limiter(|g| &mut g.limiter);
+            store.set_epoch_deadline(1);
+            store.epoch_deadline_callback(move |mut ctx| {
+                let g = ctx.data_mut();
+                g.cpu_ticks += 1;
+                if g.cpu_ticks > cpu_ticks_max {
+                    g.cpu_exceeded = true;
+                    return Ok(UpdateDeadline::Interrupt);
+                }
+                // Yield to the host every tick: the run's future can then be
+                // dropped (claim lost, drain) and other runs get the thread.
+                Ok(UpdateDeadline::Yield(1))
+            });
+            store
+        };
+        let mut store = new_store();
+        let pool_waits = &self.pool_waits.pool_waits;
+        // An exhausted pooling allocator (every slot of some kind in use by
+        // other guests) is waited out, never a failure: a fresh store (the
+        // failed one may hold slots of the instances it did make) and
+        // another try, until a guest ends and frees one.
+        macro_rules! instantiate {
+            ($pre:expr) => {
+                loop {
+                    match $pre.instantiate_async(&mut store).await {
+                        Err(e) if e.chain().any(|c| c.is::<wasmtime::PoolConcurrencyLimitError>()) => {
+                            pool_waits.fetch_add(1, Ordering::Relaxed);
+                            store = new_store();
+                            tokio::time::sleep(POOL_RETRY).await;
+                        }
+                        other => break other,
+                    }
+                }
+            };
+        }
         let history: Vec<(String, String)> = input.history.into_iter().map(|m| (m.role, m.content)).collect();
         let (run_id, conversation_id, config) =
             (input.run_id.to_string(), input.conversation_id.to_string(), input.config.to_string());
@@ -317,7 +601,7 @@ impl WasmAgent {
                             .collect(),
                         config,
                     };
-                    let agent = pre.instantiate_async(&mut store).await?;
+                    let agent = instantiate!(pre)?;
                     live.fetch_add(1, Ordering::Relaxed);
                     let _live = LiveGuard(live.clone());
                     Ok(agent.call_run(&mut store, &wit_input).await?.map(|text| (text, Vec::new())))
@@ -334,7 +618,7 @@ impl WasmAgent {
                         config,
                         client_tools: tools,
                     };
-                    let agent = pre.instantiate_async(&mut store).await?;
+                    let agent = instantiate!(pre)?;
                     live.fetch_add(1, Ordering::Relaxed);
                     let _live = LiveGuard(live.clone());
                     let answer = agent.call_run(&mut store, &wit_input).await?;
@@ -364,6 +648,11 @@ impl WasmAgent {
             Ok(Ok(answer)) => match (hit, answer) {
                 (Some(f), _) => Err(f),
                 (None, Ok(answer)) => Ok(answer),
+                // A runtime that turns a refused growth into its own error
+                // (Python's MemoryError, a JS RangeError) hit the limit all the same.
+                (None, Err(_)) if data.limiter.denied => {
+                    Err(limit(format!("memory of {} bytes exceeded", limits.memory_bytes)))
+                }
                 (None, Err(message)) => Err(AgentError::failed(FailReason::Plugin, message)),
             },
         };
@@ -397,7 +686,7 @@ impl Components for Sandbox {
             // The database or the engine failing is the host's fault (and may
             // pass: a resumable run is handed back); the component's is not.
             match &e {
-                SandboxError::Db(_) | SandboxError::Engine(_) => {
+                SandboxError::Db(_) | SandboxError::Engine(_) | SandboxError::Key(_) => {
                     tracing::error!(error = %e, digest, "loading a plugin component failed");
                     AgentError::failed(FailReason::Host, format!("the component {digest} could not be loaded"))
                 }
@@ -406,12 +695,24 @@ impl Components for Sandbox {
                 }
             }
         })?;
-        let (engine, live) = (self.wasm().clone(), self.live.clone());
-        Ok(Arc::new(WasmAgent { engine, live, pre, limits: manifest.limits.clone() }))
+        let (engine, live, pool_waits) = (self.wasm().clone(), self.live.clone(), self.stats.clone());
+        Ok(Arc::new(WasmAgent { engine, live, pool_waits, pre, limits: manifest.limits.clone() }))
     }
 
     fn validate(&self, bytes: &[u8]) -> Result<(), InvalidComponent> {
         Sandbox::validate(self, bytes).map_err(|e| InvalidComponent(e.to_string()))
+    }
+
+    fn compile(&self, bytes: &[u8]) -> Result<Compiled, InvalidComponent> {
+        self.compile_checked(bytes).map_err(|e| InvalidComponent(e.to_string()))
+    }
+
+    async fn keep(&self, compiled: Compiled) {
+        self.keep_artifact(&compiled.digest, compiled.artifact).await;
+    }
+
+    fn compile_stats(&self) -> CompileStats {
+        Sandbox::compile_stats(self)
     }
 
     fn live(&self) -> usize {

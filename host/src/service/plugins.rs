@@ -3,7 +3,8 @@
 //! the manifest, validates the component against the world with the
 //! sandbox (off the async threads), then stores it content-addressed and
 //! points the name at it in its tenant or published (`db::plugins::put_as`,
-//! which writes the audit row in the same transaction).
+//! which writes the audit row in the same transaction), and keeps the
+//! validation's compiled artifact for every process (`sandbox`).
 
 use std::sync::Arc;
 
@@ -17,8 +18,12 @@ use crate::run::manifest::Manifest;
 
 use super::storable::{self, Unstorable};
 
-/// Bytes of a component.
-pub const COMPONENT_BYTES_MAX: usize = 32 << 20;
+/// Bytes of a component: 64 MiB. An interpreter travels inside its
+/// component: the Python `chat` example (componentize-py, CPython) is about
+/// 19 MB and the JavaScript one (componentize-js, SpiderMonkey) 12 MB, so a
+/// Python agent with a few pure-Python dependencies still fits three times
+/// over, while one upload held in memory stays bounded.
+pub const COMPONENT_BYTES_MAX: usize = 64 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegisterError {
@@ -70,11 +75,15 @@ pub async fn register(
     if component.len() > COMPONENT_BYTES_MAX {
         return Err(RegisterError::TooLarge(component.len()));
     }
-    // Compiling is CPU work: off the async threads.
-    let sandbox = sandbox.clone();
-    let component = tokio::task::spawn_blocking(move || sandbox.validate(&component).map(|()| component))
-        .await
-        .map_err(|_| RegisterError::Interrupted)?
-        .map_err(|e| RegisterError::InvalidComponent(e.to_string()))?;
-    Ok(plugins::put_as(pool, actor, tenant, name, &component, manifest).await?)
+    // Compiling is CPU work: off the async threads. The compile is the
+    // digest's only one: its artifact is kept once the component is stored.
+    let compiler = sandbox.clone();
+    let (component, compiled) =
+        tokio::task::spawn_blocking(move || compiler.compile(&component).map(|compiled| (component, compiled)))
+            .await
+            .map_err(|_| RegisterError::Interrupted)?
+            .map_err(|e| RegisterError::InvalidComponent(e.to_string()))?;
+    let row = plugins::put_as(pool, actor, tenant, name, &component, manifest).await?;
+    sandbox.keep(compiled).await;
+    Ok(row)
 }

@@ -1,0 +1,88 @@
+// Types of the agent-host JavaScript/TypeScript SDK (index.js) and of the
+// `agent-host:plugin@0.2.0` world it is built against (the host interface's
+// bindings are typed in wit.d.ts).
+
+/// <reference path="./wit.d.ts" />
+
+/** One message of the conversation before this turn. */
+export interface Message {
+  /** "user" or "assistant". */
+  role: string;
+  content: string;
+}
+
+/** A function the run's client runs itself (offer it to the model). */
+export interface ClientTool {
+  name: string;
+  description?: string;
+  /** Its parameters' JSON schema, parsed. */
+  parameters: unknown;
+}
+
+/** A call of a client's function the turn ends with. */
+export interface ClientCall {
+  callId: string;
+  name: string;
+  /** The arguments, a JSON text. */
+  arguments: string;
+}
+
+/** The WIT world's `run-input`, as the bindings give it. */
+export interface RunInput {
+  runId: string;
+  conversationId: string;
+  content: string;
+  history: Message[];
+  config: string;
+  clientTools: { name: string; description?: string; parameters: string }[];
+}
+
+/** The WIT world's `turn-output`. */
+export interface TurnOutput {
+  text: string;
+  clientCalls: ClientCall[];
+}
+
+export const CLIENT_CALLS_MAX: number;
+
+/** The host refused a call; `kind` names the WIT `host-error` case. */
+export class Refusal extends Error {
+  readonly kind: "cancelled" | "fenced" | "denied" | "invalid" | "limit" | "tool failed" | "refusal";
+  readonly detail: string;
+}
+export class Cancelled extends Refusal {}
+export class Fenced extends Refusal {}
+export class Denied extends Refusal {}
+export class Invalid extends Refusal {}
+export class LimitReached extends Refusal {}
+export class ToolFailed extends Refusal {}
+
+/** One turn, with the host's imports as methods. */
+export class Turn {
+  readonly runId: string;
+  readonly conversationId: string;
+  /** The user's message this turn answers. */
+  readonly content: string;
+  /** The conversation before this turn, oldest first. */
+  readonly history: Message[];
+  /** The run's config (a JSON object, parsed). */
+  readonly config: Record<string, unknown>;
+  /** Functions the run's client runs itself. */
+  readonly clientTools: ClientTool[];
+  /** Streams a piece of the answer. */
+  delta(text: string): void;
+  /** Emits an event of the plugin's own kind (reserved kinds are refused). */
+  emit(kind: string, payload: Record<string, unknown>): void;
+  /** Calls a granted host tool with JSON arguments; returns its JSON answer. */
+  callTool(name: string, args: unknown): any;
+  /** Whether a stop was requested. */
+  cancelled(): boolean;
+  /** Throws Cancelled when a stop was requested. */
+  checkCancel(): void;
+  isClientTool(name: string): boolean;
+  callClient(callId: string, name: string, args: string): void;
+  configInt(key: string, fallback: number): number;
+}
+
+/** The component's `run` export for `agent`. */
+export function exportAgent(agent: (turn: Turn) => string): (input: RunInput) => TurnOutput;

@@ -1,0 +1,170 @@
+// The guest side of agent-host for JavaScript and TypeScript: write one
+// function from a turn to its answer and export it with `exportAgent`.
+// Built against the `agent-host:plugin@0.2.0` world with componentize-js
+// (see scripts/build-plugin); types are in index.d.ts.
+//
+//   import { exportAgent } from "../sdk-js/index.js";
+//   export const run = exportAgent((turn) => {
+//     turn.delta(turn.content);
+//     return turn.content;
+//   });
+//
+// Host refusals arrive as exceptions (subclasses of `Refusal`); an exception
+// that leaves the function ends the run failed with its message.
+
+import { emitEvent, callTool, checkCancel } from "agent-host:plugin/host@0.2.0";
+
+/** Client calls a turn may end with, at most. */
+export const CLIENT_CALLS_MAX = 64;
+
+/** The host refused a call; `kind` names the WIT `host-error` case. */
+export class Refusal extends Error {
+  constructor(kind, message = "") {
+    super(message ? `${kind}: ${message}` : kind);
+    this.name = "Refusal";
+    this.kind = kind;
+    this.detail = message;
+  }
+}
+/** A stop was requested: wind down and return. */
+export class Cancelled extends Refusal {
+  constructor() { super("cancelled"); this.name = "Cancelled"; }
+}
+/** This worker no longer holds the run: nothing more will be written. */
+export class Fenced extends Refusal {
+  constructor() { super("fenced"); this.name = "Fenced"; }
+}
+/** Not granted to this plugin (a tool outside its manifest). */
+export class Denied extends Refusal {
+  constructor(m) { super("denied", m); this.name = "Denied"; }
+}
+/** Malformed input (a reserved event kind, a payload not a JSON object). */
+export class Invalid extends Refusal {
+  constructor(m) { super("invalid", m); this.name = "Invalid"; }
+}
+/** A limit of the plugin's manifest was reached. */
+export class LimitReached extends Refusal {
+  constructor(m) { super("limit", m); this.name = "LimitReached"; }
+}
+/** The tool ran and failed. */
+export class ToolFailed extends Refusal {
+  constructor(m) { super("tool failed", m); this.name = "ToolFailed"; }
+}
+
+const CASES = {
+  cancelled: () => new Cancelled(),
+  fenced: () => new Fenced(),
+  denied: (m) => new Denied(m),
+  invalid: (m) => new Invalid(m),
+  limit: (m) => new LimitReached(m),
+  "tool-failed": (m) => new ToolFailed(m),
+};
+
+// A WIT `host-error` (thrown by an import as `{tag, val}`, possibly wrapped in
+// an error whose `payload` it is) as a Refusal.
+function refusal(e) {
+  const v = e && typeof e === "object" && "payload" in e ? e.payload : e;
+  const make = v && CASES[v.tag];
+  return make ? make(v.val) : new Refusal("refusal", String(v));
+}
+
+function host(f) {
+  try {
+    return f();
+  } catch (e) {
+    throw refusal(e);
+  }
+}
+
+function parse(text, fallback) {
+  try {
+    return JSON.parse(text);
+  } catch {
+    return fallback;
+  }
+}
+
+/** One turn, with the host's imports as methods. */
+export class Turn {
+  constructor(input) {
+    this.runId = input.runId;
+    this.conversationId = input.conversationId;
+    this.content = input.content;
+    this.history = input.history.map((m) => ({ role: m.role, content: m.content }));
+    const config = parse(input.config, {});
+    this.config = config && typeof config === "object" && !Array.isArray(config) ? config : {};
+    this.clientTools = input.clientTools.map((t) => ({
+      name: t.name,
+      description: t.description,
+      parameters: parse(t.parameters, {}),
+    }));
+    this.clientCalls = [];
+  }
+
+  /** Streams a piece of the answer. */
+  delta(text) {
+    this.emit("content_delta", { delta: text });
+  }
+
+  /** Emits an event of the plugin's own kind (reserved kinds are refused). */
+  emit(kind, payload) {
+    host(() => emitEvent(kind, JSON.stringify(payload)));
+  }
+
+  /** Calls a granted host tool with JSON arguments; returns its JSON answer. */
+  callTool(name, args) {
+    const out = host(() => callTool(name, JSON.stringify(args)));
+    try {
+      return JSON.parse(out);
+    } catch (e) {
+      throw new ToolFailed(`tool answered non-JSON: ${e.message}`);
+    }
+  }
+
+  /** Whether a stop was requested: return soon (the host interrupts a guest that does not). */
+  cancelled() {
+    return checkCancel();
+  }
+
+  /** Throws Cancelled when a stop was requested. */
+  checkCancel() {
+    if (this.cancelled()) throw new Cancelled();
+  }
+
+  /** Whether `name` is a function the client runs. */
+  isClientTool(name) {
+    return this.clientTools.some((t) => t.name === name);
+  }
+
+  /** Adds a call of a client's function to the calls this turn ends with. */
+  callClient(callId, name, args) {
+    if (!this.isClientTool(name)) throw new Invalid(`${JSON.stringify(name)} is not a function the client runs`);
+    if (this.clientCalls.length >= CLIENT_CALLS_MAX) throw new LimitReached(`at most ${CLIENT_CALLS_MAX} client calls a turn`);
+    this.clientCalls.push({ callId, name, arguments: args });
+  }
+
+  /** An integer config value, or `fallback`. */
+  configInt(key, fallback) {
+    const v = this.config[key];
+    return Number.isInteger(v) ? v : fallback;
+  }
+}
+
+/**
+ * The component's `run` export for `agent`: assign it to an exported `run`
+ * in the module componentize-js builds.
+ */
+export function exportAgent(agent) {
+  return function run(input) {
+    const turn = new Turn(input);
+    let text;
+    try {
+      text = agent(turn);
+    } catch (e) {
+      // The run ends failed with the message (a WIT `result` error).
+      throw (e && e.message) || String(e);
+    }
+    if (typeof text !== "string") throw `the agent returned ${typeof text}, not a string`;
+    return { text, clientCalls: turn.clientCalls };
+  };
+}

@@ -1,0 +1,243 @@
+"""The guest side of agent-host for Python: write one function from a turn to
+its answer and export it with :func:`export`. Built against the
+``agent-host:plugin@0.2.0`` world with ``componentize-py`` (see
+``scripts/build-plugin``), whose bindings (``wit_world``) are generated from
+``wit/0.2.0`` at build time.
+
+.. code-block:: python
+
+    from agent_plugin import Turn, export
+
+    def run(turn: Turn) -> str:
+        turn.delta(turn.content)
+        return turn.content
+
+    WitWorld = export(run)
+
+Host refusals arrive as exceptions (subclasses of :class:`Refusal`); an
+exception that leaves ``run`` ends the run ``failed`` with its message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+from componentize_py_types import Err
+from wit_world.imports import host
+from wit_world.imports import types as wit
+
+__all__ = [
+    "Turn",
+    "Message",
+    "ClientTool",
+    "Refusal",
+    "Cancelled",
+    "Fenced",
+    "Denied",
+    "Invalid",
+    "LimitReached",
+    "ToolFailed",
+    "export",
+    "CLIENT_CALLS_MAX",
+]
+
+#: Client calls a turn may end with, at most.
+CLIENT_CALLS_MAX = 64
+
+
+class Refusal(Exception):
+    """The host refused a call. ``kind`` names the WIT ``host-error`` case."""
+
+    kind = "refusal"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}" if self.message else self.kind
+
+
+class Cancelled(Refusal):
+    """A stop was requested: wind down and return."""
+
+    kind = "cancelled"
+
+
+class Fenced(Refusal):
+    """This worker no longer holds the run: nothing more will be written."""
+
+    kind = "fenced"
+
+
+class Denied(Refusal):
+    """Not granted to this plugin (a tool outside its manifest)."""
+
+    kind = "denied"
+
+
+class Invalid(Refusal):
+    """Malformed input (a reserved event kind, a payload not a JSON object)."""
+
+    kind = "invalid"
+
+
+class LimitReached(Refusal):
+    """A limit of the plugin's manifest was reached."""
+
+    kind = "limit"
+
+
+class ToolFailed(Refusal):
+    """The tool ran and failed."""
+
+    kind = "tool failed"
+
+
+def _refusal(error: Any) -> Refusal:
+    """The exception for a WIT ``host-error`` value."""
+    if isinstance(error, wit.HostError_Cancelled):
+        return Cancelled()
+    if isinstance(error, wit.HostError_Fenced):
+        return Fenced()
+    cases = {
+        wit.HostError_Denied: Denied,
+        wit.HostError_Invalid: Invalid,
+        wit.HostError_Limit: LimitReached,
+        wit.HostError_ToolFailed: ToolFailed,
+    }
+    for case, exc in cases.items():
+        if isinstance(error, case):
+            return exc(str(error.value))
+    return Refusal(repr(error))
+
+
+@dataclass
+class Message:
+    """One message of the conversation before this turn."""
+
+    role: str
+    content: str
+
+
+@dataclass
+class ClientTool:
+    """A function the run's client runs itself (offer it to the model)."""
+
+    name: str
+    description: Optional[str]
+    #: Its parameters' JSON schema, parsed.
+    parameters: Any
+
+
+@dataclass
+class Turn:
+    """One turn, with the host's imports as methods."""
+
+    run_id: str
+    conversation_id: str
+    #: The user's message this turn answers.
+    content: str
+    #: The conversation before this turn, oldest first.
+    history: List[Message]
+    #: The run's config (a JSON object, parsed).
+    config: dict
+    #: Functions the run's client runs itself.
+    client_tools: List[ClientTool]
+    _client_calls: List[wit.ClientCall] = field(default_factory=list)
+
+    def delta(self, text: str) -> None:
+        """Streams a piece of the answer."""
+        self.emit("content_delta", {"delta": text})
+
+    def emit(self, kind: str, payload: dict) -> None:
+        """Emits an event of the plugin's own kind (reserved kinds are refused)."""
+        try:
+            host.emit_event(kind, json.dumps(payload))
+        except Err as e:
+            raise _refusal(e.value) from None
+
+    def call_tool(self, name: str, args: Any) -> Any:
+        """Calls a granted host tool with JSON arguments; returns its JSON answer."""
+        try:
+            out = host.call_tool(name, json.dumps(args))
+        except Err as e:
+            raise _refusal(e.value) from None
+        try:
+            return json.loads(out)
+        except ValueError as e:
+            raise ToolFailed(f"tool answered non-JSON: {e}") from None
+
+    def cancelled(self) -> bool:
+        """Whether a stop was requested: return soon (the host interrupts a
+        guest that does not)."""
+        return host.check_cancel()
+
+    def check_cancel(self) -> None:
+        """Raises :class:`Cancelled` when a stop was requested."""
+        if self.cancelled():
+            raise Cancelled()
+
+    def is_client_tool(self, name: str) -> bool:
+        """Whether ``name`` is a function the client runs."""
+        return any(t.name == name for t in self.client_tools)
+
+    def call_client(self, call_id: str, name: str, arguments: str) -> None:
+        """Adds a call of a client's function to the calls this turn ends with
+        (return soon after: the client answers them in its next turn)."""
+        if not self.is_client_tool(name):
+            raise Invalid(f"{name!r} is not a function the client runs")
+        if len(self._client_calls) >= CLIENT_CALLS_MAX:
+            raise LimitReached(f"at most {CLIENT_CALLS_MAX} client calls a turn")
+        self._client_calls.append(wit.ClientCall(call_id=call_id, name=name, arguments=arguments))
+
+    def config_int(self, key: str, default: int) -> int:
+        """An integer config value, or ``default``."""
+        value = self.config.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _turn(input: wit.RunInput) -> Turn:
+    try:
+        config = json.loads(input.config)
+    except ValueError:
+        config = {}
+    if not isinstance(config, dict):
+        config = {}
+
+    def schema(text: str) -> Any:
+        try:
+            return json.loads(text)
+        except ValueError:
+            return {}
+
+    return Turn(
+        run_id=input.run_id,
+        conversation_id=input.conversation_id,
+        content=input.content,
+        history=[Message(m.role, m.content) for m in input.history],
+        config=config,
+        client_tools=[ClientTool(t.name, t.description, schema(t.parameters)) for t in input.client_tools],
+    )
+
+
+def export(run: Callable[[Turn], str]) -> type:
+    """The component's ``WitWorld`` class for ``run``: assign it to a
+    module-level ``WitWorld`` in the app module componentize-py builds."""
+
+    class WitWorld:
+        def run(self, input: wit.RunInput) -> wit.TurnOutput:
+            turn = _turn(input)
+            try:
+                text = run(turn)
+            except Err:
+                raise
+            except Exception as e:  # the run ends failed with its message
+                raise Err(str(e) or type(e).__name__) from None
+            if not isinstance(text, str):
+                raise Err(f"run returned {type(text).__name__}, not str")
+            return wit.TurnOutput(text=text, client_calls=list(turn._client_calls))
+
+    return WitWorld
