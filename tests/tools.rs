@@ -111,20 +111,11 @@ impl Env {
     }
 
     async fn run(&self, plugin: &str, content: &str, config: Value) -> RunId {
-        let body = json!({ "content": content, "plugin": plugin, "config": config });
-        let (code, v) = self.host.call("POST", "/v1/runs", Some(body)).await;
-        assert_eq!(code, StatusCode::ACCEPTED, "{v}");
-        v["run_id"].as_str().unwrap().parse().unwrap()
+        self.host.post_run(plugin, content, config).await
     }
 
     async fn finish(&self, run: RunId) -> Value {
-        let pool = &self.db.pool;
-        wait_for(&format!("run {run} to end"), LONG, || async move {
-            ["completed", "failed", "cancelled"].contains(&status(pool, run).await.as_str())
-        })
-        .await;
-        assert_journal_sound(pool, run).await;
-        self.host.call("GET", &format!("/v1/runs/{run}"), None).await.1
+        self.host.ended(&self.db.pool, run).await
     }
 
     async fn answer(&self, run: RunId) -> (String, String) {

@@ -216,17 +216,29 @@ impl Agent for Probe {
 }
 
 impl Probe {
+    /// One warm-up turn, then `self.turns` timed ones (store + instantiate + the turn).
+    async fn time_turns(
+        &self,
+        host: &RunHost,
+        digest: &str,
+        manifest: &Manifest,
+        turn: impl Fn() -> RunInput,
+    ) -> anyhow::Result<Vec<Duration>> {
+        run_guest(&self.sandbox, host, digest, manifest, turn()).await?; // warm
+        let mut samples = Vec::with_capacity(self.turns);
+        for _ in 0..self.turns {
+            let t0 = Instant::now();
+            run_guest(&self.sandbox, host, digest, manifest, turn()).await?;
+            samples.push(t0.elapsed());
+        }
+        Ok(samples)
+    }
+
     async fn turns(&self, host: &RunHost, input: &RunInput) -> anyhow::Result<()> {
         let manifest = Manifest::parse(&manifest()).map_err(anyhow::Error::msg)?;
         for (name, digest, config) in &self.bare {
             let turn = || guest_input(input, "", config.clone());
-            run_guest(&self.sandbox, host, digest, &manifest, turn()).await?; // warm
-            let mut samples = Vec::with_capacity(self.turns);
-            for _ in 0..self.turns {
-                let t0 = Instant::now();
-                run_guest(&self.sandbox, host, digest, &manifest, turn()).await?;
-                samples.push(t0.elapsed());
-            }
+            let mut samples = self.time_turns(host, digest, &manifest, turn).await?;
             println!(
                 "guests: {name}: store + instantiate + a turn with no host call, {} runs: {}",
                 self.turns,
@@ -235,13 +247,7 @@ impl Probe {
         }
         for (name, digest) in &self.digests {
             let turn = || guest_input(input, "hi", json!({}));
-            run_guest(&self.sandbox, host, digest, &manifest, turn()).await?; // warm
-            let mut samples = Vec::with_capacity(self.turns);
-            for _ in 0..self.turns {
-                let t0 = Instant::now();
-                run_guest(&self.sandbox, host, digest, &manifest, turn()).await?;
-                samples.push(t0.elapsed());
-            }
+            let mut samples = self.time_turns(host, digest, &manifest, turn).await?;
             println!(
                 "guests: {name}: store + instantiate + one chat turn over the offline model, {} runs: {}",
                 self.turns,

@@ -24,6 +24,24 @@ pub struct TestHost {
 }
 
 impl TestHost {
+    /// `POST /v1/runs` of `content` to `plugin` with `config`: the run's id (202 asserted).
+    pub async fn post_run(&self, plugin: &str, content: &str, config: Value) -> RunId {
+        let body = serde_json::json!({ "content": content, "plugin": plugin, "config": config });
+        let (code, v) = self.call("POST", "/v1/runs", Some(body)).await;
+        assert_eq!(code, StatusCode::ACCEPTED, "{v}");
+        v["run_id"].as_str().unwrap().parse().unwrap()
+    }
+
+    /// Waits for `run` to end, checks its journal, and answers `GET /v1/runs/{id}`.
+    pub async fn ended(&self, pool: &sqlx::PgPool, run: RunId) -> Value {
+        super::wait_for(&format!("run {run} to end"), super::LONG, || async move {
+            ["completed", "failed", "cancelled"].contains(&super::status(pool, run).await.as_str())
+        })
+        .await;
+        super::assert_journal_sound(pool, run).await;
+        self.call("GET", &format!("/v1/runs/{run}"), None).await.1
+    }
+
     pub async fn start(db: &TestDb, hub: Option<Hub>, agents: AgentRegistry, config: WorkerConfig) -> TestHost {
         Self::start_with(db, hub, agents, config, |_| {}).await
     }

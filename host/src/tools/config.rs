@@ -70,9 +70,23 @@ impl LlmConfig {
 }
 
 const WEBHOOK_TIMEOUT_MS_DEFAULT: u64 = 10_000;
-const WEBHOOK_TIMEOUT_MS_MAX: u64 = 600_000;
+/// The longest timeout any operator-defined tool (webhook, `http` rule, MCP
+/// server) may have.
+pub(super) const TIMEOUT_MS_MAX: u64 = 600_000;
 const WEBHOOK_RESPONSE_BYTES_DEFAULT: u64 = 1 << 20;
-const WEBHOOK_RESPONSE_BYTES_MAX: u64 = 16 << 20;
+/// The largest answer cap any operator-defined tool may have.
+pub(super) const RESPONSE_BYTES_MAX: u64 = 16 << 20;
+
+/// The check every operator-defined tool's timeout and answer cap pass.
+pub(super) fn check_call_limits(timeout_ms: u64, max_response_bytes: u64) -> Result<(), String> {
+    if !(1..=TIMEOUT_MS_MAX).contains(&timeout_ms) {
+        return Err(format!("timeout_ms must be 1 to {TIMEOUT_MS_MAX}, not {timeout_ms}"));
+    }
+    if !(1..=RESPONSE_BYTES_MAX).contains(&max_response_bytes) {
+        return Err(format!("max_response_bytes must be 1 to {RESPONSE_BYTES_MAX}, not {max_response_bytes}"));
+    }
+    Ok(())
+}
 /// Headers the host sets itself on every webhook call.
 const HOST_HEADERS: &[&str] = &["content-type", "content-length", "host", "idempotency-key", "transfer-encoding"];
 
@@ -145,15 +159,7 @@ impl WebhookConfig {
             return Err(format!("name {WAIT_TOOL:?} is the host's durable wait"));
         }
         check_http_url(&self.url).map_err(|e| format!("url: {e}"))?;
-        if !(1..=WEBHOOK_TIMEOUT_MS_MAX).contains(&self.timeout_ms) {
-            return Err(format!("timeout_ms must be 1 to {WEBHOOK_TIMEOUT_MS_MAX}, not {}", self.timeout_ms));
-        }
-        if !(1..=WEBHOOK_RESPONSE_BYTES_MAX).contains(&self.max_response_bytes) {
-            return Err(format!(
-                "max_response_bytes must be 1 to {WEBHOOK_RESPONSE_BYTES_MAX}, not {}",
-                self.max_response_bytes
-            ));
-        }
+        check_call_limits(self.timeout_ms, self.max_response_bytes)?;
         let mut headers = HeaderMap::new();
         for (name, value) in &self.headers {
             let name =

@@ -27,9 +27,7 @@ use super::{describe, EventSink, Secrets, Tool, ToolCall};
 use crate::error::HostError;
 
 const TIMEOUT_MS_DEFAULT: u64 = 10_000;
-const TIMEOUT_MS_MAX: u64 = 600_000;
 const RESPONSE_BYTES_DEFAULT: u64 = 1 << 20;
-const RESPONSE_BYTES_MAX: u64 = 16 << 20;
 /// Redirects one call follows.
 pub const REDIRECTS_MAX: usize = 5;
 /// Headers a guest may not set (the host's, or hop-by-hop).
@@ -128,15 +126,7 @@ impl HttpRule {
             .iter()
             .map(|r| r.parse::<IpNet>().map_err(|_| format!("allow_ranges: {r:?} is not a CIDR range")))
             .collect::<Result<Vec<_>, _>>()?;
-        if !(1..=TIMEOUT_MS_MAX).contains(&self.timeout_ms) {
-            return Err(format!("timeout_ms must be 1 to {TIMEOUT_MS_MAX}, not {}", self.timeout_ms));
-        }
-        if !(1..=RESPONSE_BYTES_MAX).contains(&self.max_response_bytes) {
-            return Err(format!(
-                "max_response_bytes must be 1 to {RESPONSE_BYTES_MAX}, not {}",
-                self.max_response_bytes
-            ));
-        }
+        super::config::check_call_limits(self.timeout_ms, self.max_response_bytes)?;
         Ok(Rule {
             origin: url.origin().ascii_serialization(),
             scheme: url.scheme().to_string(),

@@ -35,9 +35,7 @@ use super::{EventSink, Tool, ToolCall};
 use crate::error::HostError;
 
 const TIMEOUT_MS_DEFAULT: u64 = 30_000;
-const TIMEOUT_MS_MAX: u64 = 600_000;
 const RESPONSE_BYTES_DEFAULT: u64 = 1 << 20;
-const RESPONSE_BYTES_MAX: u64 = 16 << 20;
 const LIST_TTL_MS_DEFAULT: u64 = 300_000;
 /// Tools one server may list (more are ignored, with a warning).
 pub const SERVER_TOOLS_MAX: usize = 1024;
@@ -127,15 +125,7 @@ impl McpConfig {
             return Err(format!("name {:?} is one of the host's own tools", self.name));
         }
         super::config::check_http_url(&self.url).map_err(|e| format!("url: {e}"))?;
-        if !(1..=TIMEOUT_MS_MAX).contains(&self.timeout_ms) {
-            return Err(format!("timeout_ms must be 1 to {TIMEOUT_MS_MAX}, not {}", self.timeout_ms));
-        }
-        if !(1..=RESPONSE_BYTES_MAX).contains(&self.max_response_bytes) {
-            return Err(format!(
-                "max_response_bytes must be 1 to {RESPONSE_BYTES_MAX}, not {}",
-                self.max_response_bytes
-            ));
-        }
+        super::config::check_call_limits(self.timeout_ms, self.max_response_bytes)?;
         if self.list_ttl_ms == 0 {
             return Err("list_ttl_ms must be above 0".into());
         }
