@@ -25,7 +25,6 @@ use agent_host::sandbox::Sandbox;
 use agent_host::tools::{LlmConfig, McpApproval, McpConfig, ToolCall, ToolRegistry, ToolsConfig};
 use async_trait::async_trait;
 use mcp_servers::McpServerProcess;
-use reqwest::StatusCode;
 use serde_json::{json, Value};
 use support::http::TestHost;
 use support::*;

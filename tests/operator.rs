@@ -774,8 +774,15 @@ async fn a_schedule_held_by_a_quota_fires_later_not_never() {
             .unwrap();
     assert!(fire_at < chrono::Utc::now(), "the firing is still due");
     // Then past the queue quota (one queued run): still held.
-    tokio::time::sleep(Duration::from_millis(1100)).await; // the rate bucket refills (time, not synchronisation)
-    assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+    // Tried until the rate bucket has refilled (a refusal by rate takes no
+    // token) and the queue quota is what holds it.
+    let queue_refused = || policy.quotas.refusals().iter().any(|(t, l, _)| t == "acme" && *l == "queued_runs");
+    let deadline = std::time::Instant::now() + LONG;
+    while !queue_refused() {
+        assert!(std::time::Instant::now() < deadline, "never refused by the queue quota");
+        assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+        tokio::time::sleep(Duration::from_millis(20)).await; // the poll's pace
+    }
     assert_eq!(runs().await, 1, "no firing past the queue quota");
     let refusals = policy.quotas.refusals();
     for limit in ["enqueue_rate", "queued_runs"] {
@@ -784,8 +791,13 @@ async fn a_schedule_held_by_a_quota_fires_later_not_never() {
     // With room, the same firing is made.
     let queued = queued["run_id"].as_str().unwrap();
     assert_eq!(host.call("POST", &format!("/v1/runs/{queued}/cancel"), None).await.0, StatusCode::ACCEPTED);
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+    // Tried until a rate token is there again and the firing is made.
+    let deadline = std::time::Instant::now() + LONG;
+    while runs().await < 2 {
+        assert!(std::time::Instant::now() < deadline, "the held firing was never made");
+        assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+        tokio::time::sleep(Duration::from_millis(20)).await; // the poll's pace
+    }
     let key: String =
         sqlx::query_scalar("SELECT idempotency_key FROM agent_run WHERE idempotency_key LIKE 'schedule-%'")
             .fetch_one(&db.pool)

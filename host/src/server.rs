@@ -65,7 +65,8 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let mut database = open_database(db_args).await?;
     let pool = connect_and_migrate(&database.url, db_args.db_pool_max).await?;
     let hub = (!args.worker.no_hub).then(|| Hub::start(database.listen_url.clone()));
-    let sandbox = crate::sandbox::Sandbox::for_args(pool.clone(), db_args)?;
+    let sandbox =
+        crate::sandbox::Sandbox::for_process(pool.clone(), &db_args.cache_dir, db_args.artifact_key_file.as_deref())?;
     let agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(tools);
     let agents_for_demo = agents.clone();
     // One policy (and so one set of quota buckets) for the API and the scheduler.
@@ -297,7 +298,11 @@ pub async fn plugins_add(
     // Before a database is opened (or a private cluster started).
     crate::service::plugins::check(name, &manifest)?;
     with_pool(db_args, |pool| async move {
-        let sandbox: Arc<dyn crate::agent::Components> = crate::sandbox::Sandbox::for_args(pool.clone(), db_args)?;
+        let sandbox: Arc<dyn crate::agent::Components> = crate::sandbox::Sandbox::for_process(
+            pool.clone(),
+            &db_args.cache_dir,
+            db_args.artifact_key_file.as_deref(),
+        )?;
         let actor = db::audit::Actor::cli();
         let row = crate::service::plugins::register(&pool, &sandbox, &actor, tenant, name, bytes, &manifest).await?;
         let scope = tenant.map_or("published".to_string(), |t| format!("tenant {t}"));

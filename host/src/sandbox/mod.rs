@@ -214,13 +214,16 @@ impl Sandbox {
         Sandbox::build(pool, cache_dir, key, INSTANCES_MAX)
     }
 
-    /// The sandbox of a process started with `args`: its cache directory,
-    /// and its artifact key (`AGENT_HOST_ARTIFACT_KEY`, `--artifact-key-file`
-    /// or the cache directory's).
-    pub fn for_args(pool: PgPool, args: &crate::config::DbArgs) -> Result<Arc<Sandbox>, SandboxError> {
-        let key = key::ArtifactKey::resolve(args.artifact_key_file.as_deref(), Some(&args.cache_dir))
-            .map_err(SandboxError::Key)?;
-        Sandbox::with_key(pool, Some(args.cache_dir.clone()), key)
+    /// The sandbox of a process with `cache_dir` (`--cache-dir`) and its
+    /// artifact key (`AGENT_HOST_ARTIFACT_KEY`, `key_file`
+    /// (`--artifact-key-file`) or the cache directory's).
+    pub fn for_process(
+        pool: PgPool,
+        cache_dir: &std::path::Path,
+        key_file: Option<&std::path::Path>,
+    ) -> Result<Arc<Sandbox>, SandboxError> {
+        let key = key::ArtifactKey::resolve(key_file, Some(cache_dir)).map_err(SandboxError::Key)?;
+        Sandbox::with_key(pool, Some(cache_dir.to_path_buf()), key)
     }
 
     /// [`Sandbox::new`] with `key` for artifacts' MACs.

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde::Deserialize;
-use serde_json::Value;
 
+use super::checks::{check_call_limits, check_http_url, Secrets, SECRET_BYTES_MIN};
 use super::{LLM_TOOL, WAIT_TOOL};
 
 /// The model behind the `llm` tool.
@@ -70,23 +70,8 @@ impl LlmConfig {
 }
 
 const WEBHOOK_TIMEOUT_MS_DEFAULT: u64 = 10_000;
-/// The longest timeout any operator-defined tool (webhook, `http` rule, MCP
-/// server) may have.
-pub(super) const TIMEOUT_MS_MAX: u64 = 600_000;
 const WEBHOOK_RESPONSE_BYTES_DEFAULT: u64 = 1 << 20;
-/// The largest answer cap any operator-defined tool may have.
-pub(super) const RESPONSE_BYTES_MAX: u64 = 16 << 20;
 
-/// The check every operator-defined tool's timeout and answer cap pass.
-pub(super) fn check_call_limits(timeout_ms: u64, max_response_bytes: u64) -> Result<(), String> {
-    if !(1..=TIMEOUT_MS_MAX).contains(&timeout_ms) {
-        return Err(format!("timeout_ms must be 1 to {TIMEOUT_MS_MAX}, not {timeout_ms}"));
-    }
-    if !(1..=RESPONSE_BYTES_MAX).contains(&max_response_bytes) {
-        return Err(format!("max_response_bytes must be 1 to {RESPONSE_BYTES_MAX}, not {max_response_bytes}"));
-    }
-    Ok(())
-}
 /// Headers the host sets itself on every webhook call.
 const HOST_HEADERS: &[&str] = &["content-type", "content-length", "host", "idempotency-key", "transfer-encoding"];
 
@@ -176,17 +161,6 @@ impl WebhookConfig {
     }
 }
 
-/// http or https, with a host: anything else would fail on every call
-/// instead of at start.
-pub(crate) fn check_http_url(url: &str) -> Result<(), String> {
-    let parsed = reqwest::Url::parse(url).map_err(|e| format!("{url:?} is not a URL ({e})"))?;
-    match parsed.scheme() {
-        "http" | "https" if parsed.host().is_some() => Ok(()),
-        "http" | "https" => Err(format!("{url:?} has no host")),
-        other => Err(format!("{url:?} has scheme {other:?}; only http:// and https:// are supported")),
-    }
-}
-
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ToolsFile {
@@ -221,93 +195,6 @@ impl fmt::Debug for ToolsConfig {
             .field("http", &self.http.len())
             .field("secrets", &self.secrets)
             .finish()
-    }
-}
-
-/// The values the tools file took from the environment, and its named
-/// secrets. Never printed: `Debug` shows names only. [`Secrets::redact`]
-/// cuts every value out of a text a guest, the journal or a log would see.
-#[derive(Clone, Default)]
-pub struct Secrets {
-    named: BTreeMap<String, String>,
-    /// The `[secrets]` values and the values header values took from the
-    /// environment: what redaction looks for (URL pieces such as hosts and
-    /// ports are not secrets and are left alone).
-    values: Vec<String>,
-}
-
-impl fmt::Debug for Secrets {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Secrets").field("named", &self.named.keys().collect::<Vec<_>>()).finish()
-    }
-}
-
-/// A secret shorter than this is refused at start: redacting it would cut
-/// ordinary words and numbers out of answers.
-pub(crate) const SECRET_BYTES_MIN: usize = 8;
-
-impl Secrets {
-    /// The value of the named secret.
-    pub fn get(&self, name: &str) -> Option<&str> {
-        self.named.get(name).map(String::as_str)
-    }
-
-    pub fn contains(&self, name: &str) -> bool {
-        self.named.contains_key(name)
-    }
-
-    /// `text` (an error or a log line, not JSON) with every secret value (as
-    /// is, and as escaped inside a JSON string) replaced by `<redacted>`.
-    pub fn redact(&self, text: &str) -> String {
-        let mut out = text.to_string();
-        for v in &self.values {
-            if out.contains(v.as_str()) {
-                out = out.replace(v.as_str(), "<redacted>");
-            }
-            let escaped = serde_json::to_string(v).unwrap_or_default();
-            let escaped = escaped.trim_matches('"');
-            if escaped != v && out.contains(escaped) {
-                out = out.replace(escaped, "<redacted>");
-            }
-        }
-        out
-    }
-
-    /// A JSON answer with every secret value cut out of its strings and
-    /// keys; numbers, booleans and the structure are left as they are, so
-    /// the answer stays valid JSON.
-    pub fn redact_value(&self, value: Value) -> Value {
-        if self.values.is_empty() {
-            return value;
-        }
-        let cut = |s: String| match self.values.iter().any(|v| s.contains(v.as_str())) {
-            true => self.values.iter().fold(s, |s, v| s.replace(v.as_str(), "<redacted>")),
-            false => s,
-        };
-        match value {
-            Value::String(s) => Value::String(cut(s)),
-            Value::Array(items) => Value::Array(items.into_iter().map(|v| self.redact_value(v)).collect()),
-            Value::Object(map) => Value::Object(map.into_iter().map(|(k, v)| (cut(k), self.redact_value(v))).collect()),
-            other => other,
-        }
-    }
-
-    /// Whether nothing needs redacting.
-    pub fn is_empty(&self) -> bool {
-        self.values.is_empty()
-    }
-
-    /// Adds a value to redact (a test's, or one from the environment).
-    pub fn add_value(&mut self, value: &str) {
-        if !self.values.iter().any(|v| v == value) {
-            self.values.push(value.to_string());
-        }
-    }
-
-    /// A named secret (tests; the tools file uses `[secrets]`).
-    pub fn insert(&mut self, name: &str, value: &str) {
-        self.named.insert(name.to_string(), value.to_string());
-        self.add_value(value);
     }
 }
 
@@ -575,7 +462,7 @@ secrets = ["weather_key"]
             redacted,
             serde_json::json!({ "port": 8080, "url": "http://x:8080/", "<redacted>": ["a <redacted> b"] })
         );
-        assert!(serde_json::from_str::<Value>(&redacted.to_string()).is_ok());
+        assert!(serde_json::from_str::<serde_json::Value>(&redacted.to_string()).is_ok());
     }
 
     #[test]

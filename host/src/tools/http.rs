@@ -99,7 +99,7 @@ impl HttpRule {
     }
 
     fn compile(&self, secrets: &Secrets) -> Result<Rule, String> {
-        super::config::check_http_url(&self.url)?;
+        super::checks::check_http_url(&self.url)?;
         let url = Url::parse(&self.url).map_err(|e| e.to_string())?;
         if !(url.path() == "/" || url.path().is_empty()) || url.query().is_some() || !url.username().is_empty() {
             return Err("url names only scheme://host[:port]; paths go in `paths`".into());
@@ -126,7 +126,7 @@ impl HttpRule {
             .iter()
             .map(|r| r.parse::<IpNet>().map_err(|_| format!("allow_ranges: {r:?} is not a CIDR range")))
             .collect::<Result<Vec<_>, _>>()?;
-        super::config::check_call_limits(self.timeout_ms, self.max_response_bytes)?;
+        super::checks::check_call_limits(self.timeout_ms, self.max_response_bytes)?;
         Ok(Rule {
             origin: url.origin().ascii_serialization(),
             scheme: url.scheme().to_string(),

@@ -124,8 +124,8 @@ impl McpConfig {
         if [super::LLM_TOOL, super::WAIT_TOOL, super::HTTP_TOOL].contains(&self.name.as_str()) {
             return Err(format!("name {:?} is one of the host's own tools", self.name));
         }
-        super::config::check_http_url(&self.url).map_err(|e| format!("url: {e}"))?;
-        super::config::check_call_limits(self.timeout_ms, self.max_response_bytes)?;
+        super::checks::check_http_url(&self.url).map_err(|e| format!("url: {e}"))?;
+        super::checks::check_call_limits(self.timeout_ms, self.max_response_bytes)?;
         if self.list_ttl_ms == 0 {
             return Err("list_ttl_ms must be above 0".into());
         }

@@ -6,6 +6,7 @@
 //! are the run host's business (`run::host`); the registry runs one call it
 //! is handed, streaming into an [`EventSink`] (the run host, or a test's).
 
+mod checks;
 mod config;
 mod http;
 mod llm;
@@ -25,7 +26,8 @@ use crate::db::events::{TOOL_CALL_FINISHED, TOOL_CALL_STARTED};
 use crate::db::RunId;
 use crate::error::HostError;
 
-pub use config::{load_tools_file, parse_tools_file_with, LlmConfig, Secrets, ToolsConfig, WebhookConfig};
+pub use checks::Secrets;
+pub use config::{load_tools_file, parse_tools_file_with, LlmConfig, ToolsConfig, WebhookConfig};
 pub use http::HttpRule;
 pub use llm::{valid_tool_name, TOOL_NAME_BYTES_MAX};
 pub use mcp::{McpApproval, McpConfig};
