@@ -165,9 +165,14 @@ heads AS (
               SELECT 1 FROM agent_run e
               WHERE e.conversation_id = q.conversation_id
                 AND e.status = 'queued' AND e.queue_pos < q.queue_pos)
-          AND (NOT {prefilter} OR NOT EXISTS (      -- the pre-filter (an optimisation)
+          -- The pre-filter (an optimisation). OFFSET 0 keeps it a probe of
+          -- one_running_per_conversation per candidate: without it the
+          -- planner may hash the whole index instead, every entry a finished
+          -- run left there until vacuum included, on every claim.
+          AND (NOT {prefilter} OR NOT EXISTS (
               SELECT 1 FROM agent_run b
-              WHERE b.conversation_id = q.conversation_id AND b.status IN ('running', 'waiting')))
+              WHERE b.conversation_id = q.conversation_id AND b.status IN ('running', 'waiting')
+              OFFSET 0))
           -- Conversations the index turned away earlier in this claim.
           AND NOT (q.conversation_id = ANY($4::uuid[]))
         ORDER BY q.queue_pos
@@ -270,8 +275,9 @@ async fn claim_except(
 /// which cost more than running it; with them written in, the generic plan
 /// is the custom one and the statement is planned once per connection and
 /// shape (a process has a handful of shapes: its slot counts). Every value is
-/// an integer or a boolean of the worker's own configuration.
-fn claim_sql(claim: &Claim<'_>) -> String {
+/// an integer or a boolean of the worker's own configuration. Public so its
+/// plan can be read (EXPLAIN, with the parameters [`claim`] binds).
+pub fn claim_sql(claim: &Claim<'_>) -> String {
     CLAIM_SQL
         .replace("{limit}", &claim.limit.max(0).to_string())
         .replace("{prefilter}", if claim.prefilter { "true" } else { "false" })
