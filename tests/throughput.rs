@@ -405,28 +405,29 @@ async fn the_hosts_connections_compile_no_query_just_in_time() {
 /// against 0.9 ms probing.
 #[tokio::test]
 async fn a_claim_probes_the_running_index_per_candidate_instead_of_hashing_it() {
-    const RUNNING: i64 = 5_000;
+    const RUNS: i64 = 5_000;
     let db = TestDb::new().await;
-    sqlx::raw_sql(&format!(
-        "WITH c AS (
-             INSERT INTO conversation (id, owner_id, tenant_id)
-             SELECT gen_random_uuid(), 'u', 't' FROM generate_series(1, {RUNNING}) RETURNING id),
-         m AS (
-             INSERT INTO message (id, conversation_id, role, content, status)
-             SELECT gen_random_uuid(), id, 'user', 'x', 'complete' FROM c RETURNING id, conversation_id)
-         INSERT INTO agent_run (id, conversation_id, owner_id, tenant_id, user_message_id, plugin, status,
-                                claim_token, claim_expires_at, worker_id, started_at)
-         SELECT gen_random_uuid(), conversation_id, 'u', 't', id, 'noop', 'running',
-                gen_random_uuid(), now() + interval '1 hour', 'elsewhere', now()
-         FROM m;"
-    ))
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    let owner = tenant("t");
-    let mut queued = Vec::new();
-    for _ in 0..20 {
-        queued.push(enqueue_as(&db.pool, &owner, None, "noop", json!({})).await.run_id);
+    // RUNS running elsewhere and RUNS queued, each in its own conversation.
+    for (status, message, claimed) in [("running", "complete", true), ("queued", "queued", false)] {
+        let claim = match claimed {
+            true => "gen_random_uuid(), now() + interval '1 hour', 'elsewhere', now()",
+            false => "NULL, NULL, NULL, NULL",
+        };
+        sqlx::raw_sql(&format!(
+            "WITH c AS (
+                 INSERT INTO conversation (id, owner_id, tenant_id)
+                 SELECT gen_random_uuid(), 'u', 't' FROM generate_series(1, {RUNS}) RETURNING id),
+             m AS (
+                 INSERT INTO message (id, conversation_id, role, content, status)
+                 SELECT gen_random_uuid(), id, 'user', 'x', '{message}' FROM c RETURNING id, conversation_id)
+             INSERT INTO agent_run (id, conversation_id, owner_id, tenant_id, user_message_id, plugin, status,
+                                    claim_token, claim_expires_at, worker_id, started_at)
+             SELECT gen_random_uuid(), conversation_id, 'u', 't', id, 'noop', '{status}', {claim}
+             FROM m;"
+        ))
+        .execute(&db.pool)
+        .await
+        .unwrap();
     }
     sqlx::query("ANALYZE agent_run").execute(&db.pool).await.unwrap();
     let claim = claim_args("w", 10, true);
@@ -443,5 +444,9 @@ async fn a_claim_probes_the_running_index_per_candidate_instead_of_hashing_it() 
     assert!(plan.contains("one_running_per_conversation"), "no probe of the running index:\n{plan}");
     let claimed = lifecycle::claim_batch(&db.pool, &claim).await.unwrap().runs;
     assert_eq!(claimed.len(), 10);
-    assert!(claimed.iter().all(|c| queued.contains(&c.id)), "a claim took a run that was not queued");
+    let running: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'running'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(running, RUNS + 10, "a claim took a run that was running");
 }
