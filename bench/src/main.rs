@@ -108,6 +108,10 @@ pub struct BenchArgs {
     /// Only the queue's figures (enqueue, pickup, drain, the comparison).
     #[arg(long)]
     pub queue_only: bool,
+    /// Only the drain passes (end to end, with their commits and WAL per
+    /// run): for profiling the database while it drains.
+    #[arg(long)]
+    pub drain_only: bool,
     /// Only the tools' figures (an MCP call's and an `http` call's host
     /// overhead over the server's own time); needs no database.
     #[arg(long)]
@@ -209,6 +213,11 @@ async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow
 
     if args.guests_only {
         guests::guests(&pool, &url, db_args, args).await?;
+        pool.close().await;
+        return Ok(());
+    }
+    if args.drain_only {
+        queue::drains(&pool, &url, args).await?;
         pool.close().await;
         return Ok(());
     }

@@ -170,6 +170,26 @@ pub async fn throughput(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::R
     Ok(drained)
 }
 
+/// The end-to-end drain passes alone (`--drain-only`), nothing around them.
+pub async fn drains(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<()> {
+    let mut rates = Vec::new();
+    for pass in 1..=args.passes {
+        let d = drain_costs(pool, url, args.runs, args.in_flight, None).await?;
+        rates.push(d.rate);
+        println!(
+            "  pass {pass}: {:.0} runs/s ({:.2} commits, {:.0} WAL bytes per run; {:.1} runs per claim, {:.1} per ending commit)",
+            d.rate, d.commits_per_run, d.wal_bytes_per_run, d.runs_per_claim, d.runs_per_ending_commit
+        );
+    }
+    println!(
+        "drain {} pre-enqueued no-op runs, {} in flight: median {:.0} runs/s",
+        args.runs,
+        args.in_flight,
+        median(&mut rates)
+    );
+    Ok(())
+}
+
 /// One drain's rate and what it wrote.
 #[derive(Debug, Clone, Copy)]
 pub struct Drained {
