@@ -154,9 +154,27 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Er
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(10))
+        // A connection that sat idle is pinged before it is handed out (a
+        // database restart leaves the pool's connections dead; the ping
+        // finds them and the pool opens new ones). One back from use moments
+        // ago is not: a ping is a round trip on every statement of the claim
+        // loop and of every ending, which a busy host repeats thousands of
+        // times a second on connections it just used.
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for >= PING_AFTER_IDLE {
+                    sqlx::Connection::ping(conn).await?;
+                }
+                Ok(true)
+            })
+        })
         .connect_with(options)
         .await
 }
+
+/// Idle this long, a connection is pinged before use (see [`connect`]).
+const PING_AFTER_IDLE: Duration = Duration::from_millis(100);
 
 /// Applies the embedded migrations. Safe to call from many processes at once:
 /// sqlx serialises them with an advisory lock.
