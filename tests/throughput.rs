@@ -518,3 +518,182 @@ async fn a_worker_id_with_quotes_and_backslashes_is_written_as_given() {
     .unwrap();
     assert_eq!((stored.as_str(), journaled.as_str()), (worker, worker));
 }
+
+/// Endings of `claimed`, each completed with an answer.
+fn completed(claimed: &[lifecycle::ClaimedRun]) -> Vec<Ending> {
+    claimed
+        .iter()
+        .map(|c| Ending {
+            run: c.id,
+            token: c.claim_token,
+            status: RunStatus::Completed,
+            error: None,
+            assistant: Some((format!("answer of {}", c.id), MessageStatus::Complete)),
+            usage: None,
+        })
+        .collect()
+}
+
+fn sorted(mut ids: Vec<RunId>) -> Vec<RunId> {
+    ids.sort_by_key(|r| r.0);
+    ids
+}
+
+/// The finisher's statement: a batch of endings and a claim into the slots
+/// they free, in one commit. A fenced row drops out alone (the reaper's
+/// ending stays, no second `complete`, no answer) and its neighbours end;
+/// the claim takes no more rows than it was given slots, only the oldest
+/// turn of a conversation, and never the next turn of a conversation whose
+/// running turn ends in the same statement (both halves read one snapshot;
+/// the ending's wake is what starts that turn).
+#[tokio::test]
+async fn an_ending_and_claim_batch_fences_rows_alone_and_claims_at_most_its_slots() {
+    let db = TestDb::new().await;
+    let mut firsts = Vec::new();
+    for _ in 0..3 {
+        let first = enqueue(&db.pool, None, "noop", json!({})).await;
+        // A second turn in each conversation: it waits on the first.
+        let next = enqueue(&db.pool, Some(first.conversation_id), "noop", json!({})).await;
+        firsts.push((first, next));
+    }
+    let claimed = lifecycle::claim_batch(&db.pool, &claim_args("w", 3, true)).await.unwrap().runs;
+    assert_eq!(sorted(claimed.iter().map(|c| c.id).collect()), sorted(firsts.iter().map(|f| f.0.run_id).collect()));
+    // Five more conversations queued; two turns of one of them.
+    let mut fresh = Vec::new();
+    for _ in 0..4 {
+        fresh.push(enqueue(&db.pool, None, "noop", json!({})).await);
+    }
+    let later = enqueue(&db.pool, Some(fresh[0].conversation_id), "noop", json!({})).await;
+    // The middle run's worker is lost: the reaper ends it.
+    let fenced = claimed[1].clone();
+    update_run(&db.pool, fenced.id, "claim_expires_at = now() - interval '1 hour'").await;
+    let expired = Expired { id: fenced.id, claim_token: fenced.claim_token };
+    assert!(lifecycle::reap(&db.pool, expired, Duration::from_secs(1)).await.unwrap());
+
+    let turnover =
+        lifecycle::finish_and_claim(&db.pool, &completed(&claimed), &claim_args("w", 3, true)).await.unwrap();
+    assert_eq!(
+        sorted(turnover.written.clone()),
+        sorted(vec![claimed[0].id, claimed[2].id]),
+        "the fenced row did not drop out alone"
+    );
+    assert_eq!(status(&db.pool, fenced.id).await, "failed", "the fenced row was changed");
+    let fenced_journal = assert_journal_sound(&db.pool, fenced.id).await;
+    assert_eq!(fenced_journal.iter().filter(|(_, k)| k == "complete").count(), 1);
+    // Three slots, three rows: the oldest queued turns that may run. The
+    // fenced run's next turn may (its conversation has nothing running);
+    // the next turns of the two runs ending here may not, nor `later`.
+    let got: Vec<RunId> = turnover.claimed.iter().map(|c| c.id).collect();
+    assert_eq!(got.len(), 3, "{got:?}");
+    assert!(got.contains(&firsts[1].1.run_id), "the fenced run's next turn was not claimed: {got:?}");
+    for excluded in [firsts[0].1.run_id, firsts[2].1.run_id, later.run_id] {
+        assert!(!got.contains(&excluded), "claimed {excluded}, which may not run yet: {got:?}");
+    }
+    for c in &turnover.claimed {
+        assert_eq!(status(&db.pool, c.id).await, "running");
+        let journal = assert_journal_sound(&db.pool, c.id).await;
+        assert_eq!(journal.iter().map(|(_, k)| k.as_str()).collect::<Vec<_>>().last(), Some(&"run_started"));
+        let user: String = sqlx::query_scalar("SELECT status FROM message WHERE id = $1")
+            .bind(c.user_message_id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(user, "complete");
+    }
+    for id in &turnover.written {
+        assert_eq!(status(&db.pool, *id).await, "completed");
+        let answer: String = sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
+            .bind(id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(answer, format!("answer of {id}"));
+    }
+    // The endings and the claim shared one commit.
+    let xmins = |kind: &'static str, ids: Vec<uuid::Uuid>| {
+        let pool = db.pool.clone();
+        async move {
+            let x: Vec<String> =
+                sqlx::query_scalar("SELECT DISTINCT xmin::text FROM run_event WHERE run_id = ANY($1) AND type = $2")
+                    .bind(ids)
+                    .bind(kind)
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap();
+            x
+        }
+    };
+    let ended = xmins("complete", turnover.written.iter().map(|r| r.0).collect()).await;
+    let started = xmins("run_started", got.iter().map(|r| r.0).collect()).await;
+    assert_eq!(ended.len(), 1);
+    assert_eq!(started, ended, "the claim and the endings did not share a commit");
+}
+
+/// When the one-running-per-conversation index turns a claimed row away
+/// (here the pre-filter is off, so the claim reaches for the next turn of
+/// a conversation running elsewhere), the ending-and-claim statement is made
+/// again passing over that conversation: the endings are written, the
+/// other rows are claimed, and nothing errs.
+#[tokio::test]
+async fn an_index_conflict_in_an_ending_and_claim_batch_claims_fewer_rows_and_ends_every_run() {
+    let db = TestDb::new().await;
+    let ending = enqueue(&db.pool, None, "noop", json!({})).await;
+    let busy = enqueue(&db.pool, None, "noop", json!({})).await;
+    let claimed = lifecycle::claim_batch(&db.pool, &claim_args("w", 2, true)).await.unwrap().runs;
+    assert_eq!(claimed.len(), 2);
+    // `busy` keeps running; its next turn is the conflict. `free` may run.
+    let blocked = enqueue(&db.pool, Some(busy.conversation_id), "noop", json!({})).await;
+    let free = enqueue(&db.pool, None, "noop", json!({})).await;
+    let mine: Vec<_> = claimed.iter().filter(|c| c.id == ending.run_id).cloned().collect();
+    let turnover = lifecycle::finish_and_claim(&db.pool, &completed(&mine), &claim_args("w", 2, false)).await.unwrap();
+    assert_eq!(turnover.written, vec![ending.run_id]);
+    assert_eq!(turnover.claimed.iter().map(|c| c.id).collect::<Vec<_>>(), vec![free.run_id]);
+    assert_eq!(status(&db.pool, ending.run_id).await, "completed");
+    assert_eq!(status(&db.pool, blocked.run_id).await, "queued");
+    assert_eq!(status(&db.pool, busy.run_id).await, "running");
+}
+
+/// A busy worker hands the slots its endings free straight to the runs it
+/// claims in the same commit (one statement per batch, not two), and still
+/// never holds more runs than slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_worker_claims_with_its_endings_and_never_holds_more_than_its_slots() {
+    const SLOTS: usize = 3;
+    const RUNS: usize = 60;
+    let db = TestDb::new().await;
+    // Every run reads how many the database shows running as it starts.
+    let most_running = Arc::new(AtomicUsize::new(0));
+    let mut agents = AgentRegistry::default();
+    let agent = Gate {
+        gate: Arc::new(tokio::sync::Semaphore::new(RUNS)),
+        started: Arc::new(AtomicUsize::new(0)),
+        most_running: most_running.clone(),
+        pool: db.pool.clone(),
+    };
+    agents.insert("gate", Arc::new(agent));
+    let mut runs = Vec::new();
+    for _ in 0..RUNS {
+        runs.push(enqueue(&db.pool, None, "gate", json!({})).await.run_id);
+    }
+    let w = start_worker_with(&db, agents, WorkerConfig { max_runs: SLOTS, ..fast_config("turnover") }).await;
+    for run in &runs {
+        wait_status(&db.pool, *run, "completed", LONG).await;
+    }
+    let stats = w.stats();
+    w.drain().await;
+    // Commits that wrote both endings and claims.
+    let shared: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT xmin::text FROM run_event WHERE type = 'complete'
+                               INTERSECT SELECT xmin::text FROM run_event WHERE type = 'run_started') c",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(shared > 0, "no claim rode an ending's commit");
+    let claims = rows_per_commit(&db.pool, "run_started").await;
+    assert_eq!(claims.iter().sum::<i64>(), RUNS as i64);
+    assert!(claims[0] <= SLOTS as i64, "one claim took {} rows with {SLOTS} slots", claims[0]);
+    let most = most_running.load(Ordering::SeqCst);
+    assert!(most <= SLOTS, "{most} runs were running at once with {SLOTS} slots");
+    assert!(stats.claim_rounds.load(Ordering::Relaxed) < RUNS as u64);
+}

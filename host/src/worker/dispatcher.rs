@@ -9,7 +9,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::db::{self, lifecycle::Claim, notify::RUN_ENQUEUED};
+use tokio::sync::OwnedSemaphorePermit;
+
+use crate::db::{self, lifecycle::Claim, lifecycle::ClaimedRun, notify::RUN_ENQUEUED};
 use crate::hub::{Hub, Subscription};
 
 use super::{run_task, Shared};
@@ -47,14 +49,7 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             // We are about to read the rows; wakes so far are answered.
             w.drain();
         }
-        let claim = Claim {
-            limit: permits.len() as i64,
-            lease: shared.config.lease,
-            worker_id: &shared.config.worker_id,
-            prefilter: true,
-            tenant_max_running: shared.config.tenant_max_running.map(i64::from),
-        };
-        let result = db::lifecycle::claim_batch(&shared.pool, &claim).await;
+        let result = db::lifecycle::claim_batch(&shared.pool, &claim_of(&shared, permits.len())).await;
         shared.stats.claim_rounds.fetch_add(1, Ordering::Relaxed);
         let claimed = match result {
             Ok(batch) => {
@@ -87,18 +82,35 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             idle_wait(&shared, wakes.as_mut(), shared.config.poll_tick).await;
             continue;
         }
-        shared.stats.claimed.fetch_add(claimed.len() as u64, Ordering::Relaxed);
-        for row in &claimed {
-            if row.attempt == 1 {
-                // Enqueue to first claim; a resumed attempt waited for its worker to die.
-                shared.stats.pickup.observe(row.waited_s);
-            }
+        start(&shared, claimed, permits);
+    }
+}
+
+/// A claim of up to `limit` rows as this worker makes it.
+pub(super) fn claim_of(shared: &Shared, limit: usize) -> Claim<'_> {
+    Claim {
+        limit: limit as i64,
+        lease: shared.config.lease,
+        worker_id: &shared.config.worker_id,
+        prefilter: true,
+        tenant_max_running: shared.config.tenant_max_running.map(i64::from),
+    }
+}
+
+/// Starts the runs of a claim (the dispatcher's, or the finisher's made
+/// with its endings), one slot each; surplus slots go back first.
+pub(super) fn start(shared: &Arc<Shared>, claimed: Vec<ClaimedRun>, mut permits: Vec<OwnedSemaphorePermit>) {
+    debug_assert!(claimed.len() <= permits.len(), "never more rows than slots");
+    shared.stats.claimed.fetch_add(claimed.len() as u64, Ordering::Relaxed);
+    for row in &claimed {
+        if row.attempt == 1 {
+            // Enqueue to first claim; a resumed attempt waited for its worker to die.
+            shared.stats.pickup.observe(row.waited_s);
         }
-        // Surplus slots go back before the runs start.
-        permits.truncate(claimed.len());
-        for (row, permit) in claimed.into_iter().zip(permits) {
-            run_task::spawn(&shared, row, permit);
-        }
+    }
+    permits.truncate(claimed.len());
+    for (row, permit) in claimed.into_iter().zip(permits) {
+        run_task::spawn(shared, row, permit);
     }
 }
 

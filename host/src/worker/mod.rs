@@ -207,11 +207,19 @@ where
 /// when the run is lost.
 struct Held {
     token: ClaimToken,
+    /// The run's slot, until its ending is handed to the finisher, which may
+    /// pass it straight to a run it claims (see `finisher`).
+    slot: Slot,
     /// Cancelled when the fence shows the claim is gone: the run stops at once.
     lost: CancellationToken,
     /// Fired when a stop is requested (cancel NOTIFY, or the flag on a heartbeat).
     cancel: CancellationToken,
 }
+
+/// A run's slot: its task's permit, taken by the finisher when the slot goes
+/// straight to a run claimed with the ending; whatever is left goes when the
+/// run's task ends.
+type Slot = Arc<Mutex<Option<tokio::sync::OwnedSemaphorePermit>>>;
 
 /// Counters a person (and `/metrics`) can read.
 #[derive(Debug, Default)]
@@ -290,6 +298,10 @@ pub(crate) struct Shared {
     ended: mpsc::Sender<(RunId, ConversationId)>,
     /// Endings for the group commit.
     finisher: mpsc::Sender<finisher::Request>,
+    /// The finisher's connections for its ending-and-claim statement
+    /// (generic plans only: `db::generic_plan_pool`); one
+    /// batch is written at a time.
+    turnover_pool: PgPool,
 }
 
 /// What `/metrics` reads of a running worker.
@@ -335,6 +347,7 @@ impl Worker {
         let (ended, ended_rx) = mpsc::channel(waker::QUEUE_MAX);
         let (finisher, finisher_rx) = mpsc::channel(finisher::QUEUE_MAX);
         let shared = Arc::new(Shared {
+            turnover_pool: crate::db::generic_plan_pool(&pool, 1),
             pool,
             agents,
             slots: Arc::new(Semaphore::new(config.max_runs)),

@@ -38,6 +38,7 @@ enum Outcome {
 pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphorePermit) {
     let lost = CancellationToken::new();
     let cancel = CancellationToken::new();
+    let slot: super::Slot = Arc::new(std::sync::Mutex::new(Some(permit)));
     {
         let mut held = shared.held.lock().unwrap();
         // A stop that committed right after our claim may have NOTIFYed
@@ -45,7 +46,10 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
         if shared.early_cancels.lock().unwrap().remove(&row.id).is_some() {
             cancel.cancel();
         }
-        held.insert(row.id, Held { token: row.claim_token, lost: lost.clone(), cancel: cancel.clone() });
+        held.insert(
+            row.id,
+            Held { token: row.claim_token, slot: slot.clone(), lost: lost.clone(), cancel: cancel.clone() },
+        );
     }
     let span = tracing::info_span!("run", run_id = %row.id, plugin = %row.plugin);
     let shared2 = shared.clone();
@@ -102,7 +106,8 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                 }
             }
             shared.held.lock().unwrap().remove(&id);
-            drop(permit);
+            // The slot, unless the finisher passed it on to a run it claimed.
+            drop(slot.lock().unwrap().take());
             // The wake chain's post-commit half (see `waker`).
             if ended {
                 let _ = shared.ended.send((id, conversation)).await;
@@ -305,8 +310,8 @@ async fn finalize(
     let ending = Ending { run: row.id, token: row.claim_token, status, error, assistant, usage };
     // No more heartbeats for a run that is ending: one landing after our
     // terminal write would find the claim gone and cry wolf.
-    shared.held.lock().unwrap().remove(&row.id);
-    match group_commit(shared, ending).await {
+    let slot = shared.held.lock().unwrap().remove(&row.id).map(|h| h.slot);
+    match group_commit(shared, ending, slot).await {
         Ok(true) => {
             shared.stats.record_end(status, reason);
             Outcome::Finalized
@@ -324,9 +329,9 @@ async fn finalize(
 /// The terminal write, group-committed with the endings of runs that end
 /// in the same window (see `finisher`). Should the finisher be gone (a
 /// worker dropped without its drain), the ending is written on its own.
-async fn group_commit(shared: &Shared, ending: Ending) -> Result<bool, sqlx::Error> {
+async fn group_commit(shared: &Shared, ending: Ending, slot: Option<super::Slot>) -> Result<bool, sqlx::Error> {
     let (reply, answer) = tokio::sync::oneshot::channel();
-    let request = super::finisher::Request { ending: ending.clone(), reply };
+    let request = super::finisher::Request { ending: ending.clone(), reply, slot };
     if shared.finisher.send(request).await.is_ok() {
         if let Ok(written) = answer.await {
             return written;
