@@ -66,6 +66,25 @@ impl Agent for Gate {
     }
 }
 
+/// A registry with the `gate` agent: runs started, and the most runs the
+/// database showed running as one started.
+fn gate_agents(db: &TestDb, gate: Arc<tokio::sync::Semaphore>) -> (AgentRegistry, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    let (started, most_running) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let mut agents = AgentRegistry::default();
+    let agent = Gate { gate, started: started.clone(), most_running: most_running.clone(), pool: db.pool.clone() };
+    agents.insert("gate", Arc::new(agent));
+    (agents, started, most_running)
+}
+
+/// `n` runs of the `gate` agent, each in its own conversation.
+async fn enqueue_gated(db: &TestDb, n: usize) -> Vec<RunId> {
+    let mut runs = Vec::new();
+    for _ in 0..n {
+        runs.push(enqueue(&db.pool, None, "gate", json!({})).await.run_id);
+    }
+    runs
+}
+
 /// A dispatcher with k free slots claims up to k rows in one statement, and
 /// never more rows than slots: the database never shows more running than
 /// the worker has slots, and no claim statement took more than that.
@@ -75,19 +94,8 @@ async fn a_batch_claim_never_holds_more_rows_than_slots() {
     const RUNS: usize = 24;
     let db = TestDb::new().await;
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let (started, most_running) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let mut agents = AgentRegistry::default();
-    let agent = Gate {
-        gate: gate.clone(),
-        started: started.clone(),
-        most_running: most_running.clone(),
-        pool: db.pool.clone(),
-    };
-    agents.insert("gate", Arc::new(agent));
-    let mut runs = Vec::new();
-    for _ in 0..RUNS {
-        runs.push(enqueue(&db.pool, None, "gate", json!({})).await.run_id);
-    }
+    let (agents, started, most_running) = gate_agents(&db, gate.clone());
+    let runs = enqueue_gated(&db, RUNS).await;
     let w = start_worker_with(&db, agents, WorkerConfig { max_runs: SLOTS, ..fast_config("batch") }).await;
     // Release the runs a slot-full at a time: each wave frees every slot at
     // once, so the next claim takes several rows in one statement.
@@ -156,31 +164,9 @@ async fn a_batch_containing_two_turns_of_one_conversation_claims_only_the_first(
     assert_eq!(running, 1);
 }
 
-/// A fenced row inside a group-committed batch of endings changes nothing
-/// (the run keeps the ending its reaper wrote, with no second `complete` and
-/// no answer), and its neighbours end normally in the same commit, each with
-/// its `complete` event, its assistant message and its wake.
-#[tokio::test]
-async fn a_fenced_row_in_a_group_committed_batch_changes_nothing_and_its_neighbours_end() {
-    let db = TestDb::new().await;
-    let mut turns = Vec::new();
-    for _ in 0..3 {
-        let first = enqueue(&db.pool, None, "noop", json!({})).await;
-        // A second turn in each conversation: the ending must wake it.
-        let next = enqueue(&db.pool, Some(first.conversation_id), "noop", json!({})).await;
-        turns.push((first, next));
-    }
-    let claimed = lifecycle::claim_batch(&db.pool, &claim_args("w", 10, true)).await.unwrap().runs;
-    assert_eq!(claimed.len(), 3);
-    // The middle run's worker is lost: its lease lapses and the reaper ends it.
-    let fenced = claimed[1].clone();
-    update_run(&db.pool, fenced.id, "claim_expires_at = now() - interval '1 hour'").await;
-    let expired = Expired { id: fenced.id, claim_token: fenced.claim_token };
-    assert!(lifecycle::reap(&db.pool, expired, Duration::from_secs(1)).await.unwrap());
-
-    let mut listener = sqlx::postgres::PgListener::connect(&db.url).await.unwrap();
-    listener.listen(agent_host::db::notify::RUN_ENQUEUED).await.unwrap();
-    let endings: Vec<Ending> = claimed
+/// Endings of `claimed`, each completed with an answer and `usage`.
+fn completed(claimed: &[lifecycle::ClaimedRun], usage: Option<serde_json::Value>) -> Vec<Ending> {
+    claimed
         .iter()
         .map(|c| Ending {
             run: c.id,
@@ -188,9 +174,46 @@ async fn a_fenced_row_in_a_group_committed_batch_changes_nothing_and_its_neighbo
             status: RunStatus::Completed,
             error: None,
             assistant: Some((format!("answer of {}", c.id), MessageStatus::Complete)),
-            usage: Some(json!({ "input_tokens": 1, "output_tokens": 2 })),
+            usage: usage.clone(),
         })
-        .collect();
+        .collect()
+}
+
+/// Three conversations of two turns each (the second waits on the first),
+/// their first turns claimed in one statement, and the middle one's worker
+/// lost: its lease lapsed and the reaper ended it. Returns the turns and the
+/// claimed runs in claim order.
+async fn three_claimed_one_reaped(
+    db: &TestDb,
+) -> (Vec<(enqueue::Enqueued, enqueue::Enqueued)>, Vec<lifecycle::ClaimedRun>) {
+    let mut turns = Vec::new();
+    for _ in 0..3 {
+        let first = enqueue(&db.pool, None, "noop", json!({})).await;
+        let next = enqueue(&db.pool, Some(first.conversation_id), "noop", json!({})).await;
+        turns.push((first, next));
+    }
+    let claimed = lifecycle::claim_batch(&db.pool, &claim_args("w", 10, true)).await.unwrap().runs;
+    assert_eq!(claimed.len(), 3);
+    let lost = &claimed[1];
+    update_run(&db.pool, lost.id, "claim_expires_at = now() - interval '1 hour'").await;
+    let expired = Expired { id: lost.id, claim_token: lost.claim_token };
+    assert!(lifecycle::reap(&db.pool, expired, Duration::from_secs(1)).await.unwrap());
+    (turns, claimed)
+}
+
+/// A fenced row inside a group-committed batch of endings changes nothing
+/// (the run keeps the ending its reaper wrote, with no second `complete` and
+/// no answer), and its neighbours end normally in the same commit, each with
+/// its `complete` event, its assistant message and its wake.
+#[tokio::test]
+async fn a_fenced_row_in_a_group_committed_batch_changes_nothing_and_its_neighbours_end() {
+    let db = TestDb::new().await;
+    let (_, claimed) = three_claimed_one_reaped(&db).await;
+    let fenced = claimed[1].clone();
+
+    let mut listener = sqlx::postgres::PgListener::connect(&db.url).await.unwrap();
+    listener.listen(agent_host::db::notify::RUN_ENQUEUED).await.unwrap();
+    let endings = completed(&claimed, Some(json!({ "input_tokens": 1, "output_tokens": 2 })));
     let written = lifecycle::finish_many(&db.pool, &endings).await.unwrap();
     let mut want = vec![claimed[0].id, claimed[2].id];
     want.sort_by_key(|r| r.0);
@@ -519,21 +542,6 @@ async fn a_worker_id_with_quotes_and_backslashes_is_written_as_given() {
     assert_eq!((stored.as_str(), journaled.as_str()), (worker, worker));
 }
 
-/// Endings of `claimed`, each completed with an answer.
-fn completed(claimed: &[lifecycle::ClaimedRun]) -> Vec<Ending> {
-    claimed
-        .iter()
-        .map(|c| Ending {
-            run: c.id,
-            token: c.claim_token,
-            status: RunStatus::Completed,
-            error: None,
-            assistant: Some((format!("answer of {}", c.id), MessageStatus::Complete)),
-            usage: None,
-        })
-        .collect()
-}
-
 fn sorted(mut ids: Vec<RunId>) -> Vec<RunId> {
     ids.sort_by_key(|r| r.0);
     ids
@@ -549,29 +557,18 @@ fn sorted(mut ids: Vec<RunId>) -> Vec<RunId> {
 #[tokio::test]
 async fn an_ending_and_claim_batch_fences_rows_alone_and_claims_at_most_its_slots() {
     let db = TestDb::new().await;
-    let mut firsts = Vec::new();
-    for _ in 0..3 {
-        let first = enqueue(&db.pool, None, "noop", json!({})).await;
-        // A second turn in each conversation: it waits on the first.
-        let next = enqueue(&db.pool, Some(first.conversation_id), "noop", json!({})).await;
-        firsts.push((first, next));
-    }
-    let claimed = lifecycle::claim_batch(&db.pool, &claim_args("w", 3, true)).await.unwrap().runs;
+    let (firsts, claimed) = three_claimed_one_reaped(&db).await;
     assert_eq!(sorted(claimed.iter().map(|c| c.id).collect()), sorted(firsts.iter().map(|f| f.0.run_id).collect()));
-    // Five more conversations queued; two turns of one of them.
+    let fenced = claimed[1].clone();
+    // Four more conversations queued, and a second turn of one of them.
     let mut fresh = Vec::new();
     for _ in 0..4 {
         fresh.push(enqueue(&db.pool, None, "noop", json!({})).await);
     }
     let later = enqueue(&db.pool, Some(fresh[0].conversation_id), "noop", json!({})).await;
-    // The middle run's worker is lost: the reaper ends it.
-    let fenced = claimed[1].clone();
-    update_run(&db.pool, fenced.id, "claim_expires_at = now() - interval '1 hour'").await;
-    let expired = Expired { id: fenced.id, claim_token: fenced.claim_token };
-    assert!(lifecycle::reap(&db.pool, expired, Duration::from_secs(1)).await.unwrap());
 
     let turnover =
-        lifecycle::finish_and_claim(&db.pool, &completed(&claimed), &claim_args("w", 3, true)).await.unwrap();
+        lifecycle::finish_and_claim(&db.pool, &completed(&claimed, None), &claim_args("w", 3, true)).await.unwrap();
     assert_eq!(
         sorted(turnover.written.clone()),
         sorted(vec![claimed[0].id, claimed[2].id]),
@@ -645,7 +642,8 @@ async fn an_index_conflict_in_an_ending_and_claim_batch_claims_fewer_rows_and_en
     let blocked = enqueue(&db.pool, Some(busy.conversation_id), "noop", json!({})).await;
     let free = enqueue(&db.pool, None, "noop", json!({})).await;
     let mine: Vec<_> = claimed.iter().filter(|c| c.id == ending.run_id).cloned().collect();
-    let turnover = lifecycle::finish_and_claim(&db.pool, &completed(&mine), &claim_args("w", 2, false)).await.unwrap();
+    let turnover =
+        lifecycle::finish_and_claim(&db.pool, &completed(&mine, None), &claim_args("w", 2, false)).await.unwrap();
     assert_eq!(turnover.written, vec![ending.run_id]);
     assert_eq!(turnover.claimed.iter().map(|c| c.id).collect::<Vec<_>>(), vec![free.run_id]);
     assert_eq!(status(&db.pool, ending.run_id).await, "completed");
@@ -662,19 +660,8 @@ async fn a_busy_worker_claims_with_its_endings_and_never_holds_more_than_its_slo
     const RUNS: usize = 60;
     let db = TestDb::new().await;
     // Every run reads how many the database shows running as it starts.
-    let most_running = Arc::new(AtomicUsize::new(0));
-    let mut agents = AgentRegistry::default();
-    let agent = Gate {
-        gate: Arc::new(tokio::sync::Semaphore::new(RUNS)),
-        started: Arc::new(AtomicUsize::new(0)),
-        most_running: most_running.clone(),
-        pool: db.pool.clone(),
-    };
-    agents.insert("gate", Arc::new(agent));
-    let mut runs = Vec::new();
-    for _ in 0..RUNS {
-        runs.push(enqueue(&db.pool, None, "gate", json!({})).await.run_id);
-    }
+    let (agents, _, most_running) = gate_agents(&db, Arc::new(tokio::sync::Semaphore::new(RUNS)));
+    let runs = enqueue_gated(&db, RUNS).await;
     let w = start_worker_with(&db, agents, WorkerConfig { max_runs: SLOTS, ..fast_config("turnover") }).await;
     for run in &runs {
         wait_status(&db.pool, *run, "completed", LONG).await;

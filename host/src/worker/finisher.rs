@@ -31,11 +31,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
 use crate::db::{self, lifecycle::Ending, RunId};
 
-use super::Shared;
+use super::{Request, Shared};
 
 /// Endings one statement writes at most.
 pub const FINISH_BATCH_MAX: usize = 64;
@@ -46,14 +46,6 @@ pub const FINISH_WINDOW_DEFAULT: Duration = Duration::from_millis(2);
 pub const FINISH_WINDOW_MAX: Duration = Duration::from_millis(10);
 /// Endings waiting for the finisher; run tasks wait when it is full.
 pub(super) const QUEUE_MAX: usize = 1024;
-
-/// One ending and whom to tell: `Ok(true)` written, `Ok(false)` fenced.
-pub(super) struct Request {
-    pub ending: Ending,
-    pub reply: oneshot::Sender<Result<bool, sqlx::Error>>,
-    /// The run's slot (`None`: its task keeps it until it ends).
-    pub slot: Option<super::Slot>,
-}
 
 pub(super) async fn run(shared: Arc<Shared>, mut queue: mpsc::Receiver<Request>) {
     let mut batch: Vec<Request> = Vec::with_capacity(FINISH_BATCH_MAX);
@@ -144,9 +136,12 @@ async fn write(shared: &Arc<Shared>, batch: &mut Vec<Request>) {
 /// any ending's task is told (so a drain waiting for the tasks sees them).
 /// Acquire-before-pull holds: the claim takes at most one row per slot
 /// taken here, and surplus slots go back. Not while the worker stops
-/// claiming, nor in a process that does not dispatch. Returns false, with
-/// every slot back with its run, when the statement failed: the caller then
-/// writes the endings alone, as it would have without the claim.
+/// claiming, nor in a process that does not dispatch. Returns true when
+/// every ending's task was told; false, with every slot back with its run,
+/// when there was nothing to claim with or the database refused the
+/// statement (a constraint, a trigger): the caller then writes the endings
+/// alone, as it would have without the claim. Unreachable, every ending
+/// fails at once (its slot back with its run), as `write` fails them.
 async fn turnover(shared: &Arc<Shared>, batch: &mut Vec<Request>, endings: &[Ending]) -> bool {
     if !shared.config.dispatch || shared.stop_claiming.is_cancelled() {
         return false;
@@ -172,12 +167,23 @@ async fn turnover(shared: &Arc<Shared>, batch: &mut Vec<Request>, endings: &[End
             true
         }
         Err(e) => {
-            tracing::warn!(error = %e, endings = batch.len(), "endings with a claim failed; writing the endings alone");
             for (i, p) in taken {
                 if let Some(slot) = &batch[i].slot {
                     *slot.lock().unwrap() = Some(p);
                 }
             }
+            if !matches!(e, sqlx::Error::Database(_)) {
+                // The database is unreachable: every ending of the batch
+                // fails at once, as in `write`, rather than waiting out a
+                // second pool while the slots stay taken.
+                tracing::warn!(error = %e, endings = batch.len(), "endings with a claim failed");
+                let why = e.to_string();
+                for r in batch.drain(..) {
+                    let _ = r.reply.send(Err(sqlx::Error::Protocol(why.clone())));
+                }
+                return true;
+            }
+            tracing::warn!(error = %e, endings = batch.len(), "endings with a claim refused; writing the endings alone");
             false
         }
     }

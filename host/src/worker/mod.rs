@@ -221,6 +221,15 @@ struct Held {
 /// run's task ends.
 type Slot = Arc<Mutex<Option<tokio::sync::OwnedSemaphorePermit>>>;
 
+/// One ending for the finisher and whom to tell: `Ok(true)` written,
+/// `Ok(false)` fenced.
+pub(crate) struct Request {
+    pub ending: crate::db::lifecycle::Ending,
+    pub reply: tokio::sync::oneshot::Sender<Result<bool, sqlx::Error>>,
+    /// The run's slot (`None`: its task keeps it until it ends).
+    pub slot: Option<Slot>,
+}
+
 /// Counters a person (and `/metrics`) can read.
 #[derive(Debug, Default)]
 pub struct WorkerStats {
@@ -297,7 +306,7 @@ pub(crate) struct Shared {
     /// Conversations whose run this process just ended, for the waker.
     ended: mpsc::Sender<(RunId, ConversationId)>,
     /// Endings for the group commit.
-    finisher: mpsc::Sender<finisher::Request>,
+    finisher: mpsc::Sender<Request>,
     /// The finisher's connections for its ending-and-claim statement
     /// (generic plans only: `db::generic_plan_pool`); one
     /// batch is written at a time.

@@ -331,7 +331,7 @@ async fn finalize(
 /// worker dropped without its drain), the ending is written on its own.
 async fn group_commit(shared: &Shared, ending: Ending, slot: Option<super::Slot>) -> Result<bool, sqlx::Error> {
     let (reply, answer) = tokio::sync::oneshot::channel();
-    let request = super::finisher::Request { ending: ending.clone(), reply, slot };
+    let request = super::Request { ending: ending.clone(), reply, slot };
     if shared.finisher.send(request).await.is_ok() {
         if let Ok(written) = answer.await {
             return written;
