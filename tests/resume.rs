@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
-use agent_host::db::enqueue::{self, NewRun};
 use agent_host::db::RunId;
 use agent_host::tools::{LlmConfig, ToolRegistry};
 use nix::sys::signal::Signal;
@@ -398,24 +397,6 @@ async fn the_call_log_is_bounded_by_the_manifest() {
     assert_eq!(wait_terminal(&db.pool, runs[1], LONG).await, "failed");
     assert_eq!(run_error(&db.pool, runs[1]).await, "limit: more than 10 recorded calls");
     w.drain().await;
-}
-
-/// Enqueues a built-in run with `manifest` pinned.
-async fn enqueue_pinned(db: &TestDb, plugin: &str, manifest: Option<&Value>, config: Value) -> RunId {
-    let request = json!({});
-    let new = NewRun {
-        owner: &owner(),
-        conversation_id: None,
-        content: "hello",
-        plugin,
-        plugin_digest: None,
-        plugin_manifest: manifest,
-        config: &config,
-        request: &request,
-        idempotency_key: None,
-        webhook: None,
-    };
-    enqueue::enqueue(&db.pool, &new).await.unwrap().run_id
 }
 
 #[tokio::test]

@@ -587,6 +587,13 @@ async fn an_ending_and_claim_batch_fences_rows_alone_and_claims_at_most_its_slot
         assert!(!got.contains(&excluded), "claimed {excluded}, which may not run yet: {got:?}");
     }
     for c in &turnover.claimed {
+        // A second turn has its conversation's history to read; a lone first
+        // turn has none.
+        if c.id == firsts[1].1.run_id {
+            assert!(c.has_history, "{c:?}");
+        } else if fresh[1..].iter().any(|f| f.run_id == c.id) {
+            assert!(!c.has_history, "{c:?}");
+        }
         assert_eq!(status(&db.pool, c.id).await, "running");
         let journal = assert_journal_sound(&db.pool, c.id).await;
         assert_eq!(journal.iter().map(|(_, k)| k.as_str()).collect::<Vec<_>>().last(), Some(&"run_started"));
@@ -651,6 +658,18 @@ async fn an_index_conflict_in_an_ending_and_claim_batch_claims_fewer_rows_and_en
     assert_eq!(status(&db.pool, busy.run_id).await, "running");
 }
 
+/// Commits that wrote `run_started` rows, `op` (INTERSECT or EXCEPT) those
+/// that wrote `complete` rows.
+async fn claim_commits(pool: &sqlx::PgPool, op: &str) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM (SELECT xmin::text FROM run_event WHERE type = 'run_started'
+                               {op} SELECT xmin::text FROM run_event WHERE type = 'complete') c"
+    ))
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
 /// A busy worker hands the slots its endings free straight to the runs it
 /// claims in the same commit (one statement per batch, not two), and still
 /// never holds more runs than slots.
@@ -669,18 +688,83 @@ async fn a_busy_worker_claims_with_its_endings_and_never_holds_more_than_its_slo
     let stats = w.stats();
     w.drain().await;
     // Commits that wrote both endings and claims.
-    let shared: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM (SELECT xmin::text FROM run_event WHERE type = 'complete'
-                               INTERSECT SELECT xmin::text FROM run_event WHERE type = 'run_started') c",
-    )
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
+    let shared = claim_commits(&db.pool, "INTERSECT").await;
     assert!(shared > 0, "no claim rode an ending's commit");
     let claims = rows_per_commit(&db.pool, "run_started").await;
     assert_eq!(claims.iter().sum::<i64>(), RUNS as i64);
     assert!(claims[0] <= SLOTS as i64, "one claim took {} rows with {SLOTS} slots", claims[0]);
     let most = most_running.load(Ordering::SeqCst);
     assert!(most <= SLOTS, "{most} runs were running at once with {SLOTS} slots");
+    // After the dispatcher's first claim, the slots pass from ending to
+    // claim: claims committed without an ending are the first and, at most,
+    // one made while the finisher's statement was being written.
+    let alone = claim_commits(&db.pool, "EXCEPT").await;
+    assert!(alone <= 3, "{alone} claims did not ride an ending's commit");
     assert!(stats.claim_rounds.load(Ordering::Relaxed) < RUNS as u64);
+}
+
+/// Blocks each execution on the gate; tells the test each start.
+struct Held2 {
+    gate: Arc<tokio::sync::Semaphore>,
+    started: tokio::sync::mpsc::UnboundedSender<()>,
+}
+
+#[async_trait]
+impl Agent for Held2 {
+    async fn run(&self, _host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
+        let _ = self.started.send(());
+        self.gate.acquire().await.unwrap().forget();
+        Ok("done".into())
+    }
+}
+
+/// A resumable run put back in the queue while its task still ran (its
+/// lease lapsed; the reaper requeued it) is fenced at its ending, and the
+/// same statement may claim it again into the slot that ending frees: the
+/// new attempt's entry in the worker's held runs, under its new token, must
+/// outlive the old task standing down, or no heartbeat would renew its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_claimed_again_with_its_own_fenced_ending_stays_held() {
+    let db = TestDb::new().await;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (tx, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let mut agents = AgentRegistry::default();
+    agents.insert("held", Arc::new(Held2 { gate: gate.clone(), started: tx }));
+    let run = enqueue_pinned(&db, "held", Some(&json!({ "durability": "resume" })), json!({})).await;
+    let config = WorkerConfig { max_runs: 1, lease: Duration::from_secs(60), ..fast_config("again") };
+    let w = start_worker_with(&db, agents, config).await;
+    tokio::time::timeout(LONG, started.recv()).await.expect("the first attempt starts");
+    // What the reaper does to a resumable run whose lease lapsed.
+    update_run(&db.pool, run, "status = 'queued', attempt = attempt + 1, claim_expires_at = NULL").await;
+    gate.add_permits(1);
+    tokio::time::timeout(LONG, started.recv()).await.expect("the second attempt starts");
+    let stats = w.stats();
+    wait_for("the first attempt to stand down", LONG, || {
+        let stats = stats.clone();
+        async move { stats.fenced.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    // A heartbeat after that renews the second attempt's lease.
+    let since: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(&db.pool).await.unwrap();
+    wait_for("a heartbeat of the second attempt", LONG, || {
+        let pool = db.pool.clone();
+        async move {
+            let beat: Option<chrono::DateTime<chrono::Utc>> =
+                sqlx::query_scalar("SELECT last_heartbeat_at FROM agent_run WHERE id = $1 AND status = 'running'")
+                    .bind(run)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            beat.is_some_and(|b| b > since)
+        }
+    })
+    .await;
+    assert_eq!(w.in_flight(), 1, "the second attempt is not held");
+    gate.add_permits(1);
+    wait_status(&db.pool, run, "completed", LONG).await;
+    let attempt: i32 =
+        sqlx::query_scalar("SELECT attempt FROM agent_run WHERE id = $1").bind(run).fetch_one(&db.pool).await.unwrap();
+    assert_eq!(attempt, 2);
+    w.drain().await;
 }

@@ -412,3 +412,21 @@ pub fn example_wasm(dir: &str) -> Vec<u8> {
     let path = String::from_utf8(out.stdout).unwrap().lines().last().unwrap().to_string();
     std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
+
+/// Enqueues a built-in run with `manifest` pinned.
+pub async fn enqueue_pinned(db: &TestDb, plugin: &str, manifest: Option<&Value>, config: Value) -> RunId {
+    let request = json!({});
+    let new = NewRun {
+        owner: &owner(),
+        conversation_id: None,
+        content: "hello",
+        plugin,
+        plugin_digest: None,
+        plugin_manifest: manifest,
+        config: &config,
+        request: &request,
+        idempotency_key: None,
+        webhook: None,
+    };
+    enqueue::enqueue(&db.pool, &new).await.unwrap().run_id
+}

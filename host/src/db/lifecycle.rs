@@ -508,6 +508,8 @@ pub async fn finish_many(db: impl PgExecutor<'_>, endings: &[Ending]) -> Result<
 pub struct Turnover {
     pub written: Vec<RunId>,
     pub claimed: Vec<ClaimedRun>,
+    /// Statements the one-running-per-conversation index refused.
+    pub conflicts: u32,
 }
 
 /// running -> terminal for a batch of endings and queued -> running for up
@@ -532,7 +534,7 @@ pub struct Turnover {
 /// slot for each (acquire-before-pull).
 pub async fn finish_and_claim(pool: &PgPool, endings: &[Ending], claim: &Claim<'_>) -> Result<Turnover, sqlx::Error> {
     if claim.limit <= 0 {
-        return Ok(Turnover { written: finish_many(pool, endings).await?, claimed: Vec::new() });
+        return Ok(Turnover { written: finish_many(pool, endings).await?, ..Turnover::default() });
     }
     let mut conn = pool.acquire().await?;
     let mut except = Vec::new();
@@ -553,7 +555,7 @@ pub async fn finish_and_claim(pool: &PgPool, endings: &[Ending], claim: &Claim<'
         let rows = bind_endings(sqlx::query(&sql).persistent(except.is_empty()), endings).fetch_all(&mut *conn).await;
         match rows {
             Ok(rows) => {
-                let mut turnover = Turnover::default();
+                let mut turnover = Turnover { conflicts: except.len() as u32, ..Turnover::default() };
                 for row in &rows {
                     if turnover.written.is_empty() {
                         let ended: Option<Vec<uuid::Uuid>> = row.try_get("ended")?;
@@ -567,7 +569,10 @@ pub async fn finish_and_claim(pool: &PgPool, endings: &[Ending], claim: &Claim<'
             }
             Err(e) if is_running_conflict(&e) => match conflict_conversation(&e) {
                 Some(c) if (except.len() as u32) + 1 < CLAIM_CONFLICTS_MAX => except.push(c),
-                _ => return Ok(Turnover { written: finish_many(&mut *conn, endings).await?, claimed: Vec::new() }),
+                _ => {
+                    let written = finish_many(&mut *conn, endings).await?;
+                    return Ok(Turnover { written, claimed: Vec::new(), conflicts: except.len() as u32 + 1 });
+                }
             },
             Err(e) => return Err(e),
         }

@@ -159,6 +159,7 @@ async fn turnover(shared: &Arc<Shared>, batch: &mut Vec<Request>, endings: &[End
         Ok(t) => {
             shared.stats.finish_commits.fetch_add(1, Ordering::Relaxed);
             shared.stats.claim_rounds.fetch_add(1, Ordering::Relaxed);
+            shared.stats.claim_conflicts.fetch_add(u64::from(t.conflicts), Ordering::Relaxed);
             super::dispatcher::start(shared, t.claimed, taken.into_iter().map(|(_, p)| p).collect());
             let written: HashSet<RunId> = t.written.into_iter().collect();
             for r in batch.drain(..) {
@@ -171,6 +172,12 @@ async fn turnover(shared: &Arc<Shared>, batch: &mut Vec<Request>, endings: &[End
                 if let Some(slot) = &batch[i].slot {
                     *slot.lock().unwrap() = Some(p);
                 }
+            }
+            // The statement was never sent (no connection to be had): the
+            // endings go the usual way, on the host's pool.
+            if matches!(e, sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed) {
+                tracing::warn!(error = %e, endings = batch.len(), "no connection for endings with a claim; writing the endings alone");
+                return false;
             }
             if !matches!(e, sqlx::Error::Database(_)) {
                 // The database is unreachable: every ending of the batch

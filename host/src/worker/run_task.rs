@@ -105,7 +105,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                     }
                 }
             }
-            shared.held.lock().unwrap().remove(&id);
+            release(&shared, id, token);
             // The slot, unless the finisher passed it on to a run it claimed.
             drop(slot.lock().unwrap().take());
             // The wake chain's post-commit half (see `waker`).
@@ -310,7 +310,7 @@ async fn finalize(
     let ending = Ending { run: row.id, token: row.claim_token, status, error, assistant, usage };
     // No more heartbeats for a run that is ending: one landing after our
     // terminal write would find the claim gone and cry wolf.
-    let slot = shared.held.lock().unwrap().remove(&row.id).map(|h| h.slot);
+    let slot = release(shared, row.id, row.claim_token).map(|h| h.slot);
     match group_commit(shared, ending, slot).await {
         Ok(true) => {
             shared.stats.record_end(status, reason);
@@ -377,7 +377,7 @@ async fn hand_back(shared: &Shared, row: &ClaimedRun, host: &RunHost) -> Outcome
     if flushed == Err(HostError::Fenced) {
         return Outcome::Lost;
     }
-    shared.held.lock().unwrap().remove(&row.id);
+    release(shared, row.id, row.claim_token);
     let attempts = shared.config.resume_attempts;
     shared.stats.replayed_calls.fetch_add(host.replayed(), Ordering::Relaxed);
     match db::lifecycle::hand_back(&shared.pool, row.id, row.claim_token, attempts).await {
@@ -417,7 +417,7 @@ fn require_approval(config: &serde_json::Value) -> Vec<String> {
 async fn start_failed(shared: &Shared, row: &ClaimedRun, e: AgentError) -> Outcome {
     if resumable(row) && e.reason() == FailReason::Host {
         tracing::warn!(error = %e, "a resumable run could not start here; handing it back");
-        shared.held.lock().unwrap().remove(&row.id);
+        release(shared, row.id, row.claim_token);
         match db::lifecycle::hand_back(&shared.pool, row.id, row.claim_token, shared.config.resume_attempts).await {
             Ok(true) => return Outcome::HandedBack,
             Ok(false) => {}
@@ -426,6 +426,19 @@ async fn start_failed(shared: &Shared, row: &ClaimedRun, e: AgentError) -> Outco
         }
     }
     finalize(shared, row, Err(e), "", None).await
+}
+
+/// Drops this claim's `held` entry (no more heartbeats, and its slot, for the
+/// finisher), if the entry is still this claim's: a run put back in the
+/// queue (a resumable run whose lease lapsed) can be claimed again by this
+/// process while its old task stands down, and the new claim's entry,
+/// under its new token, must stay.
+fn release(shared: &Shared, run: db::RunId, token: db::ClaimToken) -> Option<Held> {
+    let mut held = shared.held.lock().unwrap();
+    match held.get(&run) {
+        Some(h) if h.token == token => held.remove(&run),
+        _ => None,
+    }
 }
 
 /// Whether the run's pinned manifest says it is resumable.
