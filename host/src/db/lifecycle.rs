@@ -65,11 +65,13 @@
 //! against an index's predicate by its text, which a bound parameter would
 //! defeat); a status that comes from Rust is bound as its typed enum.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::{FromRow, PgExecutor, PgPool, Postgres, Row, Transaction};
+use sqlx::postgres::PgRow;
+use sqlx::{FromRow, PgConnection, PgExecutor, PgPool, Postgres, Row, Transaction};
 
 use super::enqueue::{journal_queued, Enqueued};
 use super::events::{complete_payload, COMPLETE, RUN_STARTED};
@@ -255,18 +257,7 @@ SELECT c.*, umsg.content, umsg.has_history FROM claimed c JOIN umsg ON umsg.id =
 /// index turning away a turn the pre-filter could not see: it means "claimed
 /// nothing this round", and the caller simply claims again.
 pub async fn claim(db: impl PgExecutor<'_>, claim: &Claim<'_>) -> Result<Vec<ClaimedRun>, sqlx::Error> {
-    claim_except(db, claim, &[]).await
-}
-
-/// [`claim`], passing over the conversations in `except`.
-async fn claim_except(
-    db: impl PgExecutor<'_>,
-    claim: &Claim<'_>,
-    except: &[uuid::Uuid],
-) -> Result<Vec<ClaimedRun>, sqlx::Error> {
-    // A claim passing over conversations is a one-off text: not kept
-    // prepared, so it never crowds the connection's statement cache.
-    sqlx::query_as::<_, ClaimedRun>(&claim_sql(claim, except)).persistent(except.is_empty()).fetch_all(db).await
+    sqlx::query_as::<_, ClaimedRun>(&claim_sql(claim, &[])).fetch_all(db).await
 }
 
 /// [`CLAIM_SQL`] with everything written in: the row limit, the pre-filter,
@@ -284,8 +275,11 @@ async fn claim_except(
 /// boolean, the worker id as an escaped string literal) or a conversation
 /// id the database reported. Public so its plan can be read (EXPLAIN).
 pub fn claim_sql(claim: &Claim<'_>, except: &[uuid::Uuid]) -> String {
-    write_claim_in(&CLAIM_SQL.replace("{claim_ctes}", CLAIM_CTES), claim, except)
+    write_claim_in(&CLAIM_TEMPLATE, claim, except)
 }
+
+/// [`CLAIM_SQL`] with [`CLAIM_CTES`] in it, made once.
+static CLAIM_TEMPLATE: LazyLock<String> = LazyLock::new(|| CLAIM_SQL.replace("{claim_ctes}", CLAIM_CTES));
 
 /// `sql` with the claim's values written in (see [`claim_sql`]).
 fn write_claim_in(sql: &str, claim: &Claim<'_>, except: &[uuid::Uuid]) -> String {
@@ -331,26 +325,45 @@ pub const CLAIM_CONFLICTS_MAX: u32 = 8;
 /// conflicts (or one whose conversation cannot be read from the error) it
 /// claims nothing this round.
 pub async fn claim_batch(pool: &PgPool, claim: &Claim<'_>) -> Result<Batch, sqlx::Error> {
-    // Every attempt on one connection: PostgreSQL reports an error before it
-    // aborts the transaction, so an attempt on another connection could still
-    // find the rows the failed one locked, and skip them.
     let mut conn = pool.acquire().await?;
+    let (rows, conflicts) = past_conflicts(&mut conn, |except| claim_sql(claim, except), |q| q).await?;
+    let runs = rows.unwrap_or_default().iter().map(ClaimedRun::from_row).collect::<Result<_, _>>()?;
+    Ok(Batch { runs, conflicts })
+}
+
+/// Makes a statement that claims (`sql` for the conversations to pass over,
+/// its parameters bound by `bind`) until the one-running-per-conversation
+/// index stops refusing it, passing over one more conversation each time:
+/// its rows and the conflicts met, or no rows after [`CLAIM_CONFLICTS_MAX`]
+/// conflicts (or one whose conversation cannot be read from the error). A
+/// statement passing over conversations is a one-off text, not kept
+/// prepared. Every attempt on one connection: PostgreSQL reports an error
+/// before it aborts the transaction, so an attempt on another connection
+/// could still find the rows the failed one locked, and skip them.
+async fn past_conflicts(
+    conn: &mut PgConnection,
+    sql: impl Fn(&[uuid::Uuid]) -> String,
+    bind: impl for<'q> Fn(PgQuery<'q>) -> PgQuery<'q>,
+) -> Result<(Option<Vec<PgRow>>, u32), sqlx::Error> {
     let mut except = Vec::new();
-    let mut conflicts = 0;
     loop {
-        match claim_except(&mut *conn, claim, &except).await {
-            Ok(runs) => return Ok(Batch { runs, conflicts }),
+        let text = sql(&except);
+        match bind(sqlx::query(&text).persistent(except.is_empty())).fetch_all(&mut *conn).await {
+            Ok(rows) => return Ok((Some(rows), except.len() as u32)),
             Err(e) if is_running_conflict(&e) => {
-                conflicts += 1;
+                let conflicts = except.len() as u32 + 1;
                 match conflict_conversation(&e) {
                     Some(c) if conflicts < CLAIM_CONFLICTS_MAX => except.push(c),
-                    _ => return Ok(Batch { runs: Vec::new(), conflicts }),
+                    _ => return Ok((None, conflicts)),
                 }
             }
             Err(e) => return Err(e),
         }
     }
 }
+
+/// A statement with its parameters.
+type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
 
 /// The conversation a running-conflict names: PostgreSQL's detail reads
 /// `Key (conversation_id)=(<uuid>) already exists.`
@@ -493,14 +506,18 @@ pub async fn finish_many(db: impl PgExecutor<'_>, endings: &[Ending]) -> Result<
     if endings.is_empty() {
         return Ok(Vec::new());
     }
-    let sql = format!(
+    let rows = bind_endings(sqlx::query(&FINISH_SQL), endings).fetch_all(db).await?;
+    rows.iter().map(|r| r.try_get(0)).collect()
+}
+
+/// [`finish_many`]'s statement.
+static FINISH_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
         "WITH {FINISH_CTES}
          -- Referencing `wake` and `told` is what makes them run.
          SELECT f.id FROM fin f WHERE (SELECT count(*) FROM wake) >= 0 AND (SELECT count(*) FROM told) >= 0"
-    );
-    let rows = bind_endings(sqlx::query(&sql), endings).fetch_all(db).await?;
-    rows.iter().map(|r| r.try_get(0)).collect()
-}
+    )
+});
 
 /// What [`finish_and_claim`] did: the endings written (a run missing was
 /// fenced) and the runs claimed into the freed slots.
@@ -533,51 +550,42 @@ pub struct Turnover {
 /// [`FINISH_BATCH_MAX`] endings, and `claim.limit` rows: the caller holds a
 /// slot for each (acquire-before-pull).
 pub async fn finish_and_claim(pool: &PgPool, endings: &[Ending], claim: &Claim<'_>) -> Result<Turnover, sqlx::Error> {
-    if claim.limit <= 0 {
-        return Ok(Turnover { written: finish_many(pool, endings).await?, ..Turnover::default() });
-    }
     let mut conn = pool.acquire().await?;
-    let mut except = Vec::new();
-    loop {
-        let sql = write_claim_in(
-            &format!(
-                "WITH RECURSIVE {FINISH_CTES}, {CLAIM_CTES}
-                 SELECT ended.ids AS ended, x.*
-                 FROM (SELECT array_agg(id) AS ids FROM fin) ended
-                 LEFT JOIN (SELECT c.*, umsg.content, umsg.has_history
-                            FROM claimed c JOIN umsg ON umsg.id = c.user_message_id) x ON true
-                 -- Referencing `wake` and `told` is what makes them run.
-                 WHERE (SELECT count(*) FROM wake) >= 0 AND (SELECT count(*) FROM told) >= 0"
-            ),
-            claim,
-            &except,
-        );
-        let rows = bind_endings(sqlx::query(&sql).persistent(except.is_empty()), endings).fetch_all(&mut *conn).await;
-        match rows {
-            Ok(rows) => {
-                let mut turnover = Turnover { conflicts: except.len() as u32, ..Turnover::default() };
-                for row in &rows {
-                    if turnover.written.is_empty() {
-                        let ended: Option<Vec<uuid::Uuid>> = row.try_get("ended")?;
-                        turnover.written = ended.unwrap_or_default().into_iter().map(RunId).collect();
-                    }
-                    if row.try_get::<Option<uuid::Uuid>, _>("id")?.is_some() {
-                        turnover.claimed.push(ClaimedRun::from_row(row)?);
-                    }
-                }
-                return Ok(turnover);
-            }
-            Err(e) if is_running_conflict(&e) => match conflict_conversation(&e) {
-                Some(c) if (except.len() as u32) + 1 < CLAIM_CONFLICTS_MAX => except.push(c),
-                _ => {
-                    let written = finish_many(&mut *conn, endings).await?;
-                    return Ok(Turnover { written, claimed: Vec::new(), conflicts: except.len() as u32 + 1 });
-                }
-            },
-            Err(e) => return Err(e),
+    let (rows, conflicts) =
+        past_conflicts(&mut conn, |except| write_claim_in(&TURNOVER_SQL, claim, except), |q| bind_endings(q, endings))
+            .await?;
+    let Some(rows) = rows else {
+        // Out of conflicts: the endings alone.
+        return Ok(Turnover { written: finish_many(&mut *conn, endings).await?, claimed: Vec::new(), conflicts });
+    };
+    // Every row carries the ended runs; a row without an id is the one the
+    // LEFT JOIN makes when nothing was claimed.
+    let ended: Option<Vec<uuid::Uuid>> = match rows.first() {
+        Some(row) => row.try_get("ended")?,
+        None => None,
+    };
+    let mut claimed = Vec::with_capacity(rows.len());
+    for row in &rows {
+        if row.try_get::<Option<uuid::Uuid>, _>("id")?.is_some() {
+            claimed.push(ClaimedRun::from_row(row)?);
         }
     }
+    Ok(Turnover { written: ended.unwrap_or_default().into_iter().map(RunId).collect(), claimed, conflicts })
 }
+
+/// [`finish_and_claim`]'s statement, the claim's values still to be
+/// written in ([`write_claim_in`]).
+static TURNOVER_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH RECURSIVE {FINISH_CTES}, {CLAIM_CTES}
+         SELECT ended.ids AS ended, x.*
+         FROM (SELECT array_agg(id) AS ids FROM fin) ended
+         LEFT JOIN (SELECT c.*, umsg.content, umsg.has_history
+                    FROM claimed c JOIN umsg ON umsg.id = c.user_message_id) x ON true
+         -- Referencing `wake` and `told` is what makes them run.
+         WHERE (SELECT count(*) FROM wake) >= 0 AND (SELECT count(*) FROM told) >= 0"
+    )
+});
 
 /// The ending's common table expressions (`e` .. `told`), shared by
 /// [`finish_many`] and [`finish_and_claim`]; their parameters are bound by
@@ -637,10 +645,7 @@ const FINISH_CTES: &str = "e AS (
          )";
 
 /// `query` (a statement over [`FINISH_CTES`]) with the endings bound.
-fn bind_endings<'q>(
-    query: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
-    endings: &[Ending],
-) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+fn bind_endings<'q>(query: PgQuery<'q>, endings: &[Ending]) -> PgQuery<'q> {
     assert!(endings.len() <= FINISH_BATCH_MAX, "a batch of {} endings", endings.len());
     debug_assert!(endings.iter().all(|e| e.status.is_terminal()));
     let col = |f: &dyn Fn(&Ending) -> Option<String>| endings.iter().map(f).collect::<Vec<Option<String>>>();

@@ -89,10 +89,7 @@ async fn write(shared: &Arc<Shared>, batch: &mut Vec<Request>) {
     match db::lifecycle::finish_many(&shared.pool, &endings).await {
         Ok(written) => {
             shared.stats.finish_commits.fetch_add(1, Ordering::Relaxed);
-            let written: HashSet<RunId> = written.into_iter().collect();
-            for r in batch.drain(..) {
-                let _ = r.reply.send(Ok(written.contains(&r.ending.run)));
-            }
+            tell(batch, written);
         }
         // The database refused the statement (a constraint, a trigger): write
         // the endings one by one, so a row it refuses fails alone.
@@ -122,11 +119,24 @@ async fn write(shared: &Arc<Shared>, batch: &mut Vec<Request>) {
         // Every ending in the batch fails at once, as each would alone.
         Err(e) => {
             tracing::warn!(error = %e, endings = batch.len(), "group-committed endings failed");
-            let why = e.to_string();
-            for r in batch.drain(..) {
-                let _ = r.reply.send(Err(sqlx::Error::Protocol(why.clone())));
-            }
+            fail_all(batch, &e);
         }
+    }
+}
+
+/// Tells each ending's task whether its ending is among those `written`.
+fn tell(batch: &mut Vec<Request>, written: Vec<RunId>) {
+    let written: HashSet<RunId> = written.into_iter().collect();
+    for r in batch.drain(..) {
+        let _ = r.reply.send(Ok(written.contains(&r.ending.run)));
+    }
+}
+
+/// Tells every ending's task that its ending failed with `e`.
+fn fail_all(batch: &mut Vec<Request>, e: &sqlx::Error) {
+    let why = e.to_string();
+    for r in batch.drain(..) {
+        let _ = r.reply.send(Err(sqlx::Error::Protocol(why.clone())));
     }
 }
 
@@ -161,10 +171,7 @@ async fn turnover(shared: &Arc<Shared>, batch: &mut Vec<Request>, endings: &[End
             shared.stats.claim_rounds.fetch_add(1, Ordering::Relaxed);
             shared.stats.claim_conflicts.fetch_add(u64::from(t.conflicts), Ordering::Relaxed);
             super::dispatcher::start(shared, t.claimed, taken.into_iter().map(|(_, p)| p).collect());
-            let written: HashSet<RunId> = t.written.into_iter().collect();
-            for r in batch.drain(..) {
-                let _ = r.reply.send(Ok(written.contains(&r.ending.run)));
-            }
+            tell(batch, t.written);
             true
         }
         Err(e) => {
@@ -184,10 +191,7 @@ async fn turnover(shared: &Arc<Shared>, batch: &mut Vec<Request>, endings: &[End
                 // fails at once, as in `write`, rather than waiting out a
                 // second pool while the slots stay taken.
                 tracing::warn!(error = %e, endings = batch.len(), "endings with a claim failed");
-                let why = e.to_string();
-                for r in batch.drain(..) {
-                    let _ = r.reply.send(Err(sqlx::Error::Protocol(why.clone())));
-                }
+                fail_all(batch, &e);
                 return true;
             }
             tracing::warn!(error = %e, endings = batch.len(), "endings with a claim refused; writing the endings alone");
