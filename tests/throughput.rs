@@ -509,7 +509,7 @@ async fn the_claim_and_the_post_commit_wake_keep_one_generic_plan() {
         // for so short an array looked cheaper than the generic one.
         let n = 1 + i % 3;
         let ended: Vec<_> = (0..n).map(|_| (RunId::new(), agent_host::db::ConversationId::new())).collect();
-        lifecycle::announce_ended(&pool, &ended).await.unwrap();
+        lifecycle::announce_ended(&mut *pool.acquire().await.unwrap(), &ended).await.unwrap();
         assert_eq!(lifecycle::claim_batch(&pool, &claim_args("w", 3, true)).await.unwrap().runs.len(), 3);
     }
     // The wake: at most the five first executions planned for their values.
@@ -567,8 +567,13 @@ async fn an_ending_and_claim_batch_fences_rows_alone_and_claims_at_most_its_slot
     }
     let later = enqueue(&db.pool, Some(fresh[0].conversation_id), "noop", json!({})).await;
 
-    let turnover =
-        lifecycle::finish_and_claim(&db.pool, &completed(&claimed, None), &claim_args("w", 3, true)).await.unwrap();
+    let turnover = lifecycle::finish_and_claim(
+        &mut *db.pool.acquire().await.unwrap(),
+        &completed(&claimed, None),
+        &claim_args("w", 3, true),
+    )
+    .await
+    .unwrap();
     assert_eq!(
         sorted(turnover.written.clone()),
         sorted(vec![claimed[0].id, claimed[2].id]),
@@ -649,8 +654,13 @@ async fn an_index_conflict_in_an_ending_and_claim_batch_claims_fewer_rows_and_en
     let blocked = enqueue(&db.pool, Some(busy.conversation_id), "noop", json!({})).await;
     let free = enqueue(&db.pool, None, "noop", json!({})).await;
     let mine: Vec<_> = claimed.iter().filter(|c| c.id == ending.run_id).cloned().collect();
-    let turnover =
-        lifecycle::finish_and_claim(&db.pool, &completed(&mine, None), &claim_args("w", 2, false)).await.unwrap();
+    let turnover = lifecycle::finish_and_claim(
+        &mut *db.pool.acquire().await.unwrap(),
+        &completed(&mine, None),
+        &claim_args("w", 2, false),
+    )
+    .await
+    .unwrap();
     assert_eq!(turnover.written, vec![ending.run_id]);
     assert_eq!(turnover.claimed.iter().map(|c| c.id).collect::<Vec<_>>(), vec![free.run_id]);
     assert_eq!(status(&db.pool, ending.run_id).await, "completed");

@@ -549,10 +549,13 @@ pub struct Turnover {
 /// endings are written alone and nothing is claimed. At most
 /// [`FINISH_BATCH_MAX`] endings, and `claim.limit` rows: the caller holds a
 /// slot for each (acquire-before-pull).
-pub async fn finish_and_claim(pool: &PgPool, endings: &[Ending], claim: &Claim<'_>) -> Result<Turnover, sqlx::Error> {
-    let mut conn = pool.acquire().await?;
+pub async fn finish_and_claim(
+    conn: &mut PgConnection,
+    endings: &[Ending],
+    claim: &Claim<'_>,
+) -> Result<Turnover, sqlx::Error> {
     let (rows, conflicts) =
-        past_conflicts(&mut conn, |except| write_claim_in(&TURNOVER_SQL, claim, except), |q| bind_endings(q, endings))
+        past_conflicts(conn, |except| write_claim_in(&TURNOVER_SQL, claim, except), |q| bind_endings(q, endings))
             .await?;
     let Some(rows) = rows else {
         // Out of conflicts: the endings alone.
@@ -694,7 +697,7 @@ pub async fn backstop(
 /// record and waits for no flush: the knock (a NOTIFY, which does all three)
 /// is sent only for conversations that have a queued turn, almost never in a
 /// drain. (Each run's tails were told in its terminal write's own statement.)
-pub async fn announce_ended(pool: &PgPool, ended: &[(RunId, ConversationId)]) -> Result<(), sqlx::Error> {
+pub async fn announce_ended(conn: &mut PgConnection, ended: &[(RunId, ConversationId)]) -> Result<(), sqlx::Error> {
     let conversations: Vec<uuid::Uuid> = ended.iter().map(|(_, c)| c.0).collect();
     // Per conversation, a probe of its queued turns. The array is read
     // through a subquery: a plan sees no array length, so the custom plan
@@ -707,7 +710,7 @@ pub async fn announce_ended(pool: &PgPool, ended: &[(RunId, ConversationId)]) ->
          WHERE EXISTS (SELECT 1 FROM agent_run WHERE conversation_id = d.c AND status = 'queued')",
     )
     .bind(conversations)
-    .fetch_all(pool)
+    .fetch_all(&mut *conn)
     .await?;
     if waiting.is_empty() {
         return Ok(());
@@ -715,7 +718,7 @@ pub async fn announce_ended(pool: &PgPool, ended: &[(RunId, ConversationId)]) ->
     sqlx::query("SELECT pg_notify($1, c::text) FROM unnest($2::uuid[]) AS c")
         .bind(RUN_ENQUEUED)
         .bind(waiting)
-        .execute(pool)
+        .execute(&mut *conn)
         .await?;
     Ok(())
 }

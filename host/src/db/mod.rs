@@ -50,7 +50,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::PgPool;
+use sqlx::{ConnectOptions, PgConnection, PgPool};
 use uuid::Uuid;
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
@@ -154,20 +154,64 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Er
     pool_options(max_connections).connect_with(options).await
 }
 
-/// A pool of at most `max_connections` beside `pool` (the same server and
-/// settings), whose sessions always use a prepared statement's generic plan
-/// (`plan_cache_mode = force_generic_plan`): for a statement whose plan must
-/// not depend on its parameters' values, the worker's ending-and-claim
-/// (`lifecycle::finish_and_claim`). Its plan is the same for any batch, but
-/// its cost estimate swings with the queue's depth and PostgreSQL kept
-/// choosing a plan made for the values instead: 2,617 plans in 6,012 calls
-/// (0.4 ms each) over three 20,000-run drains; with the generic plan forced,
-/// 54. Only this statement runs on it (the host's other statements keep the
-/// default, since a generic plan for a LIMIT or a cursor parameter can be a
-/// poor one). Connects lazily.
-pub fn generic_plan_pool(pool: &PgPool, max_connections: u32) -> PgPool {
-    let options = (*pool.connect_options()).clone().options([("plan_cache_mode", "force_generic_plan")]);
-    pool_options(max_connections).connect_lazy_with(options)
+/// A connection of its own beside a pool (the same server and settings),
+/// whose session always uses a prepared statement's generic plan
+/// (`plan_cache_mode = force_generic_plan`), for a worker service that runs
+/// one statement at a time: the finisher's ending-and-claim
+/// (`lifecycle::finish_and_claim`) and the waker's read
+/// (`lifecycle::announce_ended`). The ending-and-claim's plan is the same
+/// for any batch, but its cost estimate swings with the queue's depth and
+/// PostgreSQL kept choosing a plan made for the values instead: 2,617 plans
+/// in 6,012 calls (0.4 ms each) over three 20,000-run drains; with the
+/// generic plan forced, 54. Only these statements run on it (the host's
+/// other statements keep the default, since a generic plan for a LIMIT or a
+/// cursor parameter can be a poor one).
+///
+/// A connection, not a pool of one: a pool pings every connection given
+/// back to it (sqlx tests it on release), a round trip the next statement
+/// waited for, once per batch of a busy worker. Like the pool, it pings a
+/// connection that sat idle before using it (a database restart leaves it
+/// dead) and opens a new one if the ping fails; made within the pool's
+/// acquire timeout.
+pub struct OwnConnection {
+    pool: PgPool,
+    conn: Option<PgConnection>,
+    used: std::time::Instant,
+}
+
+impl OwnConnection {
+    /// Made when first used.
+    pub fn new(pool: &PgPool) -> Self {
+        OwnConnection { pool: pool.clone(), conn: None, used: std::time::Instant::now() }
+    }
+
+    /// The connection, made or checked first as needed.
+    pub async fn get(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
+        let idle = std::mem::replace(&mut self.used, std::time::Instant::now()).elapsed();
+        if let Some(mut c) = self.conn.take() {
+            if idle < PING_AFTER_IDLE || sqlx::Connection::ping(&mut c).await.is_ok() {
+                return Ok(self.conn.insert(c));
+            }
+        }
+        let options = (*self.pool.connect_options()).clone().options([("plan_cache_mode", "force_generic_plan")]);
+        let timeout = self.pool.options().get_acquire_timeout();
+        match tokio::time::timeout(timeout, options.connect()).await {
+            Ok(c) => Ok(self.conn.insert(c?)),
+            Err(_) => Err(sqlx::Error::PoolTimedOut),
+        }
+    }
+
+    /// After an error that may have broken it: the next use makes a new one.
+    pub fn broke(&mut self) {
+        self.conn = None;
+    }
+
+    /// Closes it, if made.
+    pub async fn close(self) {
+        if let Some(c) = self.conn {
+            let _ = sqlx::Connection::close(c).await;
+        }
+    }
 }
 
 fn pool_options(max_connections: u32) -> PgPoolOptions {

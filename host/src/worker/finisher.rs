@@ -49,16 +49,18 @@ pub(super) const QUEUE_MAX: usize = 1024;
 
 pub(super) async fn run(shared: Arc<Shared>, mut queue: mpsc::Receiver<Request>) {
     let mut batch: Vec<Request> = Vec::with_capacity(FINISH_BATCH_MAX);
+    // The ending-and-claim statement's own connection (`db::OwnConnection`).
+    let mut conn = db::OwnConnection::new(&shared.pool);
     loop {
         // The first ending of a batch; the finisher ends once the worker's
         // services stop and nothing is queued (run tasks stop before them).
         tokio::select! {
             biased;
-            n = queue.recv_many(&mut batch, FINISH_BATCH_MAX) => if n == 0 { return },
+            n = queue.recv_many(&mut batch, FINISH_BATCH_MAX) => if n == 0 { break },
             _ = shared.stop_services.cancelled() => {
                 queue.close();
                 if queue.recv_many(&mut batch, FINISH_BATCH_MAX).await == 0 {
-                    return;
+                    break;
                 }
             }
         }
@@ -71,8 +73,9 @@ pub(super) async fn run(shared: Arc<Shared>, mut queue: mpsc::Receiver<Request>)
                 _ = tokio::time::sleep_until(deadline) => break,
             }
         }
-        write(&shared, &mut batch).await;
+        write(&shared, &mut batch, &mut conn).await;
     }
+    conn.close().await;
 }
 
 /// Whether every run this process holds has its ending in the batch (the
@@ -81,9 +84,9 @@ fn everyone_ending(shared: &Shared) -> bool {
     shared.held.lock().unwrap().is_empty()
 }
 
-async fn write(shared: &Arc<Shared>, batch: &mut Vec<Request>) {
+async fn write(shared: &Arc<Shared>, batch: &mut Vec<Request>, conn: &mut db::OwnConnection) {
     let endings: Vec<Ending> = batch.iter().map(|r| r.ending.clone()).collect();
-    if turnover(shared, batch, &endings).await {
+    if turnover(shared, batch, &endings, conn).await {
         return;
     }
     match db::lifecycle::finish_many(&shared.pool, &endings).await {
@@ -152,10 +155,25 @@ fn fail_all(batch: &mut Vec<Request>, e: &sqlx::Error) {
 /// statement (a constraint, a trigger): the caller then writes the endings
 /// alone, as it would have without the claim. Unreachable, every ending
 /// fails at once (its slot back with its run), as `write` fails them.
-async fn turnover(shared: &Arc<Shared>, batch: &mut Vec<Request>, endings: &[Ending]) -> bool {
+/// Runs on the finisher's own connection, `conn` (with no connection to be
+/// had, the endings go alone, on the host's pool), made anew after the
+/// statement failed for want of the database.
+async fn turnover(
+    shared: &Arc<Shared>,
+    batch: &mut Vec<Request>,
+    endings: &[Ending],
+    conn: &mut db::OwnConnection,
+) -> bool {
     if !shared.config.dispatch || shared.stop_claiming.is_cancelled() {
         return false;
     }
+    let c = match conn.get().await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, endings = batch.len(), "no connection for endings with a claim; writing the endings alone");
+            return false;
+        }
+    };
     let taken: Vec<(usize, OwnedSemaphorePermit)> = batch
         .iter()
         .enumerate()
@@ -165,7 +183,7 @@ async fn turnover(shared: &Arc<Shared>, batch: &mut Vec<Request>, endings: &[End
         return false;
     }
     let claim = super::dispatcher::claim_of(shared, taken.len());
-    match db::lifecycle::finish_and_claim(&shared.turnover_pool, endings, &claim).await {
+    match db::lifecycle::finish_and_claim(c, endings, &claim).await {
         Ok(t) => {
             shared.stats.finish_commits.fetch_add(1, Ordering::Relaxed);
             shared.stats.claim_rounds.fetch_add(1, Ordering::Relaxed);
@@ -180,16 +198,12 @@ async fn turnover(shared: &Arc<Shared>, batch: &mut Vec<Request>, endings: &[End
                     *slot.lock().unwrap() = Some(p);
                 }
             }
-            // The statement was never sent (no connection to be had): the
-            // endings go the usual way, on the host's pool.
-            if matches!(e, sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed) {
-                tracing::warn!(error = %e, endings = batch.len(), "no connection for endings with a claim; writing the endings alone");
-                return false;
-            }
             if !matches!(e, sqlx::Error::Database(_)) {
                 // The database is unreachable: every ending of the batch
-                // fails at once, as in `write`, rather than waiting out a
-                // second pool while the slots stay taken.
+                // fails at once, as in `write`, rather than waiting out the
+                // pool while the slots stay taken. The connection is made
+                // anew for the next batch.
+                conn.broke();
                 tracing::warn!(error = %e, endings = batch.len(), "endings with a claim failed");
                 fail_all(batch, &e);
                 return true;

@@ -307,10 +307,6 @@ pub(crate) struct Shared {
     ended: mpsc::Sender<(RunId, ConversationId)>,
     /// Endings for the group commit.
     finisher: mpsc::Sender<Request>,
-    /// The finisher's connections for its ending-and-claim statement
-    /// (generic plans only: `db::generic_plan_pool`); one
-    /// batch is written at a time.
-    turnover_pool: PgPool,
 }
 
 /// What `/metrics` reads of a running worker.
@@ -356,7 +352,6 @@ impl Worker {
         let (ended, ended_rx) = mpsc::channel(waker::QUEUE_MAX);
         let (finisher, finisher_rx) = mpsc::channel(finisher::QUEUE_MAX);
         let shared = Arc::new(Shared {
-            turnover_pool: crate::db::generic_plan_pool(&pool, 1),
             pool,
             agents,
             slots: Arc::new(Semaphore::new(config.max_runs)),

@@ -19,22 +19,32 @@ const BATCH_MAX: usize = 256;
 
 pub(super) async fn run(shared: Arc<Shared>, mut ended: mpsc::Receiver<(RunId, ConversationId)>) {
     let mut batch = Vec::with_capacity(BATCH_MAX);
+    // A connection of its own, as the finisher has (a pool pings each
+    // connection given back, a second round trip per read); made when
+    // first needed and again after an error.
+    let mut conn = db::OwnConnection::new(&shared.pool);
     loop {
         tokio::select! {
             biased;
-            n = ended.recv_many(&mut batch, BATCH_MAX) => if n == 0 { return },
+            n = ended.recv_many(&mut batch, BATCH_MAX) => if n == 0 { break },
             // Services stop after the last run task; answer what is queued, then go.
             _ = shared.stop_services.cancelled() => {
                 ended.close();
                 if ended.recv_many(&mut batch, BATCH_MAX).await == 0 {
-                    return;
+                    break;
                 }
             }
         }
-        if let Err(e) = db::lifecycle::announce_ended(&shared.pool, &batch).await {
+        let answered = match conn.get().await {
+            Ok(c) => db::lifecycle::announce_ended(c, &batch).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = answered {
             // A lost hint costs a poll interval, nothing more.
             tracing::warn!(error = %e, "post-commit wake failed");
+            conn.broke();
         }
         batch.clear();
     }
+    conn.close().await;
 }
