@@ -440,3 +440,31 @@ async fn a_crash_of_the_database_during_a_tool_call_never_forgets_the_claim() {
     assert_eq!(journal.iter().filter(|(_, k)| k == "run_started").count(), 1, "{journal:?}");
     assert!(journal.iter().any(|(_, k)| k == "tool_call_started"), "{journal:?}");
 }
+
+/// The finisher and the waker each keep a connection of their own
+/// (`db::OwnConnection`), outside the pool. A database restart between two
+/// runs leaves both dead: the next run's ending must still be written (the
+/// idle connection is pinged, found dead and made anew), so the run ends
+/// completed, not failed for want of a connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_restart_between_runs_fails_no_ending() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let db = TestDb::new().await;
+    let w = start_worker(&db, fast_config("restart")).await;
+    let before = enqueue(&db.pool, None, "noop", json!({})).await.run_id;
+    assert_eq!(wait_terminal(&db.pool, before, LONG).await, "completed");
+    if !restart_postgres() {
+        eprintln!("DATABASE_URL's server is not ours to restart; nothing to show");
+        w.drain().await;
+        return;
+    }
+    let mut after = Vec::new();
+    for _ in 0..3 {
+        after.push(enqueue(&db.pool, None, "noop", json!({})).await.run_id);
+    }
+    for run in after {
+        let status = wait_terminal(&db.pool, run, LONG).await;
+        assert_eq!(status, "completed", "{}", run_error(&db.pool, run).await);
+    }
+    w.drain().await;
+}
