@@ -35,6 +35,16 @@ pub(super) async fn run(shared: Arc<Shared>, mut ended: mpsc::Receiver<(RunId, C
                 }
             }
         }
+        // The finisher tells a batch's run tasks at once and each sends its
+        // conversation as it runs: one turn of the scheduler lets the rest
+        // of them join this read (a drain made two reads per batch without).
+        tokio::task::yield_now().await;
+        while batch.len() < BATCH_MAX {
+            match ended.try_recv() {
+                Ok(one) => batch.push(one),
+                Err(_) => break,
+            }
+        }
         let answered = match conn.get().await {
             Ok(c) => db::lifecycle::announce_ended(c, &batch).await,
             Err(e) => Err(e),
