@@ -542,6 +542,11 @@ async fn a_worker_id_with_quotes_and_backslashes_is_written_as_given() {
     assert_eq!((stored.as_str(), journaled.as_str()), (worker, worker));
 }
 
+/// `lifecycle::finish_and_claim` on a connection of `pool`.
+async fn finish_and_claim(pool: &sqlx::PgPool, endings: &[Ending], claim: &Claim<'_>) -> lifecycle::Turnover {
+    lifecycle::finish_and_claim(&mut *pool.acquire().await.unwrap(), endings, claim).await.unwrap()
+}
+
 fn sorted(mut ids: Vec<RunId>) -> Vec<RunId> {
     ids.sort_by_key(|r| r.0);
     ids
@@ -567,13 +572,7 @@ async fn an_ending_and_claim_batch_fences_rows_alone_and_claims_at_most_its_slot
     }
     let later = enqueue(&db.pool, Some(fresh[0].conversation_id), "noop", json!({})).await;
 
-    let turnover = lifecycle::finish_and_claim(
-        &mut *db.pool.acquire().await.unwrap(),
-        &completed(&claimed, None),
-        &claim_args("w", 3, true),
-    )
-    .await
-    .unwrap();
+    let turnover = finish_and_claim(&db.pool, &completed(&claimed, None), &claim_args("w", 3, true)).await;
     assert_eq!(
         sorted(turnover.written.clone()),
         sorted(vec![claimed[0].id, claimed[2].id]),
@@ -654,13 +653,7 @@ async fn an_index_conflict_in_an_ending_and_claim_batch_claims_fewer_rows_and_en
     let blocked = enqueue(&db.pool, Some(busy.conversation_id), "noop", json!({})).await;
     let free = enqueue(&db.pool, None, "noop", json!({})).await;
     let mine: Vec<_> = claimed.iter().filter(|c| c.id == ending.run_id).cloned().collect();
-    let turnover = lifecycle::finish_and_claim(
-        &mut *db.pool.acquire().await.unwrap(),
-        &completed(&mine, None),
-        &claim_args("w", 2, false),
-    )
-    .await
-    .unwrap();
+    let turnover = finish_and_claim(&db.pool, &completed(&mine, None), &claim_args("w", 2, false)).await;
     assert_eq!(turnover.written, vec![ending.run_id]);
     assert_eq!(turnover.claimed.iter().map(|c| c.id).collect::<Vec<_>>(), vec![free.run_id]);
     assert_eq!(status(&db.pool, ending.run_id).await, "completed");
