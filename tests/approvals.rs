@@ -62,8 +62,9 @@ async fn approved_and_edited_calls_run_once_after_every_host_restarted() {
     assert_eq!(pending["args"], json!({ "input": "send the report" }));
     let call = pending["call_id"].as_i64().unwrap();
     wait_waiting(&env, &a, edit).await;
-    // Nothing is held while they wait.
-    assert_eq!(metric(&a, "agent_host_runs_in_flight").await, 0.0);
+    // Nothing is held while they wait (a run task counts its outcome, then
+    // lets its run go, just after the status changed).
+    wait_for("no run held", LONG, || async { metric(&a, "agent_host_runs_in_flight").await == 0.0 }).await;
     assert_eq!(metric(&a, "agent_host_sandboxes_live").await, 0.0);
     assert_eq!(metric(&a, "agent_host_runs_waiting").await, 2.0);
     assert_eq!(metric(&a, "agent_host_runs_suspended_total").await, 2.0);
@@ -101,6 +102,28 @@ async fn approved_and_edited_calls_run_once_after_every_host_restarted() {
     assert_eq!((decided["decision"].clone(), decided["args"].clone()), (json!("edit"), edited));
     assert_journal_sound(&env.db.pool, approve).await;
     assert_journal_sound(&env.db.pool, edit).await;
+}
+
+/// A suspension clears the run's claim itself. A heartbeat that reads the
+/// claim gone between the suspension's commit and the run task's next look
+/// must not make the run a lost one: with a heartbeat every millisecond that
+/// window is hit often (this failed with the suspension unguarded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_racing_a_suspension_never_makes_it_a_lost_run() {
+    const RUNS: usize = 40;
+    let env = chat_env(3_600_000, &["--heartbeat-ms", "1", "--max-runs", "8"]).await;
+    let a = env.spawn("A");
+    let mut runs = Vec::new();
+    for i in 0..RUNS {
+        runs.push(env.post(&a, "chat", &format!("send {i}"), send_offered()).await);
+    }
+    for run in &runs {
+        wait_waiting(&env, &a, *run).await;
+    }
+    // A run task counts its outcome before it lets its run go.
+    wait_for("no run held", LONG, || async { metric(&a, "agent_host_runs_in_flight").await == 0.0 }).await;
+    assert_eq!(metric(&a, "agent_host_fence_trips_total").await, 0.0, "a suspension is not a lost run");
+    assert_eq!(metric(&a, "agent_host_runs_suspended_total").await, RUNS as f64);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -105,6 +105,9 @@ struct Inner {
     /// Fired when the run must end now with its failure (a replay diverged,
     /// a call's outcome is unknown).
     abort: CancellationToken,
+    /// Fired when a suspension's write has returned, whichever way (see
+    /// [`RunHost::suspension_settled`]).
+    suspension_settled: CancellationToken,
     state: Mutex<State>,
 }
 
@@ -124,6 +127,9 @@ struct State {
     /// The failure the run must end with, if any (a limit it hit, a replay
     /// that diverged): it ends failed with it whatever the agent does next.
     failure: Option<(FailReason, String)>,
+    /// A suspension's write was sent: the run's claim may be gone by its
+    /// own doing.
+    suspending: bool,
     /// The run was suspended: it waits, and the worker lets it go.
     suspended: bool,
 }
@@ -142,6 +148,7 @@ impl RunHost {
                 recording: parts.recording,
                 require_approval: parts.require_approval,
                 abort: CancellationToken::new(),
+                suspension_settled: CancellationToken::new(),
                 state: Mutex::new(State::default()),
             }),
         }
@@ -554,6 +561,9 @@ impl RunHost {
             journal.close().await?;
         }
         let s = Suspend { call_index: ordinal as i32, position, kind, tool: name, args, for_secs: wait.as_secs_f64() };
+        self.state().suspending = true;
+        // Fires when this returns, or is dropped, after `suspended` is set.
+        let _settled = self.inner.suspension_settled.clone().drop_guard();
         rec.suspend(&s).await?;
         tracing::info!(run_id = %self.inner.run_id, call_index = ordinal, tool = name, ?kind, "run suspended: waiting");
         self.state().suspended = true;
@@ -564,6 +574,17 @@ impl RunHost {
     /// Whether the run was suspended (it waits; the worker lets it go).
     pub fn suspended(&self) -> bool {
         self.state().suspended
+    }
+
+    /// Resolves at once unless a suspension's write was sent; then when it
+    /// has returned. The suspension clears the run's claim, so a heartbeat
+    /// may find the claim gone before the run task sees the suspension:
+    /// the task waits for this before it takes the claim for lost.
+    pub async fn suspension_settled(&self) {
+        let suspending = self.state().suspending;
+        if suspending {
+            self.inner.suspension_settled.cancelled().await
+        }
     }
 
     /// A recorded call answered again: its journaled text is the partial

@@ -201,10 +201,18 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         cancel.cancelled().await;
         tokio::time::sleep(grace).await;
     };
+    // The fence tripped (heartbeat or journal found the claim gone): stop at
+    // once, unless the run's own suspension cleared the claim.
+    let lost_or_suspended = async {
+        lost.cancelled().await;
+        host.suspension_settled().await;
+    };
     let result = tokio::select! {
         biased;
-        // The fence tripped (heartbeat or journal found the claim gone): stop at once.
-        _ = lost.cancelled() => return Outcome::Lost,
+        _ = lost_or_suspended => match host.suspended() {
+            true => return Outcome::Suspended,
+            false => return Outcome::Lost,
+        },
         _ = host.aborted() => match host.suspended() {
             // It waits with nothing held: the slot and the sandbox go.
             true => return Outcome::Suspended,
