@@ -53,6 +53,54 @@ async fn enqueue_commits_message_run_journal_and_wake_together() {
     assert_eq!(journal(&db.pool, e.run_id).await, vec![(1, "user_message_created".into()), (2, "run_queued".into())]);
 }
 
+/// A turn posted to a conversation that is not the poster's (or does not
+/// exist) is refused as not found and writes nothing: the enqueue's one
+/// statement finds no conversation to write into. A new turn of the
+/// owner's conversation follows its first.
+#[tokio::test]
+async fn a_turn_for_another_users_conversation_is_not_found_and_writes_nothing() {
+    let db = TestDb::new().await;
+    let first = enqueue(&db.pool, None, "noop", json!({})).await;
+    let bob = enqueue::Owner { user_id: "bob".into(), tenant_id: "acme".into() };
+    let config = json!({});
+    let missing = agent_host::db::ConversationId::new();
+    for conversation in [first.conversation_id, missing] {
+        let new = enqueue::NewRun {
+            owner: &bob,
+            conversation_id: Some(conversation),
+            content: "not mine",
+            plugin: "noop",
+            plugin_digest: None,
+            plugin_manifest: None,
+            config: &config,
+            request: &config,
+            idempotency_key: None,
+            webhook: None,
+        };
+        match enqueue::enqueue(&db.pool, &new).await {
+            Err(enqueue::EnqueueError::ConversationNotFound(c)) => assert_eq!(c, conversation),
+            other => panic!("{other:?}"),
+        }
+    }
+    for (table, rows) in [("conversation", 1), ("message", 1), ("agent_run", 1), ("run_event", 2)] {
+        let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}")).fetch_one(&db.pool).await.unwrap();
+        assert_eq!(n, rows, "{table}");
+    }
+    let second = enqueue(&db.pool, Some(first.conversation_id), "noop", json!({})).await;
+    assert_eq!(second.conversation_id, first.conversation_id);
+    let turns: Vec<RunId> =
+        sqlx::query_scalar("SELECT id FROM agent_run WHERE conversation_id = $1 ORDER BY queue_pos")
+            .bind(first.conversation_id)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(turns, vec![first.run_id, second.run_id]);
+    assert_eq!(
+        journal(&db.pool, second.run_id).await,
+        vec![(1, "user_message_created".into()), (2, "run_queued".into())]
+    );
+}
+
 #[tokio::test]
 async fn failed_enqueue_leaves_nothing_and_wakes_nobody() {
     let db = TestDb::new().await;

@@ -9,8 +9,8 @@ use serde_json::{json, Value};
 use sqlx::{PgExecutor, PgPool, Postgres, Transaction};
 
 use super::events::{RUN_QUEUED, USER_MESSAGE_CREATED};
-use super::notify::{notify, RUN_ENQUEUED};
-use super::{conversations, ConversationId, MessageId, MessageStatus, RunId, RunStatus};
+use super::notify::RUN_ENQUEUED;
+use super::{ConversationId, MessageId, MessageStatus, RunId, RunStatus};
 
 /// Who a run or conversation belongs to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,66 +70,93 @@ pub async fn create_conversation(
     Ok((id, created_at))
 }
 
-/// Enqueue in one transaction: the user message, the run (queued, with the
-/// request snapshot), journal seq 1 `user_message_created` and seq 2
-/// `run_queued`, and the wake. Together or not at all; a rolled-back enqueue
-/// wakes nobody because NOTIFY fires on commit.
+/// Enqueue in one statement, and so one transaction: the user message, the
+/// run (queued, with the request snapshot), journal seq 1
+/// `user_message_created` and seq 2 `run_queued`, and the wake. Together or
+/// not at all; a rolled-back enqueue wakes nobody because NOTIFY fires on
+/// commit. One round trip (it was seven: BEGIN, five statements, COMMIT).
 pub async fn enqueue(pool: &PgPool, new: &NewRun<'_>) -> Result<Enqueued, EnqueueError> {
-    let mut tx = pool.begin().await?;
-    let enqueued = enqueue_in(&mut tx, new).await?;
-    tx.commit().await?;
-    Ok(enqueued)
+    enqueue_on(pool, new).await
 }
 
-/// The body of [`enqueue`], inside a caller's transaction.
+/// [`enqueue`] inside a caller's transaction.
 pub async fn enqueue_in(tx: &mut Transaction<'_, Postgres>, new: &NewRun<'_>) -> Result<Enqueued, EnqueueError> {
-    let conversation_id = match new.conversation_id {
-        Some(id) => {
-            // Another user's conversation is indistinguishable from a missing
-            // one. The inserts below hold the row (their foreign keys take it
-            // FOR KEY SHARE), so a retry locking it serialises with this enqueue.
-            if !conversations::owned(&mut **tx, id, &new.owner.user_id).await? {
-                return Err(EnqueueError::ConversationNotFound(id));
-            }
-            id
-        }
-        None => create_conversation(&mut **tx, new.owner).await?.0,
-    };
+    enqueue_on(&mut **tx, new).await
+}
+
+/// The enqueue's statement. A new conversation is made in it when none is
+/// named; a named one must be the owner's (another user's is
+/// indistinguishable from a missing one: nothing is written and no row
+/// comes back). The inserts' foreign keys take the conversation row FOR KEY
+/// SHARE at the statement's end, so a retry locking it serialises with this
+/// enqueue. Rows made in the statement satisfy the foreign keys: those are
+/// checked after its last insert.
+const ENQUEUE_SQL: &str = "
+WITH made AS (
+    INSERT INTO conversation (id, owner_id, tenant_id)
+    SELECT $2, $3, $4 WHERE $1::uuid IS NULL
+    RETURNING id
+),
+target AS (
+    SELECT id FROM made
+    UNION ALL
+    SELECT id FROM conversation WHERE id = $1 AND owner_id = $3
+),
+msg AS (
+    INSERT INTO message (id, conversation_id, run_id, role, content, status)
+    SELECT $5, t.id, $6, 'user', $7, $8 FROM target t
+    RETURNING conversation_id
+),
+run AS (
+    INSERT INTO agent_run (id, conversation_id, owner_id, tenant_id, user_message_id,
+                           plugin, plugin_digest, request, config, idempotency_key, plugin_manifest, webhook)
+    SELECT $6, m.conversation_id, $3, $4, $5, $9, $10, $11, $12, $13, $14, $15 FROM msg m
+    RETURNING id, conversation_id
+),
+journal AS (
+    INSERT INTO run_event (run_id, seq, type, payload)
+    SELECT r.id, s.seq, s.type, s.payload
+    FROM run r, (VALUES (1, $16::text, $17::jsonb), (2, $18::text, $19::jsonb)) AS s(seq, type, payload)
+),
+wake AS (
+    SELECT pg_notify($20, conversation_id::text) FROM run
+)
+-- Referencing `wake` is what makes it run.
+SELECT conversation_id FROM run WHERE (SELECT count(*) FROM wake) >= 0";
+
+async fn enqueue_on(db: impl PgExecutor<'_>, new: &NewRun<'_>) -> Result<Enqueued, EnqueueError> {
     let run_id = RunId::new();
     let message_id = MessageId::new();
-    sqlx::query(
-        "INSERT INTO message (id, conversation_id, run_id, role, content, status)
-         VALUES ($1, $2, $3, 'user', $4, $5)",
-    )
-    .bind(message_id)
-    .bind(conversation_id)
-    .bind(run_id)
-    .bind(new.content)
-    .bind(MessageStatus::Queued)
-    .execute(&mut **tx)
-    .await?;
-    sqlx::query(
-        "INSERT INTO agent_run (id, conversation_id, owner_id, tenant_id, user_message_id,
-                                plugin, plugin_digest, request, config, idempotency_key, plugin_manifest, webhook)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
-    )
-    .bind(run_id)
-    .bind(conversation_id)
-    .bind(&new.owner.user_id)
-    .bind(&new.owner.tenant_id)
-    .bind(message_id)
-    .bind(new.plugin)
-    .bind(new.plugin_digest)
-    .bind(new.request)
-    .bind(new.config)
-    .bind(new.idempotency_key)
-    .bind(new.plugin_manifest)
-    .bind(new.webhook)
-    .execute(&mut **tx)
-    .await?;
-    journal_queued(&mut **tx, run_id, message_id, None).await?;
-    notify(&mut **tx, RUN_ENQUEUED, &conversation_id.to_string()).await?;
-    Ok(Enqueued { run_id, status: RunStatus::Queued, conversation_id, user_message_id: message_id })
+    let conversation: Option<ConversationId> = sqlx::query_scalar(ENQUEUE_SQL)
+        .bind(new.conversation_id)
+        .bind(ConversationId::new())
+        .bind(&new.owner.user_id)
+        .bind(&new.owner.tenant_id)
+        .bind(message_id)
+        .bind(run_id)
+        .bind(new.content)
+        .bind(MessageStatus::Queued)
+        .bind(new.plugin)
+        .bind(new.plugin_digest)
+        .bind(new.request)
+        .bind(new.config)
+        .bind(new.idempotency_key)
+        .bind(new.plugin_manifest)
+        .bind(new.webhook)
+        .bind(USER_MESSAGE_CREATED)
+        .bind(json!({ "message_id": message_id }))
+        .bind(RUN_QUEUED)
+        .bind(json!({ "run_id": run_id }))
+        .bind(RUN_ENQUEUED)
+        .fetch_optional(db)
+        .await?;
+    match (conversation, new.conversation_id) {
+        (Some(conversation_id), _) => {
+            Ok(Enqueued { run_id, status: RunStatus::Queued, conversation_id, user_message_id: message_id })
+        }
+        (None, Some(named)) => Err(EnqueueError::ConversationNotFound(named)),
+        (None, None) => Err(EnqueueError::Db(sqlx::Error::RowNotFound)),
+    }
 }
 
 /// Journal seq 1 `user_message_created` (`{message_id}`, with `retry_of` when

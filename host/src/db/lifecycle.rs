@@ -1059,6 +1059,12 @@ pub async fn enqueue_with(
     strategy: Busy,
     tenant_max_queued: Option<u32>,
 ) -> Result<Enqueued, StrategyError> {
+    // Queueing behind a busy turn with no quota to count needs no lock and no
+    // read first: the enqueue's one statement is the whole transaction (a
+    // used idempotency key fails it on its index, as below).
+    if strategy == Busy::Enqueue && tenant_max_queued.is_none() {
+        return Ok(super::enqueue::enqueue(pool, new).await?);
+    }
     let mut tx = pool.begin().await?;
     // A retry of a request already enqueued is answered as its first was
     // (the enqueue below hits the key): the strategy must not refuse or
