@@ -62,22 +62,9 @@ async fn a_turn_for_another_users_conversation_is_not_found_and_writes_nothing()
     let db = TestDb::new().await;
     let first = enqueue(&db.pool, None, "noop", json!({})).await;
     let bob = enqueue::Owner { user_id: "bob".into(), tenant_id: "acme".into() };
-    let config = json!({});
     let missing = agent_host::db::ConversationId::new();
     for conversation in [first.conversation_id, missing] {
-        let new = enqueue::NewRun {
-            owner: &bob,
-            conversation_id: Some(conversation),
-            content: "not mine",
-            plugin: "noop",
-            plugin_digest: None,
-            plugin_manifest: None,
-            config: &config,
-            request: &config,
-            idempotency_key: None,
-            webhook: None,
-        };
-        match enqueue::enqueue(&db.pool, &new).await {
+        match try_enqueue_as(&db.pool, &bob, Some(conversation), "noop", json!({})).await {
             Err(enqueue::EnqueueError::ConversationNotFound(c)) => assert_eq!(c, conversation),
             other => panic!("{other:?}"),
         }

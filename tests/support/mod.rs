@@ -126,6 +126,17 @@ pub async fn enqueue_as(
     plugin: &str,
     config: Value,
 ) -> Enqueued {
+    try_enqueue_as(pool, owner, conversation, plugin, config).await.unwrap()
+}
+
+/// [`enqueue_as`], its refusal returned.
+pub async fn try_enqueue_as(
+    pool: &PgPool,
+    owner: &Owner,
+    conversation: Option<ConversationId>,
+    plugin: &str,
+    config: Value,
+) -> Result<Enqueued, enqueue::EnqueueError> {
     let request = json!({ "plugin": plugin });
     enqueue::enqueue(
         pool,
@@ -143,7 +154,6 @@ pub async fn enqueue_as(
         },
     )
     .await
-    .unwrap()
 }
 
 /// Short leases and ticks, set through configuration.
