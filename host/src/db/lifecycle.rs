@@ -325,8 +325,12 @@ pub const CLAIM_CONFLICTS_MAX: u32 = 8;
 /// conflicts (or one whose conversation cannot be read from the error) it
 /// claims nothing this round.
 pub async fn claim_batch(pool: &PgPool, claim: &Claim<'_>) -> Result<Batch, sqlx::Error> {
-    let mut conn = pool.acquire().await?;
-    let (rows, conflicts) = past_conflicts(&mut conn, |except| claim_sql(claim, except), |q| q).await?;
+    claim_batch_on(&mut *pool.acquire().await?, claim).await
+}
+
+/// [`claim_batch`] on a given connection (the dispatcher's own).
+pub async fn claim_batch_on(conn: &mut PgConnection, claim: &Claim<'_>) -> Result<Batch, sqlx::Error> {
+    let (rows, conflicts) = past_conflicts(conn, |except| claim_sql(claim, except), |q| q).await?;
     let runs = rows.unwrap_or_default().iter().map(ClaimedRun::from_row).collect::<Result<_, _>>()?;
     Ok(Batch { runs, conflicts })
 }
