@@ -2,8 +2,9 @@
 //! claimed, so a saturated process never strands a claimed row it has no
 //! capacity to run; overload shows up as queue depth instead. A dispatcher
 //! with k free slots holds k permits and claims up to k rows in one
-//! statement (`db::lifecycle::claim_batch`): never more rows than slots, and
-//! an index conflict claims fewer rows rather than none.
+//! statement (`db::lifecycle::claim_batch_on`, on a connection of its own):
+//! never more rows than slots, and an index conflict claims fewer rows
+//! rather than none.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
