@@ -127,6 +127,7 @@ SELECT conversation_id FROM run WHERE (SELECT count(*) FROM wake) >= 0";
 async fn enqueue_on(db: impl PgExecutor<'_>, new: &NewRun<'_>) -> Result<Enqueued, EnqueueError> {
     let run_id = RunId::new();
     let message_id = MessageId::new();
+    let (created, queued) = queued_payloads(run_id, message_id, None);
     let conversation: Option<ConversationId> = sqlx::query_scalar(ENQUEUE_SQL)
         .bind(new.conversation_id)
         .bind(ConversationId::new())
@@ -144,9 +145,9 @@ async fn enqueue_on(db: impl PgExecutor<'_>, new: &NewRun<'_>) -> Result<Enqueue
         .bind(new.plugin_manifest)
         .bind(new.webhook)
         .bind(USER_MESSAGE_CREATED)
-        .bind(json!({ "message_id": message_id }))
+        .bind(created)
         .bind(RUN_QUEUED)
-        .bind(json!({ "run_id": run_id }))
+        .bind(queued)
         .bind(RUN_ENQUEUED)
         .fetch_optional(db)
         .await?;
@@ -159,6 +160,17 @@ async fn enqueue_on(db: impl PgExecutor<'_>, new: &NewRun<'_>) -> Result<Enqueue
     }
 }
 
+/// The payloads of journal seq 1 `user_message_created` (`{message_id}`,
+/// with `retry_of` when the run retries an earlier one) and seq 2
+/// `run_queued` (`{run_id}`).
+fn queued_payloads(run: RunId, message: MessageId, retry_of: Option<RunId>) -> (Value, Value) {
+    let mut created = json!({ "message_id": message });
+    if let Some(earlier) = retry_of {
+        created["retry_of"] = json!(earlier);
+    }
+    (created, json!({ "run_id": run }))
+}
+
 /// Journal seq 1 `user_message_created` (`{message_id}`, with `retry_of` when
 /// the run retries an earlier one) and seq 2 `run_queued` (`{run_id}`) of a
 /// run being enqueued, in the enqueuing transaction: the only writer of them.
@@ -168,11 +180,7 @@ pub(crate) async fn journal_queued(
     message: MessageId,
     retry_of: Option<RunId>,
 ) -> Result<(), sqlx::Error> {
-    let mut created = json!({ "message_id": message });
-    if let Some(earlier) = retry_of {
-        created["retry_of"] = json!(earlier);
-    }
-    let queued = json!({ "run_id": run });
+    let (created, queued) = queued_payloads(run, message, retry_of);
     sqlx::query("INSERT INTO run_event (run_id, seq, type, payload) VALUES ($1, 1, $2, $3), ($1, 2, $4, $5)")
         .bind(run)
         .bind(USER_MESSAGE_CREATED)

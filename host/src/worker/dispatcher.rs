@@ -55,10 +55,8 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             // We are about to read the rows; wakes so far are answered.
             w.drain();
         }
-        let result = match conn.get().await {
-            Ok(c) => db::lifecycle::claim_batch_on(c, &claim_of(&shared, permits.len())).await,
-            Err(e) => Err(e),
-        };
+        let claim = claim_of(&shared, permits.len());
+        let result = async { db::lifecycle::claim_batch_on(conn.get().await?, &claim).await }.await;
         shared.stats.claim_rounds.fetch_add(1, Ordering::Relaxed);
         let claimed = match result {
             Ok(batch) => {
