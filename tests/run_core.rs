@@ -140,15 +140,43 @@ async fn terminal_states_are_sticky_in_the_schema() {
         usage: None,
     };
     assert!(lifecycle::finish(&db.pool, e.run_id, claimed[0].claim_token, &finish).await.unwrap());
-    for to in ["running", "queued", "failed", "cancelled"] {
-        let r = sqlx::query("UPDATE agent_run SET status = $2 WHERE id = $1")
+    // Each refused by the schema: a terminal -> terminal change by the
+    // transition trigger; running and queued already by the CHECK that ties
+    // `finished_at` to a terminal status (it runs before the AFTER trigger,
+    // migrations/0013). The same change with `finished_at` cleared, which
+    // passes every CHECK, is refused by the trigger.
+    for (to, set, refused_by) in [
+        ("running", "", "agent_run_check1"),
+        ("queued", "", "agent_run_check1"),
+        ("failed", "", "agent_run_status_transition"),
+        ("cancelled", "", "agent_run_status_transition"),
+        ("running", ", finished_at = NULL", "agent_run_status_transition"),
+        (
+            "queued",
+            ", finished_at = NULL, claim_expires_at = NULL, attempt = attempt + 1",
+            "agent_run_status_transition",
+        ),
+    ] {
+        let r = sqlx::query(&format!("UPDATE agent_run SET status = $2{set} WHERE id = $1"))
             .bind(e.run_id)
             .bind(to)
             .execute(&db.pool)
             .await;
-        let err = r.expect_err("leaving a terminal state must fail");
-        assert!(err.to_string().contains("illegal status transition"), "{err}");
+        match r {
+            Err(sqlx::Error::Database(d)) => {
+                assert_eq!(d.code().as_deref(), Some("23514"), "{to}{set}: {d}");
+                assert_eq!(d.constraint(), Some(refused_by), "{to}{set}: {d}");
+            }
+            other => panic!("leaving a terminal state for {to}{set} must fail: {other:?}"),
+        }
     }
+    let (status, finished): (String, bool) =
+        sqlx::query_as("SELECT status, finished_at IS NOT NULL FROM agent_run WHERE id = $1")
+            .bind(e.run_id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((status.as_str(), finished), ("completed", true));
     // A second ending cannot be written even by hand.
     let r = sqlx::query("INSERT INTO run_event (run_id, seq, type, payload) VALUES ($1, 99, 'complete', '{}')")
         .bind(e.run_id)
@@ -366,6 +394,67 @@ async fn heartbeat_between_reaper_read_and_write_keeps_the_run() {
     };
     assert!(lifecycle::finish(&db.pool, c.id, c.claim_token, &finish).await.unwrap());
     assert_eq!(journal(&db.pool, e.run_id).await.iter().filter(|(_, t)| t == "complete").count(), 1);
+}
+
+/// A beat never waits on a row another transaction holds (an ending in
+/// flight, a stop): it skips the row this time, reports it held as its
+/// snapshot sees it, and renews it on a later beat. The ending takes no
+/// explicit row locks, in no particular order; a beat that waited on it could
+/// deadlock with it. A journal append in flight (its foreign-key check holds
+/// the run's row in KEY SHARE) does not make the beat skip.
+#[tokio::test]
+async fn a_heartbeat_skips_a_row_an_ending_holds_and_never_waits_for_it() {
+    let db = TestDb::new().await;
+    enqueue(&db.pool, None, "noop", json!({})).await;
+    enqueue(&db.pool, None, "noop", json!({})).await;
+    let ending = claim_one(&db.pool, "w", Duration::from_secs(30)).await;
+    let streaming = claim_one(&db.pool, "w", Duration::from_secs(30)).await;
+    let held = [(ending.id, ending.claim_token), (streaming.id, streaming.claim_token)];
+    // Leases renewed by a beat reach ten minutes ahead; the claims' reach 30 s.
+    let renewed = |pool: sqlx::PgPool| async move {
+        let rows: Vec<(RunId, bool)> = sqlx::query_as(
+            "SELECT id, claim_expires_at > now() + interval '300 seconds' FROM agent_run
+             WHERE status = 'running' ORDER BY id",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        rows.into_iter().collect::<HashMap<_, _>>()
+    };
+    // An ending in flight: an update of the row, not committed.
+    let mut end_tx = db.pool.begin().await.unwrap();
+    sqlx::query("UPDATE agent_run SET error = error WHERE id = $1")
+        .bind(ending.id)
+        .execute(&mut *end_tx)
+        .await
+        .unwrap();
+    // A journal append in flight on the other run.
+    let mut append_tx = db.pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO run_event (run_id, seq, type, payload) VALUES ($1, 4, 'content_delta', '{}')")
+        .bind(streaming.id)
+        .execute(&mut *append_tx)
+        .await
+        .unwrap();
+
+    let beat = lifecycle::heartbeat(&db.pool, &held, Duration::from_secs(600));
+    // Well inside the pool's idle-in-transaction timeout (10 s), which would
+    // end the two transactions and free a beat that waited.
+    let mut alive =
+        tokio::time::timeout(Duration::from_secs(5), beat).await.expect("a beat waited on a held row").unwrap();
+    alive.sort();
+    let mut both = vec![(ending.id, false), (streaming.id, false)];
+    both.sort();
+    assert_eq!(alive, both, "a skipped row is still reported held");
+    let leases = renewed(db.pool.clone()).await;
+    assert!(!leases[&ending.id], "the row the ending holds is skipped this beat");
+    assert!(leases[&streaming.id], "a journal append does not make the beat skip");
+
+    end_tx.rollback().await.unwrap();
+    append_tx.rollback().await.unwrap();
+    let mut alive = lifecycle::heartbeat(&db.pool, &held, Duration::from_secs(600)).await.unwrap();
+    alive.sort();
+    assert_eq!(alive, both);
+    assert!(renewed(db.pool.clone()).await.values().all(|r| *r), "the next beat renews it");
 }
 
 /// The first zombie: a worker reaped while paused wakes and tries to narrate

@@ -2,9 +2,11 @@
 //! module changes `agent_run.status` (enqueue, and the benchmark's bulk
 //! enqueue, insert runs `queued`). Each function's doc names its
 //! caller and the transition it makes; the schema's trigger
-//! `agent_run_status_transition` (`migrations/0001_run_core.sql`,
-//! `agent_run_transition_check`) enforces the same table, so a transition
-//! missing here is refused by the database too.
+//! `agent_run_status_transition` (`agent_run_transition_check`, last in
+//! `migrations/0006_waiting.sql`; an AFTER trigger since
+//! `migrations/0013_transition_after.sql`, which the claim's and the ending's
+//! always-legal transitions pass over) enforces the same table, so a
+//! transition missing here is refused by the database too.
 //!
 //! # The run state machine
 //!
@@ -401,22 +403,36 @@ pub async fn heartbeat(
     }
     let ids: Vec<uuid::Uuid> = held.iter().map(|h| h.0 .0).collect();
     let tokens: Vec<uuid::Uuid> = held.iter().map(|h| h.1 .0).collect();
-    // Rows are locked in id order, as `finish_many` locks them: a beat and a
-    // batch of endings that share runs wait for each other, never deadlock.
+    // A row another transaction holds (an ending, a stop, the reaper) is
+    // skipped, not waited for: it keeps its lease this beat and is reported
+    // held as the statement's snapshot sees it; the next beat renews it or
+    // finds it gone. So a beat never waits on an ending and the two never
+    // deadlock, in whatever order the ending takes its rows. `NO KEY UPDATE`
+    // is the lock an update of these columns takes, which a journal append's
+    // foreign-key check (`KEY SHARE`) does not block: a streaming run is never
+    // skipped for its own appends.
     sqlx::query_as(
-        "WITH locked AS MATERIALIZED (
-             SELECT r.id FROM agent_run r JOIN unnest($1::uuid[], $2::uuid[]) AS h(id, token)
-                 ON r.id = h.id AND r.claim_token = h.token AND r.status = 'running'
-             ORDER BY r.id FOR UPDATE OF r
+        "WITH h AS (SELECT * FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)),
+         seen AS MATERIALIZED (
+             SELECT r.id, r.cancel_requested FROM agent_run r JOIN h ON r.id = h.id AND r.claim_token = h.token
+             WHERE r.status = 'running'
+         ),
+         locked AS MATERIALIZED (
+             SELECT r.id FROM agent_run r JOIN h ON r.id = h.id AND r.claim_token = h.token
+             WHERE r.status = 'running'
+             FOR NO KEY UPDATE OF r SKIP LOCKED
+         ),
+         beat AS (
+             UPDATE agent_run r SET
+                 last_heartbeat_at = now(),
+                 claim_expires_at  = now() + make_interval(secs => $3)
+             FROM locked l
+             WHERE r.id = l.id
+             RETURNING r.id, r.cancel_requested
          )
-         UPDATE agent_run r SET
-             last_heartbeat_at = now(),
-             claim_expires_at  = now() + make_interval(secs => $3)
-         FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)
-         WHERE r.id = h.id AND r.id IN (SELECT id FROM locked)
-           AND r.claim_token = h.token    -- a stale worker's heartbeat updates 0 rows
-           AND r.status = 'running'
-         RETURNING r.id, r.cancel_requested",
+         SELECT id, cancel_requested FROM beat
+         UNION ALL
+         SELECT id, cancel_requested FROM seen WHERE id NOT IN (SELECT id FROM locked)",
     )
     .bind(ids)
     .bind(tokens)
@@ -609,19 +625,16 @@ const FINISH_CTES: &str = "e AS (
                                   (SELECT $12::text[]))
                  AS e(id, token, status, error, text, message_status, usage, payload, message_id, channel)
          ),
-         -- Rows are locked in id order (as the heartbeat locks them), so two
-         -- statements sharing runs wait for each other, never deadlock.
-         locked AS MATERIALIZED (
-             SELECT r.id FROM agent_run r JOIN e ON r.id = e.id
-             WHERE r.claim_token = e.token AND r.status = 'running'
-             ORDER BY r.id FOR UPDATE OF r
-         ),
+         -- No explicit row locks: the heartbeat, the one other statement that
+         -- writes several running rows, skips a row it finds locked (see
+         -- `heartbeat`), so it never waits on an ending and the two cannot
+         -- deadlock, whatever order this update takes its rows in.
          fin AS (
              -- finished_at is the statement clock (see the module's Clocks).
              UPDATE agent_run r SET status = e.status, error = e.error, finished_at = clock_timestamp(),
                                     usage = e.usage::jsonb
              FROM e
-             WHERE r.id = e.id AND r.id IN (SELECT id FROM locked)
+             WHERE r.id = e.id
                AND r.claim_token = e.token AND r.status = 'running'   -- the fence, per row
              RETURNING r.id, r.conversation_id
          ),
