@@ -435,7 +435,10 @@ async fn the_schema_admits_running_to_queued_only_as_the_hand_back_of_a_resumabl
     assert_eq!(starts, 1);
     // Terminal states stay sticky, resumable or not.
     update_run(&db.pool, durable, "status = 'failed', finished_at = now()").await;
-    assert!(refused(requeue(durable, raise).await), "a terminal run is never re-queued");
+    // With `finished_at` cleared as well, so no CHECK refuses it first (the
+    // transition check is an AFTER trigger, migrations/0013).
+    let raise_unfinished = "attempt = attempt + 1, claim_expires_at = NULL, finished_at = NULL";
+    assert!(refused(requeue(durable, raise_unfinished).await), "a terminal run is never re-queued");
 }
 
 /// A built-in agent whose first execution asks the model and then waits
