@@ -67,7 +67,8 @@
 //! against an index's predicate by its text, which a bound parameter would
 //! defeat); a status that comes from Rust is bound as its typed enum.
 
-use std::sync::LazyLock;
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -276,15 +277,51 @@ pub async fn claim(db: impl PgExecutor<'_>, claim: &Claim<'_>) -> Result<Vec<Cla
 /// change. Every value is the worker's own configuration (numbers, a
 /// boolean, the worker id as an escaped string literal) or a conversation
 /// id the database reported. Public so its plan can be read (EXPLAIN).
-pub fn claim_sql(claim: &Claim<'_>, except: &[uuid::Uuid]) -> String {
+pub fn claim_sql(claim: &Claim<'_>, except: &[uuid::Uuid]) -> Arc<str> {
     write_claim_in(&CLAIM_TEMPLATE, claim, except)
 }
 
 /// [`CLAIM_SQL`] with [`CLAIM_CTES`] in it, made once.
 static CLAIM_TEMPLATE: LazyLock<String> = LazyLock::new(|| CLAIM_SQL.replace("{claim_ctes}", CLAIM_CTES));
 
-/// `sql` with the claim's values written in (see [`claim_sql`]).
-fn write_claim_in(sql: &str, claim: &Claim<'_>, except: &[uuid::Uuid]) -> String {
+/// `sql` (a template: [`CLAIM_TEMPLATE`] or [`TURNOVER_SQL`]) with the
+/// claim's values written in (see [`claim_sql`]). Writing them in scans
+/// the template's 10 KB once per value, in the host's turn between two
+/// batches; a statement that passes over no conversation is made once per
+/// shape and kept ([`WRITTEN_MAX`] shapes at most: a process has one per
+/// template and slot count).
+fn write_claim_in(sql: &'static str, claim: &Claim<'_>, except: &[uuid::Uuid]) -> Arc<str> {
+    if !except.is_empty() {
+        return write_claim(sql, claim, except).into();
+    }
+    let key = (
+        sql.as_ptr() as usize,
+        claim.limit,
+        claim.prefilter,
+        claim.tenant_max_running,
+        claim.lease,
+        claim.worker_id.to_string(),
+    );
+    let mut written = WRITTEN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(text) = written.get(&key) {
+        return text.clone();
+    }
+    if written.len() >= WRITTEN_MAX {
+        written.clear();
+    }
+    let text: Arc<str> = write_claim(sql, claim, except).into();
+    written.insert(key, text.clone());
+    text
+}
+
+/// Claim statements kept by [`write_claim_in`], by template and values.
+type WrittenKey = (usize, i64, bool, Option<i64>, Duration, String);
+static WRITTEN: LazyLock<Mutex<HashMap<WrittenKey, Arc<str>>>> = LazyLock::new(Default::default);
+/// Shapes kept at most; past it the cache starts again.
+const WRITTEN_MAX: usize = 64;
+
+/// `sql` with the claim's values written in.
+fn write_claim(sql: &str, claim: &Claim<'_>, except: &[uuid::Uuid]) -> String {
     let except = except.iter().map(uuid::Uuid::to_string).collect::<Vec<_>>().join(",");
     sql.replace("{limit}", &claim.limit.max(0).to_string())
         .replace("{prefilter}", if claim.prefilter { "true" } else { "false" })
@@ -348,7 +385,7 @@ pub async fn claim_batch_on(conn: &mut PgConnection, claim: &Claim<'_>) -> Resul
 /// could still find the rows the failed one locked, and skip them.
 async fn past_conflicts(
     conn: &mut PgConnection,
-    sql: impl Fn(&[uuid::Uuid]) -> String,
+    sql: impl Fn(&[uuid::Uuid]) -> Arc<str>,
     bind: impl for<'q> Fn(PgQuery<'q>) -> PgQuery<'q>,
 ) -> Result<(Option<Vec<PgRow>>, u32), sqlx::Error> {
     let mut except = Vec::new();
