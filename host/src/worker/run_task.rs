@@ -2,8 +2,11 @@
 //! slot. A backstop gives a run whose task died without an ending (panic,
 //! error) a failed ending; a run whose claim was lost writes nothing more.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+use futures::FutureExt;
 
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
@@ -58,13 +61,15 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
             let shared = shared2;
             let (id, token, conversation) = (row.id, row.claim_token, row.conversation_id);
             let resumable = resumable(&row);
-            // The run itself runs in its own task, so a panic in it is a
-            // JoinError here rather than a lost ending.
-            let outcome: Outcome =
-                tokio::spawn(execute(shared.clone(), row, lost, cancel)).in_current_span().await.unwrap_or_else(|e| {
-                    tracing::error!(error = %e, "run task died");
-                    let what = if e.is_panic() { "the run's task panicked" } else { "the run's task was cancelled" };
-                    Outcome::Unfinalized(FailReason::Host.message(what))
+            // A panic in the run is caught here rather than losing its
+            // ending (in this task: a task of its own would cost a spawn
+            // and a wake per run).
+            let outcome: Outcome = AssertUnwindSafe(execute(shared.clone(), row, lost, cancel))
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|_| {
+                    tracing::error!("run task died: the run's task panicked");
+                    Outcome::Unfinalized(FailReason::Host.message("the run's task panicked"))
                 });
             // A suspended run did not end: its conversation's next turn waits.
             let ended = !matches!(outcome, Outcome::Suspended);
