@@ -421,20 +421,23 @@ async fn a_heartbeat_skips_a_row_an_ending_holds_and_never_waits_for_it() {
         .unwrap();
         rows.into_iter().collect::<HashMap<_, _>>()
     };
+    // A transaction that wrote `sql` for the run `id` and stays open.
+    let in_flight = |sql: &'static str, id: RunId| {
+        let pool = db.pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query(sql).bind(id).execute(&mut *tx).await.unwrap();
+            tx
+        }
+    };
     // An ending in flight: an update of the row, not committed.
-    let mut end_tx = db.pool.begin().await.unwrap();
-    sqlx::query("UPDATE agent_run SET error = error WHERE id = $1")
-        .bind(ending.id)
-        .execute(&mut *end_tx)
-        .await
-        .unwrap();
+    let end_tx = in_flight("UPDATE agent_run SET error = error WHERE id = $1", ending.id).await;
     // A journal append in flight on the other run.
-    let mut append_tx = db.pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO run_event (run_id, seq, type, payload) VALUES ($1, 4, 'content_delta', '{}')")
-        .bind(streaming.id)
-        .execute(&mut *append_tx)
-        .await
-        .unwrap();
+    let append_tx = in_flight(
+        "INSERT INTO run_event (run_id, seq, type, payload) VALUES ($1, 4, 'content_delta', '{}')",
+        streaming.id,
+    )
+    .await;
 
     let beat = lifecycle::heartbeat(&db.pool, &held, Duration::from_secs(600));
     // Well inside the pool's idle-in-transaction timeout (10 s), which would

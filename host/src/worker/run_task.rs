@@ -68,8 +68,9 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                 .catch_unwind()
                 .await
                 .unwrap_or_else(|_| {
-                    tracing::error!("run task died: the run's task panicked");
-                    Outcome::Unfinalized(FailReason::Host.message("the run's task panicked"))
+                    const PANICKED: &str = "the run's task panicked";
+                    tracing::error!("{PANICKED}");
+                    Outcome::Unfinalized(FailReason::Host.message(PANICKED))
                 });
             // A suspended run did not end: its conversation's next turn waits.
             let ended = !matches!(outcome, Outcome::Suspended);
