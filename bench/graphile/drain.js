@@ -3,18 +3,21 @@
 // from the worker's start to its last success), with its defaults and with
 // its batching (local queue, batched completions), then pickup latency
 // (addJob resolved to task start, idle worker). Prints one JSON line.
+// `mode` picks what is measured: `all` (the default), `drain` (the drain
+// passes only: agent-host-bench interleaves one pass of each queue at a
+// time) or `pickup`.
 //
-// Usage: node drain.js <connection-url> <jobs> <concurrency> <passes> <samples>
+// Usage: node drain.js <connection-url> <jobs> <concurrency> <passes> <samples> [all|drain|pickup]
 "use strict";
 const { run, makeWorkerUtils } = require("graphile-worker");
 
-const [url, jobsArg, concArg, passesArg, samplesArg] = process.argv.slice(2);
+const [url, jobsArg, concArg, passesArg, samplesArg, modeArg = "all"] = process.argv.slice(2);
 const jobs = Number(jobsArg);
 const concurrency = Number(concArg);
 const passes = Number(passesArg);
 const samples = Number(samplesArg);
-if (!url || !(jobs > 0 && concurrency > 0 && passes > 0 && samples > 0)) {
-  console.error("usage: node drain.js <connection-url> <jobs> <concurrency> <passes> <samples>");
+if (!url || !(jobs > 0 && concurrency > 0 && passes > 0 && samples > 0) || !["all", "drain", "pickup"].includes(modeArg)) {
+  console.error("usage: node drain.js <connection-url> <jobs> <concurrency> <passes> <samples> [all|drain|pickup]");
   process.exit(2);
 }
 // Bound on one drain pass or one pickup.
@@ -112,22 +115,20 @@ async function main() {
     defaults: {},
     batched: { preset: { worker: { localQueue: { size: concurrency + 1 }, completeJobBatchDelay: 0, failJobBatchDelay: 0 } } },
   };
-  const rates = { defaults: [], batched: [] };
-  for (let pass = 0; pass < passes; pass++) {
-    for (const name of Object.keys(presets)) {
-      rates[name].push(await drainPass(utils, presets[name]));
+  const out = { version: require("./package-lock.json").packages["node_modules/graphile-worker"].version };
+  if (modeArg !== "pickup") {
+    const rates = { defaults: [], batched: [] };
+    for (let pass = 0; pass < passes; pass++) {
+      for (const name of Object.keys(presets)) {
+        rates[name].push(await drainPass(utils, presets[name]));
+      }
     }
+    out.defaults = { median: median(rates.defaults), passes: rates.defaults };
+    out.batched = { median: median(rates.batched), passes: rates.batched };
   }
-  const latency = await pickup(utils);
+  if (modeArg !== "drain") out.pickup = await pickup(utils);
   await utils.release();
-  console.log(
-    JSON.stringify({
-      version: require("./package-lock.json").packages["node_modules/graphile-worker"].version,
-      defaults: { median: median(rates.defaults), passes: rates.defaults },
-      batched: { median: median(rates.batched), passes: rates.batched },
-      pickup: latency,
-    }),
-  );
+  console.log(JSON.stringify(out));
 }
 
 main().catch((e) => {

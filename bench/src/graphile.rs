@@ -1,6 +1,10 @@
 //! graphile-worker on the same server in the same sitting: its drain (with
 //! its defaults and with its batching) and its pickup, beside ours, and the
-//! ratios. Runs only when Node is on PATH (and `--compare graphile`): the
+//! ratios. Its drain passes are interleaved with ours, one pass of each at
+//! a time (`queue::throughput`), and each ratio is of two passes run moments
+//! apart: a machine that slows down mid-sitting slows both sides of a pair,
+//! and the median of the pairs' ratios says more than a ratio of medians
+//! taken minutes apart. Runs only when Node is on PATH (and `--compare graphile`): the
 //! pinned package (`bench/graphile/package.json` and its lock) is installed
 //! with `npm ci` into a cache outside the clone,
 //! `${XDG_CACHE_HOME:-$HOME/.cache}/agent-host/graphile-<lock hash>`, once.
@@ -11,7 +15,7 @@ use std::process::{Command, Stdio};
 use anyhow::Context;
 use serde_json::Value;
 
-use crate::queue::Drained;
+use crate::figures::median;
 use crate::{sql, BenchArgs};
 
 /// The pinned package, beside this crate.
@@ -58,52 +62,114 @@ fn install() -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
-/// graphile-worker's drain and pickup on `server_url`'s server (a database
-/// of its own beside ours), and the ratios to `ours`.
-pub async fn compare(server_url: &str, args: &BenchArgs, ours: &Drained, pickup_p50_ms: f64) -> anyhow::Result<()> {
-    if !node_present() {
-        println!("graphile-worker comparison: skipped (no node/npm on PATH)");
-        return Ok(());
+/// graphile-worker installed, with a database of its own beside ours on
+/// the same server.
+pub struct Graphile {
+    dir: PathBuf,
+    url: String,
+    version: String,
+}
+
+/// One drain pass of graphile-worker: jobs/s with its defaults and with its
+/// batching.
+#[derive(Debug, Clone, Copy)]
+pub struct Pass {
+    pub defaults: f64,
+    pub batched: f64,
+}
+
+impl Graphile {
+    /// graphile-worker on `server_url`'s server, installed if it is not yet;
+    /// `None` (and a line saying so) without Node.
+    pub async fn prepare(server_url: &str, args: &BenchArgs) -> anyhow::Result<Option<Graphile>> {
+        if !node_present() {
+            println!("graphile-worker comparison: skipped (no node/npm on PATH)");
+            return Ok(None);
+        }
+        let dir = tokio::task::spawn_blocking(install).await??;
+        let url = sql::fresh_database(server_url, &format!("{}_graphile", args.bench_database)).await?;
+        Ok(Some(Graphile { dir, url, version: "?".into() }))
     }
-    let dir = tokio::task::spawn_blocking(install).await??;
-    let url = sql::fresh_database(server_url, &format!("{}_graphile", args.bench_database)).await?;
-    let run = {
-        let (url, args) = (url.clone(), args.clone());
-        move || {
+
+    /// `drain.js` in `mode` (one pass for `drain`), its answer.
+    async fn node(&mut self, args: &BenchArgs, mode: &str) -> anyhow::Result<Value> {
+        let (dir, url, args, mode) = (self.dir.clone(), self.url.clone(), args.clone(), mode.to_string());
+        let run = move || {
             Command::new("node")
                 .arg("drain.js")
-                .args([&url, &args.runs.to_string(), &args.in_flight.to_string(), &args.passes.to_string()])
-                .arg(args.samples.to_string())
+                .args([&url, &args.runs.to_string(), &args.in_flight.to_string(), "1"])
+                .args([args.samples.to_string(), mode])
                 .current_dir(&dir)
                 .stdin(Stdio::null())
                 .output()
+        };
+        let out = tokio::task::spawn_blocking(run).await??;
+        anyhow::ensure!(out.status.success(), "graphile-worker failed: {}", String::from_utf8_lossy(&out.stderr));
+        let line = String::from_utf8_lossy(&out.stdout);
+        let v: Value =
+            serde_json::from_str(line.lines().last().unwrap_or_default()).context("graphile-worker's answer")?;
+        if let Some(version) = v["version"].as_str() {
+            self.version = version.to_string();
         }
-    };
-    let out = tokio::task::spawn_blocking(run).await??;
-    anyhow::ensure!(out.status.success(), "graphile-worker's drain failed: {}", String::from_utf8_lossy(&out.stderr));
-    let line = String::from_utf8_lossy(&out.stdout);
-    let v: Value = serde_json::from_str(line.lines().last().unwrap_or_default()).context("graphile-worker's answer")?;
-    let num = |path: &[&str]| -> anyhow::Result<f64> {
-        let mut at = &v;
-        for p in path {
-            at = &at[*p];
-        }
-        at.as_f64().with_context(|| format!("graphile-worker's answer has no {}", path.join(".")))
-    };
-    let (defaults, batched) = (num(&["defaults", "median"])?, num(&["batched", "median"])?);
-    let (p50, p99) = (num(&["pickup", "p50_ms"])?, num(&["pickup", "p99_ms"])?);
-    let version = v["version"].as_str().unwrap_or("?");
-    println!(
-        "graphile-worker {version}, same server, drain {} jobs, {} in flight: defaults median {defaults:.0} jobs/s, \
-         batched (local queue, batched completions) median {batched:.0} jobs/s over {} passes",
-        args.runs, args.in_flight, args.passes
-    );
-    println!("graphile-worker {version} pickup, addJob to task start, idle worker, {} jobs: p50 {p50:.2} ms, p99 {p99:.2} ms", args.samples);
-    println!(
-        "ratio agent-host drain / graphile-worker defaults: {:.2}; / batched: {:.2}",
-        ours.rate / defaults,
-        ours.rate / batched
-    );
-    println!("ratio agent-host pickup p50 / graphile-worker pickup p50: {:.2}", pickup_p50_ms / p50);
-    Ok(())
+        Ok(v)
+    }
+
+    /// One drain pass with its defaults, then one with its batching.
+    pub async fn drain_pass(&mut self, args: &BenchArgs) -> anyhow::Result<Pass> {
+        let v = self.node(args, "drain").await?;
+        Ok(Pass { defaults: num(&v, &["defaults", "median"])?, batched: num(&v, &["batched", "median"])? })
+    }
+
+    /// Pickup latency, addJob resolved to task start: p50 and p99 in ms.
+    pub async fn pickup(&mut self, args: &BenchArgs) -> anyhow::Result<(f64, f64)> {
+        let v = self.node(args, "pickup").await?;
+        Ok((num(&v, &["pickup", "p50_ms"])?, num(&v, &["pickup", "p99_ms"])?))
+    }
+
+    /// graphile-worker's figures beside ours and the ratios: `ours` and
+    /// `theirs` are the drain passes, interleaved one by one in the same
+    /// sitting, so each ratio is of two passes run moments apart.
+    pub async fn compare(
+        &mut self,
+        args: &BenchArgs,
+        ours: &[f64],
+        theirs: &[Pass],
+        pickup_p50_ms: f64,
+    ) -> anyhow::Result<()> {
+        let (p50, p99) = self.pickup(args).await?;
+        let version = &self.version;
+        let mut defaults: Vec<f64> = theirs.iter().map(|p| p.defaults).collect();
+        let mut batched: Vec<f64> = theirs.iter().map(|p| p.batched).collect();
+        let mut to_defaults: Vec<f64> = ours.iter().zip(theirs).map(|(o, t)| o / t.defaults).collect();
+        let mut to_batched: Vec<f64> = ours.iter().zip(theirs).map(|(o, t)| o / t.batched).collect();
+        let list = |v: &[f64]| v.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(", ");
+        let (d_list, b_list) = (list(&to_defaults), list(&to_batched));
+        println!(
+            "graphile-worker {version}, same server, drain {} jobs, {} in flight: defaults median {:.0} jobs/s, \
+             batched (local queue, batched completions) median {:.0} jobs/s over {} passes",
+            args.runs,
+            args.in_flight,
+            median(&mut defaults),
+            median(&mut batched),
+            theirs.len()
+        );
+        println!("graphile-worker {version} pickup, addJob to task start, idle worker, {} jobs: p50 {p50:.2} ms, p99 {p99:.2} ms", args.samples);
+        println!(
+            "ratio agent-host drain / graphile-worker defaults, pass by pass: median {:.2} ({d_list}); \
+             / batched: median {:.2} ({b_list})",
+            median(&mut to_defaults),
+            median(&mut to_batched)
+        );
+        println!("ratio agent-host pickup p50 / graphile-worker pickup p50: {:.2}", pickup_p50_ms / p50);
+        Ok(())
+    }
+}
+
+/// The number at `path` in graphile-worker's answer.
+fn num(v: &Value, path: &[&str]) -> anyhow::Result<f64> {
+    let mut at = v;
+    for p in path {
+        at = &at[*p];
+    }
+    at.as_f64().with_context(|| format!("graphile-worker's answer has no {}", path.join(".")))
 }

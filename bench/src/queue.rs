@@ -12,6 +12,7 @@ use sqlx::PgPool;
 use tokio::sync::mpsc;
 
 use crate::figures::{median, percentiles};
+use crate::graphile::{Graphile, Pass};
 use crate::library::{self, Agent, AgentError, AgentRegistry, AppState, DbArgs, Hub, RunHost, RunInput, RunStatus};
 use crate::library::{Worker, WorkerConfig};
 use crate::{sql, BenchArgs};
@@ -121,11 +122,28 @@ pub async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: 
     Ok(latencies[(latencies.len() - 1) / 2].as_secs_f64() * 1e3)
 }
 
-pub async fn throughput(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<Drained> {
+/// The drain passes, each with the SQL floors beside it, and, given
+/// `graphile`, one of its drain passes interleaved with each of ours (its
+/// first on even passes, so a drift within a pair falls on both sides
+/// alike). Returns our passes' rates and its passes, pass by pass.
+pub async fn throughput(
+    pool: &PgPool,
+    url: &str,
+    args: &BenchArgs,
+    mut graphile: Option<&mut Graphile>,
+) -> anyhow::Result<(Vec<f64>, Vec<Pass>)> {
     let (mut e2e, mut floor, mut batched) = (Vec::new(), Vec::new(), Vec::new());
     let (mut commits, mut wal, mut claims, mut endings) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut theirs = Vec::new();
     for pass in 1..=args.passes {
+        let theirs_first = pass % 2 == 0;
+        if let (true, Some(g)) = (theirs_first, graphile.as_deref_mut()) {
+            theirs.push(g.drain_pass(args).await?);
+        }
         let d = drain_costs(pool, url, args.runs, args.in_flight, None).await?;
+        if let (false, Some(g)) = (theirs_first, graphile.as_deref_mut()) {
+            theirs.push(g.drain_pass(args).await?);
+        }
         e2e.push(d.rate);
         commits.push(d.commits_per_run);
         wal.push(d.wal_bytes_per_run);
@@ -140,7 +158,17 @@ pub async fn throughput(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::R
              batched SQL floor {b:.0} runs/s",
             d.rate, d.commits_per_run, d.wal_bytes_per_run
         );
+        if let Some(t) = theirs.last().filter(|_| graphile.is_some()) {
+            println!(
+                "  pass {pass}: graphile-worker defaults {:.0} jobs/s, batched {:.0} jobs/s (ratios {:.2}, {:.2})",
+                t.defaults,
+                t.batched,
+                d.rate / t.defaults,
+                d.rate / t.batched
+            );
+        }
     }
+    let ours = e2e.clone();
     let (e, f, b) = (median(&mut e2e), median(&mut floor), median(&mut batched));
     println!(
         "drain {} pre-enqueued no-op runs, {} in flight: median {e:.0} runs/s over {} passes",
@@ -167,7 +195,7 @@ pub async fn throughput(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::R
         n = args.in_flight
     );
     println!("ratio end to end / SQL floor: {:.2}; end to end / batched SQL floor: {:.2}", e / f, e / b);
-    Ok(drained)
+    Ok((ours, theirs))
 }
 
 /// The end-to-end drain passes alone (`--drain-only`), nothing around them.

@@ -42,17 +42,21 @@ fn zero_counts_are_refused() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--passes"), "{out:?}");
 }
 
-#[test]
-fn a_small_run_prints_every_figure() {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let scratch = std::env::temp_dir().join(format!("agent-host-bench-smoke-{}", std::process::id()));
-    let database = format!("agent_host_bench_smoke_{}", std::process::id());
+/// The repository's root.
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// One run of the benchmark with `args` (split at white space), on a
+/// throwaway database and scratch directory named after `name`: its
+/// standard output, once it has exited successfully.
+fn small_run(name: &str, args: &str) -> String {
+    let root = root();
+    let scratch = std::env::temp_dir().join(format!("agent-host-bench-{name}-{}", std::process::id()));
+    let database = format!("agent_host_bench_{name}_{}", std::process::id());
     let mut cmd = Command::new(BENCH);
-    cmd.args(["--runs", "40", "--in-flight", "4", "--passes", "1", "--samples", "3", "--parked", "3", "--kills", "1"])
-        .args(["--resume-runs", "40", "--replays", "2", "--replay-calls", "20", "--decisions", "3", "--waiting", "5"])
+    cmd.args(args.split_whitespace())
         .args(["--bench-database", &database])
-        // The graphile-worker comparison installs npm packages: not in the test command.
-        .args(["--compare", "none"])
         .arg("--plugin-dir")
         .arg(root.join("plugins/target/wasm32-wasip2/release"))
         .arg("--cache-dir")
@@ -82,9 +86,33 @@ fn a_small_run_prints_every_figure() {
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
     if let Ok(url) = std::env::var("DATABASE_URL") {
         drop_database(&url, &database);
+        drop_database(&url, &format!("{database}_graphile"));
     }
     let _ = std::fs::remove_dir_all(&scratch);
     assert!(status.success(), "exit {status:?}\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    stdout
+}
+
+/// Asserts that `stdout` has a line starting with each of `expected`, in order.
+fn assert_lines_in_order(stdout: &str, expected: &[&str]) {
+    let lines: Vec<&str> = stdout.lines().collect();
+    let mut at = 0;
+    for want in expected {
+        let Some(i) = lines[at..].iter().position(|l| l.starts_with(want)) else {
+            panic!("no line starting {want:?} (in order) in:\n{stdout}");
+        };
+        at += i + 1;
+    }
+}
+
+#[test]
+fn a_small_run_prints_every_figure() {
+    // The comparison has a test of its own.
+    let stdout = small_run(
+        "smoke",
+        "--runs 40 --in-flight 4 --passes 1 --samples 3 --parked 3 --kills 1 --resume-runs 40 --replays 2 \
+         --replay-calls 20 --decisions 3 --waiting 5 --compare none",
+    );
     let mut expected = vec![
         "agent-host bench: ",
         "enqueue over HTTP, 3 sequential POST /v1/runs: p50 ",
@@ -113,7 +141,7 @@ fn a_small_run_prints_every_figure() {
         "approval decision to the approved tool's call starting (hub up), 3 decisions: p50 ",
         "5 runs waiting for approval, one host (32 slots): RSS idle ",
     ];
-    if root.join("plugins/target/wasm32-wasip2/release/echo.wasm").exists() {
+    if root().join("plugins/target/wasm32-wasip2/release/echo.wasm").exists() {
         expected.extend([
             "sandbox: store + instantiate + trivial run, 3 runs: p50 ",
             "sandbox: one emit-event (content_delta) host call: p50 ",
@@ -122,16 +150,57 @@ fn a_small_run_prints_every_figure() {
             "sandbox: 3 guests parked in a host call: process RSS ",
         ]);
     }
-    let lines: Vec<&str> = stdout.lines().collect();
-    let mut at = 0;
-    for want in expected {
-        let Some(i) = lines[at..].iter().position(|l| l.starts_with(want)) else {
-            panic!("no line starting {want:?} (in order) in:\n{stdout}");
-        };
-        at += i + 1;
-    }
-    let waiting = lines.iter().find(|l| l.contains("runs waiting for approval")).unwrap();
+    assert_lines_in_order(&stdout, &expected);
+    let waiting = stdout.lines().find(|l| l.contains("runs waiting for approval")).unwrap();
     assert!(waiting.contains("slots held 0, runs running 0"), "a waiting run holds a slot: {waiting}");
+}
+
+/// The comparison with graphile-worker (pinned in bench/graphile, installed
+/// from the npm registry into the cache once; the test command makes sure
+/// Node is present): one pass of it interleaved with each of ours, its
+/// first on even passes, and a ratio per pair.
+#[test]
+fn the_comparison_interleaves_graphile_workers_passes_with_ours() {
+    let stdout = small_run("compare", "--queue-only --runs 40 --in-flight 4 --passes 2 --samples 3 --compare graphile");
+    assert_lines_in_order(
+        &stdout,
+        &[
+            "  pass 1: end to end ",
+            "  pass 1: graphile-worker defaults ",
+            "  pass 2: end to end ",
+            "  pass 2: graphile-worker defaults ",
+            "drain 40 pre-enqueued no-op runs, 4 in flight: median ",
+            "graphile-worker 0.18.",
+            "graphile-worker 0.18.0 pickup, addJob to task start, idle worker, 3 jobs: p50 ",
+            "ratio agent-host drain / graphile-worker defaults, pass by pass: median ",
+            "ratio agent-host pickup p50 / graphile-worker pickup p50: ",
+        ],
+    );
+    // Each pass's ratio is of that pass's two rates, and the median is of
+    // those ratios.
+    let number = |l: &str, after: &str| -> f64 {
+        let rest = &l[l.find(after).unwrap_or_else(|| panic!("no {after:?} in {l:?}")) + after.len()..];
+        rest.split(|c: char| !(c.is_ascii_digit() || c == '.')).next().unwrap().parse().unwrap()
+    };
+    let mut ratios = Vec::new();
+    for pass in 1..=2 {
+        let line = |what: &str| {
+            let start = format!("  pass {pass}: {what}");
+            stdout.lines().find(|l| l.starts_with(&start)).unwrap_or_else(|| panic!("no {start:?} in:\n{stdout}"))
+        };
+        let ours = number(line("end to end"), "end to end ");
+        let theirs = line("graphile-worker");
+        let (defaults, ratio) = (number(theirs, "defaults "), number(theirs, "(ratios "));
+        assert!(ours > 0.0 && defaults > 0.0, "{theirs}");
+        assert!(
+            (ratio - ours / defaults).abs() <= 0.01 + 0.005 * ours / defaults,
+            "{ours} / {defaults} is not {ratio}"
+        );
+        ratios.push(ratio);
+    }
+    let summary = stdout.lines().find(|l| l.starts_with("ratio agent-host drain / graphile-worker")).unwrap();
+    let median = number(summary, "pass by pass: median ");
+    assert!((median - (ratios[0] + ratios[1]) / 2.0).abs() <= 0.011, "{summary}: not the median of {ratios:?}");
 }
 
 /// Drops the run's throwaway database on DATABASE_URL's server.
