@@ -158,7 +158,8 @@ pub async fn throughput(
              batched SQL floor {b:.0} runs/s",
             d.rate, d.commits_per_run, d.wal_bytes_per_run
         );
-        if let Some(t) = theirs.last().filter(|_| graphile.is_some()) {
+        // Its pass of this round, when there is a comparison.
+        if let Some(t) = theirs.last() {
             println!(
                 "  pass {pass}: graphile-worker defaults {:.0} jobs/s, batched {:.0} jobs/s (ratios {:.2}, {:.2})",
                 t.defaults,
