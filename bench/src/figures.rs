@@ -1,5 +1,6 @@
 //! How the benchmark reports: percentiles of latencies, medians of rates,
-//! the process's resident memory.
+//! the process's resident memory, the CPU a process (and a local database
+//! server) spent.
 
 use std::time::Duration;
 
@@ -54,6 +55,60 @@ pub fn rss_of(pid: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Linux's unit of CPU time in `/proc/<pid>/stat` (`USER_HZ`, 100 on
+/// every architecture Linux exposes to user space).
+const TICKS_PER_S: f64 = 100.0;
+
+/// `/proc/<pid>/stat`'s fields from the state on (the name, in parentheses,
+/// may hold spaces): field `n` of proc(5) is at index `n - 3`.
+fn stat_fields(pid: &str) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    Some(rest.split_whitespace().map(str::to_string).collect())
+}
+
+/// Field `n` of proc(5) as a number.
+fn stat_num(fields: &[String], n: usize) -> Option<f64> {
+    fields.get(n - 3)?.parse().ok()
+}
+
+/// CPU seconds (user and system) this process has spent so far.
+pub fn cpu_self() -> f64 {
+    stat_fields("self").and_then(|f| Some(stat_num(&f, 14)? + stat_num(&f, 15)?)).map_or(f64::NAN, |t| t / TICKS_PER_S)
+}
+
+/// The PostgreSQL server whose backend has process id `backend`, when it
+/// runs on this machine: its postmaster's pid. `None` for a server
+/// elsewhere (the pid is then not a `postgres` process here whose parent
+/// is one).
+pub fn local_postmaster(backend: i32) -> Option<u32> {
+    let name = |pid: &str| std::fs::read_to_string(format!("/proc/{pid}/comm")).ok();
+    if name(&backend.to_string())?.trim() != "postgres" {
+        return None;
+    }
+    let parent = stat_num(&stat_fields(&backend.to_string())?, 4)? as u32;
+    (name(&parent.to_string())?.trim() == "postgres").then_some(parent)
+}
+
+/// CPU seconds a local server has spent so far: its postmaster's own, its
+/// living processes' (backends, WAL writer, checkpointer, ...) and those of
+/// the processes that ended (their time moves to the postmaster's
+/// children's counters as it reaps them, so a backend that exits between
+/// two readings is still counted once).
+pub fn server_cpu(postmaster: u32) -> Option<f64> {
+    let pm = stat_fields(&postmaster.to_string())?;
+    let mut ticks = stat_num(&pm, 14)? + stat_num(&pm, 15)? + stat_num(&pm, 16)? + stat_num(&pm, 17)?;
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let pid = entry.file_name();
+        let Some(pid) = pid.to_str().filter(|p| p.bytes().all(|b| b.is_ascii_digit())) else { continue };
+        let Some(f) = stat_fields(pid) else { continue };
+        if stat_num(&f, 4) == Some(f64::from(postmaster)) {
+            ticks += stat_num(&f, 14).unwrap_or(0.0) + stat_num(&f, 15).unwrap_or(0.0);
+        }
+    }
+    Some(ticks / TICKS_PER_S)
+}
+
 pub fn num_cpus() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
@@ -77,5 +132,21 @@ mod tests {
         assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
         assert_eq!(redact("postgres://u:p@h/db"), "postgres://…@h/db");
+    }
+
+    #[test]
+    fn this_process_cpu_grows_and_is_not_a_server() {
+        let t0 = cpu_self();
+        assert!(t0.is_finite(), "/proc/self/stat is readable");
+        // Spin until the counter moves (a tick is 10 ms), within a bound.
+        let start = std::time::Instant::now();
+        let mut x = 0u64;
+        while cpu_self() <= t0 && start.elapsed() < Duration::from_secs(10) {
+            for _ in 0..100_000 {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            }
+        }
+        assert!(cpu_self() > t0, "spinning shows in /proc/self/stat");
+        assert_eq!(local_postmaster(std::process::id() as i32), None, "a test process is not a postgres backend");
     }
 }

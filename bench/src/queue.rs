@@ -11,7 +11,7 @@ use serde_json::json;
 use sqlx::PgPool;
 use tokio::sync::mpsc;
 
-use crate::figures::{median, percentiles};
+use crate::figures::{self, median, percentiles};
 use crate::graphile::{Graphile, Pass};
 use crate::library::{self, Agent, AgentError, AgentRegistry, AppState, DbArgs, Hub, RunHost, RunInput, RunStatus};
 use crate::library::{Worker, WorkerConfig};
@@ -134,6 +134,7 @@ pub async fn throughput(
 ) -> anyhow::Result<(Vec<f64>, Vec<Pass>)> {
     let (mut e2e, mut floor, mut batched) = (Vec::new(), Vec::new(), Vec::new());
     let (mut commits, mut wal, mut claims, mut endings) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut host_cpu, mut server_cpu) = (Vec::new(), Vec::new());
     let mut theirs = Vec::new();
     for pass in 1..=args.passes {
         let theirs_first = pass % 2 == 0;
@@ -149,14 +150,19 @@ pub async fn throughput(
         wal.push(d.wal_bytes_per_run);
         claims.push(d.runs_per_claim);
         endings.push(d.runs_per_ending_commit);
+        host_cpu.push(d.host_cpu_us);
+        server_cpu.push(d.server_cpu_us);
         let f = floor_pass(pool, args).await?;
         floor.push(f);
         let b = batched_floor_pass(pool, args).await?;
         batched.push(b);
         println!(
-            "  pass {pass}: end to end {:.0} runs/s ({:.2} commits, {:.0} WAL bytes per run), SQL floor {f:.0} runs/s, \
-             batched SQL floor {b:.0} runs/s",
-            d.rate, d.commits_per_run, d.wal_bytes_per_run
+            "  pass {pass}: end to end {:.0} runs/s ({:.2} commits, {:.0} WAL bytes per run; CPU per run: {}), \
+             SQL floor {f:.0} runs/s, batched SQL floor {b:.0} runs/s",
+            d.rate,
+            d.commits_per_run,
+            d.wal_bytes_per_run,
+            cpu_per_run(d.host_cpu_us, d.server_cpu_us)
         );
         // Its pass of this round, when there is a comparison.
         if let Some(t) = theirs.last() {
@@ -181,11 +187,17 @@ pub async fn throughput(
         wal_bytes_per_run: median(&mut wal),
         runs_per_claim: median(&mut claims),
         runs_per_ending_commit: median(&mut endings),
+        host_cpu_us: median(&mut host_cpu),
+        server_cpu_us: median(&mut server_cpu),
     };
     println!(
         "drain costs per run (medians): {:.3} commits (transactions that wrote), {:.0} WAL bytes; \
-         {:.1} runs per claim statement, {:.1} runs per ending commit",
-        drained.commits_per_run, drained.wal_bytes_per_run, drained.runs_per_claim, drained.runs_per_ending_commit
+         {:.1} runs per claim statement, {:.1} runs per ending commit; CPU {}",
+        drained.commits_per_run,
+        drained.wal_bytes_per_run,
+        drained.runs_per_claim,
+        drained.runs_per_ending_commit,
+        cpu_per_run(drained.host_cpu_us, drained.server_cpu_us)
     );
     println!(
         "SQL floor, {n} connections each claiming one run and finishing it: median {f:.0} runs/s",
@@ -206,8 +218,14 @@ pub async fn drains(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Resul
         let d = drain_costs(pool, url, args.runs, args.in_flight, None).await?;
         rates.push(d.rate);
         println!(
-            "  pass {pass}: {:.0} runs/s ({:.2} commits, {:.0} WAL bytes per run; {:.1} runs per claim, {:.1} per ending commit)",
-            d.rate, d.commits_per_run, d.wal_bytes_per_run, d.runs_per_claim, d.runs_per_ending_commit
+            "  pass {pass}: {:.0} runs/s ({:.2} commits, {:.0} WAL bytes per run; {:.1} runs per claim, {:.1} per ending commit; \
+             CPU per run: {})",
+            d.rate,
+            d.commits_per_run,
+            d.wal_bytes_per_run,
+            d.runs_per_claim,
+            d.runs_per_ending_commit,
+            cpu_per_run(d.host_cpu_us, d.server_cpu_us)
         );
     }
     println!(
@@ -217,6 +235,16 @@ pub async fn drains(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Resul
         median(&mut rates)
     );
     Ok(())
+}
+
+/// `host X µs, database Y µs` (CPU per run, or per job when `host` is
+/// another queue's worker process); the database's part is left out when
+/// the server is not on this machine.
+pub fn cpu_per_run(host_us: f64, server_us: f64) -> String {
+    match server_us.is_finite() {
+        true => format!("host {host_us:.0} µs, database {server_us:.0} µs"),
+        false => format!("host {host_us:.0} µs, database not on this machine"),
+    }
 }
 
 /// One drain's rate and what it wrote.
@@ -231,6 +259,11 @@ pub struct Drained {
     pub runs_per_claim: f64,
     /// Runs ended per group-committed ending statement.
     pub runs_per_ending_commit: f64,
+    /// CPU this process (the worker) spent per run, in µs.
+    pub host_cpu_us: f64,
+    /// CPU the database server spent per run, in µs (every process of it,
+    /// whoever it served); NaN for a server that is not on this machine.
+    pub server_cpu_us: f64,
 }
 
 /// Pre-enqueues `runs` no-op runs (with `manifest` pinned on each), then
@@ -258,6 +291,8 @@ pub async fn drain_costs(
     sql::reset(pool).await?;
     enqueue_noops(pool, runs, manifest).await?;
     let (wal0, xid0) = sql::write_marks(pool).await?;
+    let server = sql::local_postmaster(pool).await?;
+    let (own0, server0) = (figures::cpu_self(), server.and_then(figures::server_cpu));
     let t0 = Instant::now();
     let hub = Some(Hub::start(url.to_string()));
     let worker = Worker::start(pool.clone(), hub, AgentRegistry::with_builtins(), worker_config(in_flight)).await?;
@@ -268,6 +303,7 @@ pub async fn drain_costs(
         anyhow::ensure!(t0.elapsed() < DRAIN_MAX, "drain pass took over {DRAIN_MAX:?}");
     }
     let took = t0.elapsed();
+    let (own1, server1) = (figures::cpu_self(), server.and_then(figures::server_cpu));
     let (wal1, xid1) = sql::write_marks(pool).await?;
     worker.drain().await;
     let n = runs as f64;
@@ -278,6 +314,8 @@ pub async fn drain_costs(
         wal_bytes_per_run: (wal1 - wal0) as f64 / n,
         runs_per_claim: per(stats.claim_rounds.load(Ordering::Relaxed)),
         runs_per_ending_commit: per(stats.finish_commits.load(Ordering::Relaxed)),
+        host_cpu_us: (own1 - own0) * 1e6 / n,
+        server_cpu_us: server0.zip(server1).map_or(f64::NAN, |(a, b)| (b - a) * 1e6 / n),
     })
 }
 

@@ -107,6 +107,13 @@ pub async fn analyze(db: impl PgExecutor<'_>) -> Result<(), sqlx::Error> {
     Ok(())
 }
 
+/// The pid of the server's postmaster when the server runs on this machine
+/// (see [`crate::figures::local_postmaster`]), for reading its CPU.
+pub async fn local_postmaster(db: impl PgExecutor<'_>) -> Result<Option<u32>, sqlx::Error> {
+    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(db).await?;
+    Ok(crate::figures::local_postmaster(backend))
+}
+
 /// The server's write position and its next transaction id: the difference
 /// of two readings is the WAL written (bytes, every database of the server)
 /// and the transactions that wrote (each one commit record, the fsync a
