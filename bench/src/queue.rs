@@ -237,10 +237,9 @@ pub async fn drains(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Resul
     Ok(())
 }
 
-/// `host X µs, database Y µs` (CPU per run, or per job when `host` is
-/// another queue's worker process); the database's part is left out when
-/// the server is not on this machine.
-pub fn cpu_per_run(host_us: f64, server_us: f64) -> String {
+/// `host X µs, database Y µs`: CPU per run; the database's part is left
+/// out when the server is not on this machine.
+fn cpu_per_run(host_us: f64, server_us: f64) -> String {
     match server_us.is_finite() {
         true => format!("host {host_us:.0} µs, database {server_us:.0} µs"),
         false => format!("host {host_us:.0} µs, database not on this machine"),
