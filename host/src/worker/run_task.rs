@@ -90,26 +90,21 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                     shared.stats.suspended.fetch_add(1, Ordering::Relaxed);
                 }
                 // A resumable run's task died (or its ending could not be
-                // written): back to the queue, resumed from its log.
-                Outcome::Unfinalized(reason)
-                    if resumable
-                        && db::lifecycle::hand_back(&shared.pool, id, token, shared.config.resume_attempts)
-                            .await
-                            .unwrap_or(false) =>
-                {
-                    shared.stats.handed_back.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(%reason, "resumable run ended without a terminal write; handed back to the queue");
-                }
-                Outcome::Unfinalized(reason) => {
-                    // The backstop: a run never stays running because its task died.
-                    shared.stats.backstopped.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(%reason, "run ended without a terminal write; backstop ends it failed");
-                    match db::lifecycle::backstop(&shared.pool, id, token, &reason).await {
-                        Ok(true) => shared.stats.record_end(RunStatus::Failed, Some(FailReason::Host)),
-                        Ok(false) => {}
-                        Err(e) => tracing::error!(error = %e, "backstop write failed; the reaper will end the run"),
+                // written): back to the queue, resumed from its log. With the
+                // database unreachable it is left running: its lease lapses
+                // and the reaper resumes it (a backstop landing once the
+                // database is back would end it failed instead).
+                Outcome::Unfinalized(reason) if resumable => {
+                    match db::lifecycle::hand_back(&shared.pool, id, token, shared.config.resume_attempts).await {
+                        Ok(true) => {
+                            shared.stats.handed_back.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(%reason, "resumable run ended without a terminal write; handed back to the queue");
+                        }
+                        Ok(false) => backstop(&shared, id, token, &reason).await,
+                        Err(e) => tracing::warn!(%reason, error = %e, "resumable run ended without a terminal write and could not be handed back; the reaper will resume it"),
                     }
                 }
+                Outcome::Unfinalized(reason) => backstop(&shared, id, token, &reason).await,
             }
             release(&shared, id, token);
             // The slot, unless the finisher passed it on to a run it claimed.
@@ -121,6 +116,17 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
         }
         .instrument(span),
     );
+}
+
+/// The backstop: a run never stays running because its task died.
+async fn backstop(shared: &Shared, id: db::RunId, token: db::ClaimToken, reason: &str) {
+    shared.stats.backstopped.fetch_add(1, Ordering::Relaxed);
+    tracing::error!(%reason, "run ended without a terminal write; backstop ends it failed");
+    match db::lifecycle::backstop(&shared.pool, id, token, reason).await {
+        Ok(true) => shared.stats.record_end(RunStatus::Failed, Some(FailReason::Host)),
+        Ok(false) => {}
+        Err(e) => tracing::error!(error = %e, "backstop write failed; the reaper will end the run"),
+    }
 }
 
 async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, cancel: CancellationToken) -> Outcome {
