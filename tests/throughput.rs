@@ -85,15 +85,6 @@ async fn enqueue_gated(db: &TestDb, n: usize) -> Vec<RunId> {
     runs
 }
 
-/// Waits until `n` runs of the `gate` agent have started.
-async fn wait_started(started: &Arc<AtomicUsize>, n: usize) {
-    wait_for("a full wave of runs to start", LONG, || {
-        let s = started.clone();
-        async move { s.load(Ordering::SeqCst) == n }
-    })
-    .await;
-}
-
 /// A dispatcher with k free slots claims up to k rows in one statement, and
 /// never more rows than slots: the database never shows more running than
 /// the worker has slots, and no claim statement took more than that.
@@ -109,7 +100,12 @@ async fn a_batch_claim_never_holds_more_rows_than_slots() {
     // Release the runs a slot-full at a time: each wave frees every slot at
     // once, so the next claim takes several rows in one statement.
     for wave in 1..=RUNS / SLOTS {
-        wait_started(&started, wave * SLOTS).await;
+        let s = started.clone();
+        wait_for("a full wave of runs to start", LONG, || {
+            let s = s.clone();
+            async move { s.load(Ordering::SeqCst) == wave * SLOTS }
+        })
+        .await;
         let running: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = 'running'")
             .fetch_one(&db.pool)
             .await
@@ -799,7 +795,12 @@ async fn a_wave_of_endings_is_split_between_two_writers() {
     let w = start_worker_with(&db, agents, WorkerConfig { max_runs: SLOTS, ..fast_config("split") }).await;
     // Each wave ends every slot's run at once.
     for wave in 1..=RUNS / SLOTS {
-        wait_started(&started, wave * SLOTS).await;
+        let s = started.clone();
+        wait_for("a full wave of runs to start", LONG, || {
+            let s = s.clone();
+            async move { s.load(Ordering::SeqCst) == wave * SLOTS }
+        })
+        .await;
         gate.add_permits(SLOTS);
     }
     for run in &runs {
