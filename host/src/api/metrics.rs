@@ -69,16 +69,6 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
             "Group-committed ending statements (runs ended by this process's finisher, divided by this, is the batch).",
             w.finish_commits.load(Relaxed),
         );
-        e.counter(
-            "agent_host_laned_claims_total",
-            "Ending statements whose claim looked only at its writer's lane (the finisher's other writer was writing).",
-            w.laned_claims.load(Relaxed),
-        );
-        e.counter(
-            "agent_host_short_claims_total",
-            "Ending statements whose claim found fewer rows than the slots their endings freed (the rest went to the dispatcher).",
-            w.short_claims.load(Relaxed),
-        );
         for (name, help, value) in [
             (
                 "runs_requeued",

@@ -100,27 +100,6 @@ pub struct Claim<'a> {
     pub tenant_max_running: Option<i64>,
 }
 
-/// The share of the queue one claim looks at: the rows whose `queue_pos`
-/// is `index` modulo `of` ([`Lane::ALL`]: every row). The finisher's two
-/// writers each claim in their own lane while the other's statement is in
-/// flight: two claims whose snapshots overlap then never reach for the same
-/// row. (Reaching for a row the other claim took and committed after this
-/// one's snapshot, a claim follows the row's update chain, locks the new
-/// version, fails its recheck and keeps the lock to its commit, so the
-/// other writer's ending of that run waits for it; the recheck itself is
-/// costly on a plan this size.) A conversation's order does not depend on
-/// lanes: only its oldest queued turn is ever a candidate, in any lane.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Lane {
-    pub index: u32,
-    pub of: u32,
-}
-
-impl Lane {
-    /// Every row.
-    pub const ALL: Lane = Lane { index: 0, of: 1 };
-}
-
 /// A run as a worker holds it after a claim.
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct ClaimedRun {
@@ -203,8 +182,6 @@ heads AS (
               OFFSET 0))
           -- Conversations the index turned away earlier in this claim.
           AND NOT (q.conversation_id = ANY({except}::uuid[]))
-          -- The claimer's lane (see `Lane`): all rows, or every {lanes}th.
-          AND ({lanes} = 1 OR q.queue_pos % {lanes} = {lane})
         ORDER BY q.queue_pos
         LIMIT {limit}
         FOR UPDATE SKIP LOCKED                 -- contended rows turn invisible
@@ -301,7 +278,7 @@ pub async fn claim(db: impl PgExecutor<'_>, claim: &Claim<'_>) -> Result<Vec<Cla
 /// boolean, the worker id as an escaped string literal) or a conversation
 /// id the database reported. Public so its plan can be read (EXPLAIN).
 pub fn claim_sql(claim: &Claim<'_>, except: &[uuid::Uuid]) -> Arc<str> {
-    write_claim_in(&CLAIM_TEMPLATE, claim, Lane::ALL, except)
+    write_claim_in(&CLAIM_TEMPLATE, claim, except)
 }
 
 /// [`CLAIM_SQL`] with [`CLAIM_CTES`] in it, made once.
@@ -313,13 +290,12 @@ static CLAIM_TEMPLATE: LazyLock<String> = LazyLock::new(|| CLAIM_SQL.replace("{c
 /// batches; a statement that passes over no conversation is made once per
 /// shape and kept ([`WRITTEN_MAX`] shapes at most: a process has one per
 /// template and slot count).
-fn write_claim_in(sql: &'static str, claim: &Claim<'_>, lane: Lane, except: &[uuid::Uuid]) -> Arc<str> {
+fn write_claim_in(sql: &'static str, claim: &Claim<'_>, except: &[uuid::Uuid]) -> Arc<str> {
     if !except.is_empty() {
-        return write_claim(sql, claim, lane, except).into();
+        return write_claim(sql, claim, except).into();
     }
     let key = (
         sql.as_ptr() as usize,
-        lane,
         claim.limit,
         claim.prefilter,
         claim.tenant_max_running,
@@ -333,24 +309,21 @@ fn write_claim_in(sql: &'static str, claim: &Claim<'_>, lane: Lane, except: &[uu
     if written.len() >= WRITTEN_MAX {
         written.clear();
     }
-    let text: Arc<str> = write_claim(sql, claim, lane, except).into();
+    let text: Arc<str> = write_claim(sql, claim, except).into();
     written.insert(key, text.clone());
     text
 }
 
 /// Claim statements kept by [`write_claim_in`], by template and values.
-type WrittenKey = (usize, Lane, i64, bool, Option<i64>, Duration, String);
+type WrittenKey = (usize, i64, bool, Option<i64>, Duration, String);
 static WRITTEN: LazyLock<Mutex<HashMap<WrittenKey, Arc<str>>>> = LazyLock::new(Default::default);
 /// Shapes kept at most; past it the cache starts again.
 const WRITTEN_MAX: usize = 64;
 
 /// `sql` with the claim's values written in.
-fn write_claim(sql: &str, claim: &Claim<'_>, lane: Lane, except: &[uuid::Uuid]) -> String {
-    assert!(lane.index < lane.of, "lane {lane:?}");
+fn write_claim(sql: &str, claim: &Claim<'_>, except: &[uuid::Uuid]) -> String {
     let except = except.iter().map(uuid::Uuid::to_string).collect::<Vec<_>>().join(",");
     sql.replace("{limit}", &claim.limit.max(0).to_string())
-        .replace("{lanes}", &lane.of.to_string())
-        .replace("{lane}", &lane.index.to_string())
         .replace("{prefilter}", if claim.prefilter { "true" } else { "false" })
         .replace("{capped}", if claim.tenant_max_running.is_some() { "true" } else { "false" })
         .replace("{cap}", &claim.tenant_max_running.unwrap_or(0).to_string())
@@ -611,11 +584,6 @@ pub struct Turnover {
     pub claimed: Vec<ClaimedRun>,
     /// Statements the one-running-per-conversation index refused.
     pub conflicts: u32,
-    /// The oldest queued position left in each of two lanes (even, odd
-    /// `queue_pos`; `None`: the lane is empty), as the statement saw the
-    /// queue once its claim was made: how far each lane has been drained.
-    /// `None` when no claim was made.
-    pub oldest: Option<[Option<i64>; 2]>,
 }
 
 /// running -> terminal for a batch of endings and queued -> running for up
@@ -637,26 +605,24 @@ pub struct Turnover {
 /// over that conversation, up to [`CLAIM_CONFLICTS_MAX`] times, then the
 /// endings are written alone and nothing is claimed. At most
 /// [`FINISH_BATCH_MAX`] endings, and `claim.limit` rows: the caller holds a
-/// slot for each (acquire-before-pull). The claim looks only at `lane`.
+/// slot for each (acquire-before-pull).
 pub async fn finish_and_claim(
     conn: &mut PgConnection,
     endings: &[Ending],
     claim: &Claim<'_>,
-    lane: Lane,
 ) -> Result<Turnover, sqlx::Error> {
     let (rows, conflicts) =
-        past_conflicts(conn, |except| write_claim_in(&TURNOVER_SQL, claim, lane, except), |q| bind_endings(q, endings))
+        past_conflicts(conn, |except| write_claim_in(&TURNOVER_SQL, claim, except), |q| bind_endings(q, endings))
             .await?;
     let Some(rows) = rows else {
         // Out of conflicts: the endings alone.
-        let written = finish_many(&mut *conn, endings).await?;
-        return Ok(Turnover { written, claimed: Vec::new(), conflicts, oldest: None });
+        return Ok(Turnover { written: finish_many(&mut *conn, endings).await?, claimed: Vec::new(), conflicts });
     };
     // Every row carries the ended runs; a row without an id is the one the
     // LEFT JOIN makes when nothing was claimed.
-    let (ended, oldest): (Option<Vec<uuid::Uuid>>, _) = match rows.first() {
-        Some(row) => (row.try_get("ended")?, Some([row.try_get("oldest_even")?, row.try_get("oldest_odd")?])),
-        None => (None, None),
+    let ended: Option<Vec<uuid::Uuid>> = match rows.first() {
+        Some(row) => row.try_get("ended")?,
+        None => None,
     };
     let mut claimed = Vec::with_capacity(rows.len());
     for row in &rows {
@@ -664,7 +630,7 @@ pub async fn finish_and_claim(
             claimed.push(ClaimedRun::from_row(row)?);
         }
     }
-    Ok(Turnover { written: ended.unwrap_or_default().into_iter().map(RunId).collect(), claimed, conflicts, oldest })
+    Ok(Turnover { written: ended.unwrap_or_default().into_iter().map(RunId).collect(), claimed, conflicts })
 }
 
 /// [`finish_and_claim`]'s statement, the claim's values still to be
@@ -672,16 +638,8 @@ pub async fn finish_and_claim(
 static TURNOVER_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH RECURSIVE {FINISH_CTES}, {CLAIM_CTES}
-         SELECT ended.ids AS ended, lanes.even AS oldest_even, lanes.odd AS oldest_odd, x.*
+         SELECT ended.ids AS ended, x.*
          FROM (SELECT array_agg(id) AS ids FROM fin) ended
-         -- The oldest queued position left in each lane (see `Lane`): one
-         -- probe of agent_run_queued each, past the rows claimed here.
-         CROSS JOIN (SELECT
-             (SELECT a.queue_pos FROM agent_run a WHERE a.status = 'queued' AND a.queue_pos % 2 = 0
-                AND NOT EXISTS (SELECT 1 FROM claimed c WHERE c.id = a.id) ORDER BY a.queue_pos LIMIT 1) AS even,
-             (SELECT a.queue_pos FROM agent_run a WHERE a.status = 'queued' AND a.queue_pos % 2 = 1
-                AND NOT EXISTS (SELECT 1 FROM claimed c WHERE c.id = a.id) ORDER BY a.queue_pos LIMIT 1) AS odd
-         ) lanes
          LEFT JOIN (SELECT c.*, umsg.content, umsg.has_history
                     FROM claimed c JOIN umsg ON umsg.id = c.user_message_id) x ON true
          -- Referencing `wake` and `told` is what makes them run.

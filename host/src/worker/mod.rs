@@ -244,13 +244,6 @@ pub struct WorkerStats {
     pub claim_conflicts: AtomicU64,
     /// Statements that wrote endings (group commit: several runs each).
     pub finish_commits: AtomicU64,
-    /// Ending statements whose claim looked only at its writer's lane (the
-    /// finisher's other writer had a statement in flight).
-    pub laned_claims: AtomicU64,
-    /// Ending statements whose claim found fewer rows than the slots their
-    /// endings freed (the queue, or the writer's lane, ran dry there): the
-    /// other slots went back to the dispatcher.
-    pub short_claims: AtomicU64,
     pub heartbeat_errors: AtomicU64,
     /// Resumable runs the reaper put back in the queue (their worker was lost).
     pub requeued: AtomicU64,
