@@ -704,6 +704,16 @@ async fn a_busy_worker_claims_with_its_endings_and_never_holds_more_than_its_slo
     let alone = claim_commits(&db.pool, "EXCEPT").await;
     assert!(alone <= 3, "{alone} claims did not ride an ending's commit");
     assert!(stats.claim_rounds.load(Ordering::Relaxed) < RUNS as u64);
+    // Claims riding endings keep the queue's order within a bound: no run
+    // starts after more than a few runs enqueued behind it.
+    let overtaken: i64 = sqlx::query_scalar(
+        "SELECT max((SELECT count(*) FROM agent_run s WHERE s.queue_pos > r.queue_pos AND s.started_at < r.started_at))
+         FROM agent_run r",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(overtaken <= 3 * SLOTS as i64, "a run started after {overtaken} runs enqueued behind it");
 }
 
 /// Blocks each execution on the gate; tells the test each start.
