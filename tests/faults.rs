@@ -360,6 +360,7 @@ async fn suite(resumable: bool) {
             assert_eq!(answer, Some((streamed, "complete".to_string())), "run {run}'s answer");
         }
     }
+    assert_no_orphans(pool).await;
     drop(hosts);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -185,6 +185,48 @@ async fn terminal_states_are_sticky_in_the_schema() {
     assert!(r.is_err());
 }
 
+/// The journal's and the transcript's inserts run no foreign-key check
+/// (migrations/0014): what keeps an event from outliving its run, or a
+/// message its conversation, is that neither parent is ever deleted, and the
+/// schema refuses the DELETE, whatever its WHERE.
+#[tokio::test]
+async fn runs_and_conversations_are_never_deleted_so_no_event_or_message_is_orphaned() {
+    let db = TestDb::new().await;
+    let e = enqueue(&db.pool, None, "noop", json!({})).await;
+    let claimed = lifecycle::claim(&db.pool, &claim_args("w", 1, true)).await.unwrap();
+    let finish = Finish {
+        status: RunStatus::Completed,
+        error: None,
+        assistant: Some(("done", MessageStatus::Complete)),
+        usage: None,
+    };
+    assert!(lifecycle::finish(&db.pool, e.run_id, claimed[0].claim_token, &finish).await.unwrap());
+    for (sql, table) in [
+        ("DELETE FROM agent_run WHERE id = $1", "agent_run"),
+        ("DELETE FROM agent_run WHERE id <> $1", "agent_run"),
+        ("DELETE FROM conversation WHERE id = (SELECT conversation_id FROM agent_run WHERE id = $1)", "conversation"),
+    ] {
+        match sqlx::query(sql).bind(e.run_id).execute(&db.pool).await {
+            Err(sqlx::Error::Database(d)) => {
+                assert_eq!(d.code().as_deref(), Some("23001"), "{sql}: {d}");
+                assert!(d.message().starts_with(&format!("{table}: rows are never deleted")), "{sql}: {d}");
+            }
+            other => panic!("{sql} must be refused: {other:?}"),
+        }
+    }
+    let journal = assert_journal_sound(&db.pool, e.run_id).await;
+    assert_eq!(journal.last().map(|(_, t)| t.as_str()), Some("complete"));
+    let messages: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM message WHERE conversation_id = (SELECT conversation_id FROM agent_run WHERE id = $1)",
+    )
+    .bind(e.run_id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(messages, 2, "the question and the answer");
+    assert_no_orphans(&db.pool).await;
+}
+
 #[tokio::test]
 async fn claim_stamps_the_lease_and_journals_run_started() {
     let db = TestDb::new().await;

@@ -291,6 +291,21 @@ pub async fn assert_journal_sound(pool: &PgPool, id: RunId) -> Vec<(i32, String)
     j
 }
 
+/// No journal event without its run and no message without its
+/// conversation (the schema refuses deleting either parent, and every
+/// insert takes the parent's id from its row: migrations/0014).
+pub async fn assert_no_orphans(pool: &PgPool) {
+    let (events, messages): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM run_event e WHERE NOT EXISTS (SELECT 1 FROM agent_run r WHERE r.id = e.run_id)),
+                (SELECT count(*) FROM message m
+                 WHERE NOT EXISTS (SELECT 1 FROM conversation c WHERE c.id = m.conversation_id))",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!((events, messages), (0, 0), "events without a run, messages without a conversation");
+}
+
 /// A run's error text (empty when none).
 pub async fn run_error(pool: &PgPool, id: RunId) -> String {
     sqlx::query_scalar::<_, Option<String>>("SELECT error FROM agent_run WHERE id = $1")

@@ -87,10 +87,12 @@ pub async fn enqueue_in(tx: &mut Transaction<'_, Postgres>, new: &NewRun<'_>) ->
 /// The enqueue's statement. A new conversation is made in it when none is
 /// named; a named one must be the owner's (another user's is
 /// indistinguishable from a missing one: nothing is written and no row
-/// comes back). The inserts' foreign keys take the conversation row FOR KEY
+/// comes back). The run's foreign key takes the conversation row FOR KEY
 /// SHARE at the statement's end, so a retry locking it serialises with this
 /// enqueue. Rows made in the statement satisfy the foreign keys: those are
-/// checked after its last insert.
+/// checked after its last insert. (The message and the journal events carry
+/// no foreign key of their own, migrations/0014: their parents' ids come
+/// from the rows made here.)
 const ENQUEUE_SQL: &str = "
 WITH made AS (
     INSERT INTO conversation (id, owner_id, tenant_id)

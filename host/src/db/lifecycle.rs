@@ -445,9 +445,7 @@ pub async fn heartbeat(
     // held as the statement's snapshot sees it; the next beat renews it or
     // finds it gone. So a beat never waits on an ending and the two never
     // deadlock, in whatever order the ending takes its rows. `NO KEY UPDATE`
-    // is the lock an update of these columns takes, which a journal append's
-    // foreign-key check (`KEY SHARE`) does not block: a streaming run is never
-    // skipped for its own appends.
+    // is the lock an update of these columns takes.
     sqlx::query_as(
         "WITH h AS (SELECT * FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)),
          seen AS MATERIALIZED (
