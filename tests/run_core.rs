@@ -127,9 +127,8 @@ async fn failed_enqueue_leaves_nothing_and_wakes_nobody() {
     assert_eq!(n.payload(), ok.conversation_id.to_string());
 }
 
-#[tokio::test]
-async fn terminal_states_are_sticky_in_the_schema() {
-    let db = TestDb::new().await;
+/// A run enqueued, claimed and completed with an answer ("done").
+async fn completed_run(db: &TestDb) -> enqueue::Enqueued {
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
     let claimed = lifecycle::claim(&db.pool, &claim_args("w", 1, true)).await.unwrap();
     assert_eq!(claimed.len(), 1);
@@ -140,6 +139,13 @@ async fn terminal_states_are_sticky_in_the_schema() {
         usage: None,
     };
     assert!(lifecycle::finish(&db.pool, e.run_id, claimed[0].claim_token, &finish).await.unwrap());
+    e
+}
+
+#[tokio::test]
+async fn terminal_states_are_sticky_in_the_schema() {
+    let db = TestDb::new().await;
+    let e = completed_run(&db).await;
     // Each refused by the schema: a terminal -> terminal change by the
     // transition trigger; running and queued already by the CHECK that ties
     // `finished_at` to a terminal status (it runs before the AFTER trigger,
@@ -192,15 +198,7 @@ async fn terminal_states_are_sticky_in_the_schema() {
 #[tokio::test]
 async fn runs_and_conversations_are_never_deleted_so_no_event_or_message_is_orphaned() {
     let db = TestDb::new().await;
-    let e = enqueue(&db.pool, None, "noop", json!({})).await;
-    let claimed = lifecycle::claim(&db.pool, &claim_args("w", 1, true)).await.unwrap();
-    let finish = Finish {
-        status: RunStatus::Completed,
-        error: None,
-        assistant: Some(("done", MessageStatus::Complete)),
-        usage: None,
-    };
-    assert!(lifecycle::finish(&db.pool, e.run_id, claimed[0].claim_token, &finish).await.unwrap());
+    let e = completed_run(&db).await;
     for (sql, table) in [
         ("DELETE FROM agent_run WHERE id = $1", "agent_run"),
         ("DELETE FROM agent_run WHERE id <> $1", "agent_run"),
