@@ -214,13 +214,11 @@ async fn runs_and_conversations_are_never_deleted_so_no_event_or_message_is_orph
     }
     let journal = assert_journal_sound(&db.pool, e.run_id).await;
     assert_eq!(journal.last().map(|(_, t)| t.as_str()), Some("complete"));
-    let messages: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM message WHERE conversation_id = (SELECT conversation_id FROM agent_run WHERE id = $1)",
-    )
-    .bind(e.run_id)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
+    let messages: i64 = sqlx::query_scalar("SELECT count(*) FROM message WHERE conversation_id = $1")
+        .bind(e.conversation_id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
     assert_eq!(messages, 2, "the question and the answer");
     assert_no_orphans(&db.pool).await;
 }
