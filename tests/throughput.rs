@@ -164,6 +164,94 @@ async fn a_batch_containing_two_turns_of_one_conversation_claims_only_the_first(
     assert_eq!(running, 1);
 }
 
+/// A claim says the queue is dry only when its snapshot held no queued run
+/// besides those it claimed: never while a run it could not take is still
+/// queued (a conversation's later turn, a row another claimer holds), and
+/// never for a claim that took as many rows as it asked for.
+#[tokio::test]
+async fn a_claim_is_dry_only_when_nothing_else_is_queued() {
+    let db = TestDb::new().await;
+    let claim = |limit| {
+        let pool = db.pool.clone();
+        async move { lifecycle::claim_batch(&pool, &claim_args("w", limit, true)).await }
+    };
+    let empty = claim(4).await.unwrap();
+    assert!(empty.runs.is_empty() && empty.dry, "an empty queue: {empty:?}");
+
+    // Three runs, two asked for: a full claim is never dry.
+    for _ in 0..3 {
+        enqueue(&db.pool, None, "noop", json!({})).await;
+    }
+    let full = claim(2).await.unwrap();
+    assert_eq!((full.runs.len(), full.dry), (2, false));
+    // The third, with room for four: it was the last.
+    let last = claim(4).await.unwrap();
+    assert_eq!((last.runs.len(), last.dry), (1, true));
+
+    // A conversation's second turn stays queued behind its first: not dry.
+    let a1 = enqueue(&db.pool, None, "noop", json!({})).await;
+    let a2 = enqueue(&db.pool, Some(a1.conversation_id), "noop", json!({})).await;
+    let first = claim(4).await.unwrap();
+    assert_eq!(first.runs.iter().map(|r| r.id).collect::<Vec<_>>(), vec![a1.run_id]);
+    assert!(!first.dry, "dry with a later turn queued");
+    assert!(!claim(4).await.unwrap().dry, "dry with a later turn queued behind a running one");
+
+    // A row another transaction holds is skipped, not claimed: not dry.
+    let held = enqueue(&db.pool, None, "noop", json!({})).await;
+    let mut other = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM agent_run WHERE id = $1 FOR UPDATE")
+        .bind(held.run_id)
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let skipped = claim(4).await.unwrap();
+    assert!(skipped.runs.is_empty() && !skipped.dry, "dry with a locked row queued: {skipped:?}");
+    other.rollback().await.unwrap();
+    let taken = claim(4).await.unwrap();
+    assert_eq!(taken.runs.iter().map(|r| r.id).collect::<Vec<_>>(), vec![held.run_id]);
+    assert!(!taken.dry, "a2 is still queued");
+    assert_eq!(status(&db.pool, a2.run_id).await, "queued");
+}
+
+/// Runs that come one at a time cost one claim and one ending each: a
+/// claim that finds the queue dry is not made again at once (the next run
+/// queued wakes the worker), and an ending then claims nothing with its
+/// statement. Before, each such run cost three claims: its own, an empty
+/// one right after it, and an empty one in its ending's statement. The poll
+/// tick is far longer than the deadline: every pickup came from a wake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_one_at_a_time_cost_one_claim_and_one_ending_each() {
+    const RUNS: u64 = 5;
+    let db = TestDb::new().await;
+    let hub = agent_host::hub::Hub::start(db.url.clone());
+    let h = hub.clone();
+    wait_for("the hub to connect", LONG, || {
+        let h = h.clone();
+        async move { h.stats().connected.load(Ordering::Relaxed) }
+    })
+    .await;
+    let config = WorkerConfig { poll_tick: Duration::from_secs(120), ..fast_config("trickle") };
+    let w = agent_host::worker::Worker::start(db.pool.clone(), Some(hub), AgentRegistry::with_builtins(), config)
+        .await
+        .unwrap();
+    let stats = w.stats();
+    let s = stats.clone();
+    wait_for("the worker's first look at the queue", LONG, || {
+        let s = s.clone();
+        async move { s.claim_rounds.load(Ordering::Relaxed) == 1 }
+    })
+    .await;
+    for _ in 0..RUNS {
+        let run = enqueue(&db.pool, None, "echo", json!({})).await.run_id;
+        wait_status(&db.pool, run, "completed", Duration::from_secs(30)).await;
+        assert_eq!(assert_journal_sound(&db.pool, run).await.iter().filter(|(_, k)| k == "complete").count(), 1);
+    }
+    w.drain().await;
+    assert_eq!(stats.claim_rounds.load(Ordering::Relaxed), 1 + RUNS, "claim statements");
+    assert_eq!(stats.finish_commits.load(Ordering::Relaxed), RUNS, "ending statements");
+    assert_eq!(stats.poll_wakeups.load(Ordering::Relaxed), 0, "a run waited for the poll tick");
+}
+
 /// Endings of `claimed`, each completed with an answer and `usage`.
 fn completed(claimed: &[lifecycle::ClaimedRun], usage: Option<serde_json::Value>) -> Vec<Ending> {
     claimed

@@ -101,6 +101,13 @@ pub async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: 
         tokio::task::yield_now().await;
     }
     let config = json!({});
+    // What each run cost the database, besides its latency: the worker's
+    // claim and ending statements, and the server's CPU (enqueue included).
+    let stats = worker.stats();
+    let server = sql::local_postmaster(pool).await?;
+    let cpu0 = server.and_then(figures::server_cpu);
+    let (claims0, endings0) =
+        (stats.claim_rounds.load(Ordering::Relaxed), stats.finish_commits.load(Ordering::Relaxed));
     for i in 0..samples + WARMUP {
         library::enqueue(pool, "bench", "pickup", None, &config).await?;
         let committed = Instant::now();
@@ -112,11 +119,19 @@ pub async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: 
             latencies.push(started.saturating_duration_since(committed));
         }
     }
+    let cpu1 = server.and_then(figures::server_cpu);
     worker.drain().await;
+    let n = (samples + WARMUP) as f64;
+    let claims = (stats.claim_rounds.load(Ordering::Relaxed) - claims0) as f64 / n;
+    let endings = (stats.finish_commits.load(Ordering::Relaxed) - endings0) as f64 / n;
     let how = if hub_up { "hub up".to_string() } else { format!("hub down, poll tick {HUB_DOWN_POLL:?}") };
     println!(
         "pickup, enqueue commit to agent start, idle worker, {how}, {samples} runs: {}",
         percentiles(&mut latencies)
+    );
+    println!(
+        "  per run, one at a time: {claims:.2} claim statements, {endings:.2} ending statements, database CPU {:.0} µs (enqueue included)",
+        cpu0.zip(cpu1).map_or(f64::NAN, |(a, b)| (b - a) * 1e6 / n)
     );
     // Sorted by `percentiles`.
     Ok(latencies[(latencies.len() - 1) / 2].as_secs_f64() * 1e3)

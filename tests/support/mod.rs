@@ -327,6 +327,8 @@ pub fn plugin_wasm(name: &str) -> Vec<u8> {
             let status = std::process::Command::new(env!("CARGO"))
                 .args(["build", "--release", "--target", "wasm32-wasip2", "--manifest-path"])
                 .arg(root.join("plugins/Cargo.toml"))
+                .arg("--target-dir")
+                .arg(root.join("plugins/target"))
                 .status()
                 .expect("running cargo for the plugins");
             assert!(status.success(), "building plugins/ failed (is the wasm32-wasip2 target installed?)");

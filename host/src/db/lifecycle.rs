@@ -229,14 +229,33 @@ umsg AS (
                   AS has_history
 )";
 
+/// Whether a claim left the queue dry, as the `dry` column of
+/// [`CLAIM_SQL`] and of the ending-and-claim statement: its snapshot held no
+/// queued run besides those it claimed. Read only when it claimed fewer rows
+/// than its limit (a full claim answers false at no cost): then one probe of
+/// the queued rows, at most `limit + 1`, which in the statement's snapshot
+/// still include the ones it claims. A row it could not take (locked by
+/// another claimer, a conversation's later turn, a tenant at its cap) is a
+/// queued row, so the answer is false; a run queued after the snapshot
+/// NOTIFYs `run_enqueued`, which is what the worker waits for instead of
+/// claiming again (`worker::dispatcher`).
+const DRY_SQL: &str = "CASE WHEN (SELECT count(*) FROM claimed) < {limit}
+         THEN (SELECT count(*) FROM (SELECT 1 FROM agent_run WHERE status = 'queued' LIMIT {limit} + 1) q)
+              <= (SELECT count(*) FROM claimed)
+         ELSE false END";
+
 /// The claim on its own (the dispatcher's), which commits without waiting
-/// for its WAL flush (see [`claim`]).
+/// for its WAL flush (see [`claim`]). One row without a run when it claimed
+/// none, so `dry` is always answered.
 const CLAIM_SQL: &str = "
 WITH RECURSIVE {claim_ctes},
 durability AS (
     SELECT set_config('synchronous_commit', 'off', true)
 )
-SELECT c.*, umsg.content, umsg.has_history FROM claimed c JOIN umsg ON umsg.id = c.user_message_id, durability";
+SELECT {dry} AS dry, x.*
+FROM durability
+LEFT JOIN (SELECT c.*, umsg.content, umsg.has_history
+           FROM claimed c JOIN umsg ON umsg.id = c.user_message_id) x ON true";
 
 /// queued -> running, for the dispatcher: claims up to `limit` queued runs in
 /// one statement (each its conversation's oldest queued turn, fair across
@@ -260,7 +279,27 @@ SELECT c.*, umsg.content, umsg.has_history FROM claimed c JOIN umsg ON umsg.id =
 /// index turning away a turn the pre-filter could not see: it means "claimed
 /// nothing this round", and the caller simply claims again.
 pub async fn claim(db: impl PgExecutor<'_>, claim: &Claim<'_>) -> Result<Vec<ClaimedRun>, sqlx::Error> {
-    sqlx::query_as::<_, ClaimedRun>(&claim_sql(claim, &[])).fetch_all(db).await
+    claimed_in(&sqlx::query(&claim_sql(claim, &[])).fetch_all(db).await?)
+}
+
+/// The runs in a claim's rows (a row without an id is the one the statement
+/// answers when it claimed nothing).
+fn claimed_in(rows: &[PgRow]) -> Result<Vec<ClaimedRun>, sqlx::Error> {
+    let mut claimed = Vec::with_capacity(rows.len());
+    for row in rows {
+        if row.try_get::<Option<uuid::Uuid>, _>("id")?.is_some() {
+            claimed.push(ClaimedRun::from_row(row)?);
+        }
+    }
+    Ok(claimed)
+}
+
+/// A claim's `dry` answer (see [`DRY_SQL`]).
+fn dry_in(rows: &[PgRow]) -> Result<bool, sqlx::Error> {
+    Ok(match rows.first() {
+        Some(row) => row.try_get::<Option<bool>, _>("dry")?.unwrap_or(false),
+        None => false,
+    })
 }
 
 /// [`CLAIM_SQL`] with everything written in: the row limit, the pre-filter,
@@ -282,7 +321,8 @@ pub fn claim_sql(claim: &Claim<'_>, except: &[uuid::Uuid]) -> Arc<str> {
 }
 
 /// [`CLAIM_SQL`] with [`CLAIM_CTES`] in it, made once.
-static CLAIM_TEMPLATE: LazyLock<String> = LazyLock::new(|| CLAIM_SQL.replace("{claim_ctes}", CLAIM_CTES));
+static CLAIM_TEMPLATE: LazyLock<String> =
+    LazyLock::new(|| CLAIM_SQL.replace("{claim_ctes}", CLAIM_CTES).replace("{dry}", DRY_SQL));
 
 /// `sql` (a template: [`CLAIM_TEMPLATE`] or [`TURNOVER_SQL`]) with the
 /// claim's values written in (see [`claim_sql`]). Writing them in scans
@@ -348,6 +388,8 @@ pub struct Batch {
     pub runs: Vec<ClaimedRun>,
     /// Statements the one-running-per-conversation index refused.
     pub conflicts: u32,
+    /// The queue held nothing else to claim ([`DRY_SQL`]).
+    pub dry: bool,
 }
 
 /// Re-claims after index conflicts in one [`claim_batch`], each passing over
@@ -370,8 +412,8 @@ pub async fn claim_batch(pool: &PgPool, claim: &Claim<'_>) -> Result<Batch, sqlx
 /// [`claim_batch`] on a given connection (the dispatcher's own).
 pub async fn claim_batch_on(conn: &mut PgConnection, claim: &Claim<'_>) -> Result<Batch, sqlx::Error> {
     let (rows, conflicts) = past_conflicts(conn, |except| claim_sql(claim, except), |q| q).await?;
-    let runs = rows.unwrap_or_default().iter().map(ClaimedRun::from_row).collect::<Result<_, _>>()?;
-    Ok(Batch { runs, conflicts })
+    let rows = rows.unwrap_or_default();
+    Ok(Batch { runs: claimed_in(&rows)?, conflicts, dry: dry_in(&rows)? })
 }
 
 /// Makes a statement that claims (`sql` for the conversations to pass over,
@@ -582,6 +624,8 @@ pub struct Turnover {
     pub claimed: Vec<ClaimedRun>,
     /// Statements the one-running-per-conversation index refused.
     pub conflicts: u32,
+    /// The queue held nothing else to claim ([`DRY_SQL`]).
+    pub dry: bool,
 }
 
 /// running -> terminal for a batch of endings and queued -> running for up
@@ -614,7 +658,12 @@ pub async fn finish_and_claim(
             .await?;
     let Some(rows) = rows else {
         // Out of conflicts: the endings alone.
-        return Ok(Turnover { written: finish_many(&mut *conn, endings).await?, claimed: Vec::new(), conflicts });
+        return Ok(Turnover {
+            written: finish_many(&mut *conn, endings).await?,
+            claimed: Vec::new(),
+            conflicts,
+            dry: false,
+        });
     };
     // Every row carries the ended runs; a row without an id is the one the
     // LEFT JOIN makes when nothing was claimed.
@@ -622,13 +671,12 @@ pub async fn finish_and_claim(
         Some(row) => row.try_get("ended")?,
         None => None,
     };
-    let mut claimed = Vec::with_capacity(rows.len());
-    for row in &rows {
-        if row.try_get::<Option<uuid::Uuid>, _>("id")?.is_some() {
-            claimed.push(ClaimedRun::from_row(row)?);
-        }
-    }
-    Ok(Turnover { written: ended.unwrap_or_default().into_iter().map(RunId).collect(), claimed, conflicts })
+    Ok(Turnover {
+        written: ended.unwrap_or_default().into_iter().map(RunId).collect(),
+        claimed: claimed_in(&rows)?,
+        conflicts,
+        dry: dry_in(&rows)?,
+    })
 }
 
 /// [`finish_and_claim`]'s statement, the claim's values still to be
@@ -636,7 +684,7 @@ pub async fn finish_and_claim(
 static TURNOVER_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH RECURSIVE {FINISH_CTES}, {CLAIM_CTES}
-         SELECT ended.ids AS ended, x.*
+         SELECT ended.ids AS ended, {DRY_SQL} AS dry, x.*
          FROM (SELECT array_agg(id) AS ids FROM fin) ended
          LEFT JOIN (SELECT c.*, umsg.content, umsg.has_history
                     FROM claimed c JOIN umsg ON umsg.id = c.user_message_id) x ON true

@@ -5,6 +5,15 @@
 //! statement (`db::lifecycle::claim_batch_on`, on a connection of its own):
 //! never more rows than slots, and an index conflict claims fewer rows
 //! rather than none.
+//!
+//! A claim that takes fewer rows than it asked for also says whether its
+//! snapshot held any other queued run (`Batch::dry`). When it held none,
+//! the dispatcher waits for the next wake instead of claiming again at once
+//! (that claim would find nothing), and until a wake comes the finisher
+//! writes endings without a claim in their statement (`Shared::queue_dry`):
+//! runs that arrive one at a time cost one claim and one ending each. Every
+//! way a run becomes claimable NOTIFYs `run_enqueued`, so the wake comes;
+//! without a connected hub the hint is never kept.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -13,7 +22,7 @@ use std::time::Duration;
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::db::{self, lifecycle::Claim, lifecycle::ClaimedRun, notify::RUN_ENQUEUED};
-use crate::hub::{Hub, Subscription};
+use crate::hub::{Hub, Subscription, Wake};
 
 use super::{run_task, Shared};
 
@@ -43,6 +52,12 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
                 Ok(p) => p,
                 Err(_) => break,
             },
+            // Every slot is taken: a wake means the queue may hold work
+            // again, which the next batch of endings claims with its statement.
+            Some(_) = next_wake(wakes.as_mut()) => {
+                shared.woken();
+                continue;
+            }
         };
         let mut permits = vec![first];
         // Runs finishing at this instant release their slots when they next
@@ -55,11 +70,13 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             // We are about to read the rows; wakes so far are answered.
             w.drain();
         }
-        let claim = claim_of(&shared, permits.len());
+        let asked = permits.len();
+        let claim = claim_of(&shared, asked);
         let result = async { db::lifecycle::claim_batch_on(conn.get().await?, &claim).await }.await;
         shared.stats.claim_rounds.fetch_add(1, Ordering::Relaxed);
         let claimed = match result {
             Ok(batch) => {
+                shared.claimed(batch.dry);
                 shared.stats.claim_conflicts.fetch_add(u64::from(batch.conflicts), Ordering::Relaxed);
                 if batch.runs.is_empty() && batch.conflicts > 0 {
                     // Every candidate was turned away: its turn is running
@@ -92,7 +109,13 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             idle_wait(&shared, wakes.as_mut(), shared.config.poll_tick).await;
             continue;
         }
+        // Fewer runs than slots, and nothing else was queued: claiming again
+        // at once would find nothing; the next run queued wakes us.
+        let dry = claimed.len() < asked && shared.queue_dry();
         start(&shared, claimed, permits);
+        if dry {
+            idle_wait(&shared, wakes.as_mut(), shared.config.poll_tick).await;
+        }
     }
     conn.close().await;
 }
@@ -125,15 +148,24 @@ pub(super) fn start(shared: &Arc<Shared>, claimed: Vec<ClaimedRun>, mut permits:
     }
 }
 
+/// The next wake; never, without a hub.
+async fn next_wake(wakes: Option<&mut Subscription>) -> Option<Wake> {
+    match wakes {
+        Some(w) => w.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Blocks on the hub with `timeout` as the fallback ceiling on a missed wake.
 async fn idle_wait(shared: &Shared, wakes: Option<&mut Subscription>, timeout: Duration) {
     let wait = async {
         match wakes {
-            Some(w) => {
-                if tokio::time::timeout(timeout, w.recv()).await.is_err() {
+            Some(w) => match tokio::time::timeout(timeout, w.recv()).await {
+                Ok(_) => shared.woken(),
+                Err(_) => {
                     shared.stats.poll_wakeups.fetch_add(1, Ordering::Relaxed);
                 }
-            }
+            },
             None => {
                 tokio::time::sleep(timeout).await;
                 shared.stats.poll_wakeups.fetch_add(1, Ordering::Relaxed);

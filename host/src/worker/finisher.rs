@@ -89,7 +89,18 @@ async fn write(shared: &Arc<Shared>, batch: &mut Vec<Request>, conn: &mut db::Ow
     if turnover(shared, batch, &endings, conn).await {
         return;
     }
-    match db::lifecycle::finish_many(&shared.pool, &endings).await {
+    // The endings alone: on the finisher's own connection when it has one.
+    let alone = match conn.get().await {
+        Ok(c) => {
+            let written = db::lifecycle::finish_many(c, &endings).await;
+            if matches!(&written, Err(e) if !matches!(e, sqlx::Error::Database(_))) {
+                conn.broke();
+            }
+            written
+        }
+        Err(_) => db::lifecycle::finish_many(&shared.pool, &endings).await,
+    };
+    match alone {
         Ok(written) => {
             shared.stats.finish_commits.fetch_add(1, Ordering::Relaxed);
             tell(batch, written);
@@ -149,7 +160,9 @@ fn fail_all(batch: &mut Vec<Request>, e: &sqlx::Error) {
 /// any ending's task is told (so a drain waiting for the tasks sees them).
 /// Acquire-before-pull holds: the claim takes at most one row per slot
 /// taken here, and surplus slots go back. Not while the worker stops
-/// claiming, nor in a process that does not dispatch. Returns true when
+/// claiming, nor in a process that does not dispatch, nor while the queue
+/// is known dry (`Shared::queue_dry`: the last claim found nothing else
+/// queued and no wake has come since). Returns true when
 /// every ending's task was told; false, with every slot back with its run,
 /// when there was nothing to claim with or the database refused the
 /// statement (a constraint, a trigger): the caller then writes the endings
@@ -164,7 +177,7 @@ async fn turnover(
     endings: &[Ending],
     conn: &mut db::OwnConnection,
 ) -> bool {
-    if !shared.config.dispatch || shared.stop_claiming.is_cancelled() {
+    if !shared.config.dispatch || shared.stop_claiming.is_cancelled() || shared.queue_dry() {
         return false;
     }
     let c = match conn.get().await {
@@ -185,6 +198,7 @@ async fn turnover(
     let claim = super::dispatcher::claim_of(shared, taken.len());
     match db::lifecycle::finish_and_claim(c, endings, &claim).await {
         Ok(t) => {
+            shared.claimed(t.dry);
             shared.stats.finish_commits.fetch_add(1, Ordering::Relaxed);
             shared.stats.claim_rounds.fetch_add(1, Ordering::Relaxed);
             shared.stats.claim_conflicts.fetch_add(u64::from(t.conflicts), Ordering::Relaxed);

@@ -15,7 +15,7 @@ mod webhooks;
 pub use webhooks::{secret_bytes as webhook_secret_bytes, sign as webhook_sign, WebhookConfig};
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -307,6 +307,40 @@ pub(crate) struct Shared {
     ended: mpsc::Sender<(RunId, ConversationId)>,
     /// Endings for the group commit.
     finisher: mpsc::Sender<Request>,
+    /// The process's hub (`None`: every wait falls back to its poll).
+    hub: Option<Hub>,
+    /// The last claim left the queue dry and no wake has come since (see
+    /// [`Shared::queue_dry`]).
+    dry: AtomicBool,
+}
+
+impl Shared {
+    /// After a claim (the dispatcher's, or one made with endings): whether
+    /// its statement found the queue dry (`db::lifecycle::Batch::dry`).
+    /// Kept only while the hub is connected: the hint lasts until the next
+    /// wake, and without the hub no wake comes.
+    fn claimed(&self, dry: bool) {
+        self.dry.store(dry && self.hub_connected(), Ordering::Relaxed);
+    }
+
+    /// A wake came (a run was queued or put back, or the hub reconnected):
+    /// the queue may hold work again.
+    fn woken(&self) {
+        self.dry.store(false, Ordering::Relaxed);
+    }
+
+    /// Whether the queue is known to hold nothing this process could claim:
+    /// the last claim found it dry and no wake has come since. Then a
+    /// batch of endings is written without a claim (its slots go back to
+    /// the dispatcher, which claims when woken), and a claim that found
+    /// fewer runs than slots is not made again at once.
+    fn queue_dry(&self) -> bool {
+        self.dry.load(Ordering::Relaxed) && self.hub_connected()
+    }
+
+    fn hub_connected(&self) -> bool {
+        self.hub.as_ref().is_some_and(|h| h.stats().connected.load(Ordering::Relaxed))
+    }
 }
 
 /// What `/metrics` reads of a running worker.
@@ -366,6 +400,8 @@ impl Worker {
             journal_stats: Arc::new(crate::run::journal::JournalStats::default()),
             ended,
             finisher,
+            hub: hub.clone(),
+            dry: AtomicBool::new(false),
         });
         // The boot reconciler: a full-cluster restart leaves orphans no
         // running loop noticed. Errors here are not fatal; the loop retries.
