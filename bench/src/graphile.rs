@@ -16,6 +16,7 @@ use anyhow::Context;
 use serde_json::Value;
 
 use crate::figures::median;
+use crate::queue::PickupP50;
 use crate::{sql, BenchArgs};
 
 /// The pinned package, beside this crate.
@@ -120,10 +121,15 @@ impl Graphile {
         Ok(Pass { defaults: num(&v, &["defaults", "median"])?, batched: num(&v, &["batched", "median"])? })
     }
 
-    /// Pickup latency, addJob resolved to task start: p50 and p99 in ms.
-    pub async fn pickup(&mut self, args: &BenchArgs) -> anyhow::Result<(f64, f64)> {
+    /// Pickup latency, addJob resolved to task start: p50 and p99 in ms;
+    /// and the p50 from addJob's call.
+    pub async fn pickup(&mut self, args: &BenchArgs) -> anyhow::Result<(f64, f64, f64)> {
         let v = self.node(args, "pickup").await?;
-        Ok((num(&v, &["pickup", "p50_ms"])?, num(&v, &["pickup", "p99_ms"])?))
+        Ok((
+            num(&v, &["pickup", "p50_ms"])?,
+            num(&v, &["pickup", "p99_ms"])?,
+            num(&v, &["pickup", "from_call_p50_ms"])?,
+        ))
     }
 
     /// graphile-worker's figures beside ours and the ratios: `ours` and
@@ -134,9 +140,10 @@ impl Graphile {
         args: &BenchArgs,
         ours: &[f64],
         theirs: &[Pass],
-        pickup_p50_ms: f64,
+        claimed: PickupP50,
+        eager: PickupP50,
     ) -> anyhow::Result<()> {
-        let (p50, p99) = self.pickup(args).await?;
+        let (p50, p99, call_p50) = self.pickup(args).await?;
         let version = &self.version;
         let mut defaults: Vec<f64> = theirs.iter().map(|p| p.defaults).collect();
         let mut batched: Vec<f64> = theirs.iter().map(|p| p.batched).collect();
@@ -153,14 +160,25 @@ impl Graphile {
             median(&mut batched),
             theirs.len()
         );
-        println!("graphile-worker {version} pickup, addJob to task start, idle worker, {} jobs: p50 {p50:.2} ms, p99 {p99:.2} ms", args.samples);
+        println!(
+            "graphile-worker {version} pickup, idle worker, {} jobs: addJob resolved to task start p50 {p50:.2} ms, \
+             p99 {p99:.2} ms; addJob called to task start p50 {call_p50:.2} ms",
+            args.samples
+        );
         println!(
             "ratio agent-host drain / graphile-worker defaults, pass by pass: median {:.2} ({d_list}); \
              / batched: median {:.2} ({b_list})",
             median(&mut to_defaults),
             median(&mut to_batched)
         );
-        println!("ratio agent-host pickup p50 / graphile-worker pickup p50: {:.2}", pickup_p50_ms / p50);
+        println!(
+            "ratio agent-host pickup p50 / graphile-worker pickup p50, from the commit: claimed {:.2}, eager start {:.2}; \
+             from the call: claimed {:.2}, eager start {:.2}",
+            claimed.from_commit / p50,
+            eager.from_commit / p50,
+            claimed.from_call / call_p50,
+            eager.from_call / call_p50
+        );
         Ok(())
     }
 }

@@ -28,7 +28,7 @@ pub use agent_host::sandbox::{Manifest, Sandbox, INSTANCES_MAX};
 pub use agent_host::server::{connect_and_migrate, open_database, serve};
 pub use agent_host::stream::decode::SseDecoder;
 pub use agent_host::tools::{EventSink, Tool, ToolCall, ToolRegistry};
-pub use agent_host::worker::{Worker, WorkerConfig};
+pub use agent_host::worker::{Worker, WorkerConfig, WorkerObserver};
 
 use agent_host::db::{self, enqueue, journal, lifecycle, runs, suspensions};
 
@@ -75,6 +75,41 @@ pub async fn enqueue_pinned(
         webhook: None,
     };
     Ok(enqueue::enqueue(pool, &new).await?)
+}
+
+/// [`enqueue`] as the API of a process running `worker` makes it: when the
+/// worker has a free slot and nothing else is queued, the run starts in the
+/// enqueue's statement and runs on that worker at once (eager start).
+/// Whether it did.
+pub async fn enqueue_local(
+    pool: &PgPool,
+    worker: &WorkerObserver,
+    content: &str,
+    plugin: &str,
+    config: &Value,
+) -> anyhow::Result<(Enqueued, bool)> {
+    let owner = owner();
+    let new = enqueue::NewRun {
+        owner: &owner,
+        conversation_id: None,
+        content,
+        plugin,
+        plugin_digest: None,
+        plugin_manifest: None,
+        config,
+        request: config,
+        idempotency_key: None,
+        webhook: None,
+    };
+    let Some(slot) = worker.eager_slot() else {
+        return Ok((enqueue::enqueue(pool, &new).await?, false));
+    };
+    let (enqueued, started) = enqueue::enqueue_eager(pool, &new, &slot.claim()).await?;
+    let eager = started.is_some();
+    if let Some(run) = started {
+        slot.start(run);
+    }
+    Ok((enqueued, eager))
 }
 
 /// Claims up to `limit` runs with the dispatcher's claim statement.

@@ -222,15 +222,16 @@ async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow
         return Ok(());
     }
     queue::enqueue_latency(&pool, args).await?;
-    let pickup_p50 = queue::pickup_latency(&pool, &url, args, true).await?;
-    queue::pickup_latency(&pool, &url, args, false).await?;
+    let claimed = queue::pickup_latency(&pool, &url, args, queue::PickupPath::Claimed).await?;
+    let eager = queue::pickup_latency(&pool, &url, args, queue::PickupPath::Eager).await?;
+    queue::pickup_latency(&pool, &url, args, queue::PickupPath::Polled).await?;
     let mut graphile = match args.compare {
         Compare::Graphile => graphile::Graphile::prepare(server_url, args).await?,
         Compare::None => None,
     };
     let (ours, theirs) = queue::throughput(&pool, &url, args, graphile.as_mut()).await?;
     if let Some(g) = graphile.as_mut() {
-        g.compare(args, &ours, &theirs, pickup_p50).await?;
+        g.compare(args, &ours, &theirs, claimed, eager).await?;
     }
     if args.queue_only {
         pool.close().await;

@@ -80,20 +80,41 @@ pub async fn enqueue_latency(pool: &PgPool, args: &BenchArgs) -> anyhow::Result<
 const HUB_DOWN_POLL: Duration = Duration::from_millis(100);
 const HUB_DOWN_SAMPLES_MAX: usize = 50;
 
-/// Returns the p50 in milliseconds.
-pub async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: bool) -> anyhow::Result<f64> {
+/// How a pickup run reaches its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PickupPath {
+    /// Queued, woken for through the hub, claimed by the dispatcher.
+    Claimed,
+    /// Queued, found on the dispatcher's poll tick (the hub down).
+    Polled,
+    /// Started in the enqueue's statement on the enqueuing process's free
+    /// slot (eager start), as the API of a process with a worker does.
+    Eager,
+}
+
+/// Pickup p50s in milliseconds: from the enqueue's commit, and from its call.
+#[derive(Debug, Clone, Copy)]
+pub struct PickupP50 {
+    pub from_commit: f64,
+    pub from_call: f64,
+}
+
+pub async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, path: PickupPath) -> anyhow::Result<PickupP50> {
     sql::reset(pool).await?;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut agents = AgentRegistry::default();
     agents.insert("pickup", Arc::new(Pickup(tx)));
     let mut config = worker_config(args.in_flight);
+    let hub_up = path != PickupPath::Polled;
     let samples = if hub_up { args.samples } else { args.samples.min(HUB_DOWN_SAMPLES_MAX) };
     if !hub_up {
         config.poll_tick = HUB_DOWN_POLL;
     }
     let hub = Hub::start(url.to_string());
     let worker = Worker::start(pool.clone(), hub_up.then(|| hub.clone()), agents, config).await?;
-    let mut latencies = Vec::with_capacity(samples);
+    let observer = worker.observer();
+    let mut from_commit = Vec::with_capacity(samples);
+    let mut from_call = Vec::with_capacity(samples);
     // Measure the hub's wake, not its first connect.
     let connecting = Instant::now();
     while !hub.stats().connected.load(Ordering::Relaxed) {
@@ -108,15 +129,22 @@ pub async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: 
     let cpu0 = server.and_then(figures::server_cpu);
     let (claims0, endings0) =
         (stats.claim_rounds.load(Ordering::Relaxed), stats.finish_commits.load(Ordering::Relaxed));
+    let mut eager = 0;
     for i in 0..samples + WARMUP {
-        library::enqueue(pool, "bench", "pickup", None, &config).await?;
+        let called = Instant::now();
+        if path == PickupPath::Eager {
+            eager += usize::from(library::enqueue_local(pool, &observer, "bench", "pickup", &config).await?.1);
+        } else {
+            library::enqueue(pool, "bench", "pickup", None, &config).await?;
+        }
         let committed = Instant::now();
         let started = tokio::time::timeout(WAIT_MAX, rx.recv())
             .await
             .context("a run was not picked up within 30 s")?
             .context("worker stopped")?;
         if i >= WARMUP {
-            latencies.push(started.saturating_duration_since(committed));
+            from_commit.push(started.saturating_duration_since(committed));
+            from_call.push(started.saturating_duration_since(called));
         }
     }
     let cpu1 = server.and_then(figures::server_cpu);
@@ -124,17 +152,21 @@ pub async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, hub_up: 
     let n = (samples + WARMUP) as f64;
     let claims = (stats.claim_rounds.load(Ordering::Relaxed) - claims0) as f64 / n;
     let endings = (stats.finish_commits.load(Ordering::Relaxed) - endings0) as f64 / n;
-    let how = if hub_up { "hub up".to_string() } else { format!("hub down, poll tick {HUB_DOWN_POLL:?}") };
-    println!(
-        "pickup, enqueue commit to agent start, idle worker, {how}, {samples} runs: {}",
-        percentiles(&mut latencies)
-    );
+    let how = match path {
+        PickupPath::Claimed => "claimed, hub up".to_string(),
+        PickupPath::Polled => format!("claimed, hub down, poll tick {HUB_DOWN_POLL:?}"),
+        PickupPath::Eager => format!("eager start ({eager} of {} runs started in their enqueue)", samples + WARMUP),
+    };
+    println!("pickup, idle worker, {how}, {samples} runs:");
+    println!("  enqueue commit to agent start: {}", percentiles(&mut from_commit));
+    println!("  enqueue call to agent start:   {}", percentiles(&mut from_call));
     println!(
         "  per run, one at a time: {claims:.2} claim statements, {endings:.2} ending statements, database CPU {:.0} µs (enqueue included)",
         cpu0.zip(cpu1).map_or(f64::NAN, |(a, b)| (b - a) * 1e6 / n)
     );
     // Sorted by `percentiles`.
-    Ok(latencies[(latencies.len() - 1) / 2].as_secs_f64() * 1e3)
+    let p50 = |v: &[Duration]| v[(v.len() - 1) / 2].as_secs_f64() * 1e3;
+    Ok(PickupP50 { from_commit: p50(&from_commit), from_call: p50(&from_call) })
 }
 
 /// The drain passes, each with the SQL floors beside it, and, given

@@ -437,6 +437,11 @@ pub struct WorkerArgs {
     /// Do not claim runs (serve the API and reap only).
     #[arg(long, env = "AGENT_HOST_NO_DISPATCH")]
     pub no_dispatch: bool,
+    /// Queue every run for a claim, even when this process has a free slot
+    /// and nothing else is queued (by default such a run starts in its
+    /// enqueue's statement: eager start).
+    #[arg(long, env = "AGENT_HOST_NO_EAGER_START")]
+    pub no_eager_start: bool,
     /// Run without the LISTEN hub (every wait falls back to its poll).
     #[arg(long, env = "AGENT_HOST_NO_HUB")]
     pub no_hub: bool,
@@ -473,6 +478,7 @@ impl WorkerArgs {
             schedule_tick: ms(self.schedule_tick_ms),
             policy: std::sync::Arc::new(self.policy()),
             finish_window: ms(self.finish_window_ms),
+            eager_start: !self.no_eager_start,
         }
     }
 

@@ -51,6 +51,11 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
         e.gauge("agent_host_runs_in_flight", "Runs this process is executing.", stats.in_flight() as f64);
         e.counter("agent_host_claim_rounds_total", "Claim statements executed.", w.claim_rounds.load(Relaxed));
         e.counter("agent_host_runs_claimed_total", "Runs this process claimed.", w.claimed.load(Relaxed));
+        e.counter(
+            "agent_host_eager_starts_total",
+            "Runs started in their enqueue's statement (of those claimed).",
+            w.eager_starts.load(Relaxed),
+        );
         e.histogram("agent_host_pickup_seconds", "Enqueue commit to claim, database clock.", &w.pickup);
         let ended: Vec<(String, f64)> = w
             .ended

@@ -148,7 +148,9 @@ pub async fn create(
     // the native stream does).
     let place = if stream || !background { Some(tails.reserve().map_err(ApiError::from)?) } else { None };
     let check = if stream { Some(super::live::TokenCheck::open(&state, &p)?) } else { None };
-    let created = service::create(&state.pool, &state.agents, &state.policy, &tails, &owner(&p), key, &req).await?;
+    let local = state.stats.as_ref();
+    let created =
+        service::create(&state.pool, &state.agents, &state.policy, local, &tails, &owner(&p), key, &req).await?;
     let mut res = match place {
         Some(place) if stream => {
             let check = check.expect("a stream's check is open");

@@ -80,7 +80,8 @@ async fn enqueue(
         webhook: body.webhook,
         strategy: body.multitask_strategy,
     };
-    let submitted = submit::submit(&state.pool, &state.agents, &state.policy, &submission).await?;
+    let submitted =
+        submit::submit(&state.pool, &state.agents, &state.policy, &submission, state.stats.as_ref()).await?;
     let mut headers = HeaderMap::new();
     if submitted.replayed() {
         headers.insert("idempotent-replayed", HeaderValue::from_static("true"));

@@ -13,6 +13,7 @@
 //! | from    | to        | function                         | caller                                   |
 //! |---------|-----------|----------------------------------|------------------------------------------|
 //! | (none)  | queued    | [`super::enqueue::enqueue`], [`retry`] (a new run) | HTTP API, demo, bench; HTTP retry |
+//! | (none)  | running   | [`super::enqueue::enqueue_eager`]: queued and claimed in one statement, only when no other run is queued and its conversation has no active turn | HTTP API on a process with a free slot |
 //! | queued  | running   | [`claim_batch`] ([`claim`]); [`finish_and_claim`] (with a batch of endings) | dispatcher; finisher |
 //! | queued  | cancelled | [`cancel`], [`stop_conversation`] | HTTP cancel, HTTP stop                  |
 //! | running | completed, failed, cancelled | [`finish_many`], [`finish_and_claim`] (group commit, each row fenced), [`finish`] (fenced) | run task (through the worker's finisher) |
@@ -1152,18 +1153,24 @@ impl From<sqlx::Error> for StrategyError {
 
 /// Enqueue (see [`super::enqueue::enqueue`]) with a strategy for a busy
 /// conversation. `reject` and `interrupt` lock the conversation row first, so
-/// two of them serialise and an enqueue racing them queues behind.
+/// two of them serialise and an enqueue racing them queues behind. With
+/// `eager`, the run may start in the enqueue's statement
+/// ([`super::enqueue::Eager`]): then it comes back as claimed.
 pub async fn enqueue_with(
     pool: &PgPool,
     new: &super::enqueue::NewRun<'_>,
     strategy: Busy,
     tenant_max_queued: Option<u32>,
-) -> Result<Enqueued, StrategyError> {
+    eager: Option<&super::enqueue::Eager<'_>>,
+) -> Result<(Enqueued, Option<ClaimedRun>), StrategyError> {
     // Queueing behind a busy turn with no quota to count needs no lock and no
     // read first: the enqueue's one statement is the whole transaction (a
     // used idempotency key fails it on its index, as below).
     if strategy == Busy::Enqueue && tenant_max_queued.is_none() {
-        return Ok(super::enqueue::enqueue(pool, new).await?);
+        return Ok(match eager {
+            Some(eager) => super::enqueue::enqueue_eager(pool, new, eager).await?,
+            None => (super::enqueue::enqueue(pool, new).await?, None),
+        });
     }
     let mut tx = pool.begin().await?;
     // A retry of a request already enqueued is answered as its first was
@@ -1223,7 +1230,10 @@ pub async fn enqueue_with(
             return Err(StrategyError::QueueFull { max });
         }
     }
-    let enqueued = super::enqueue::enqueue_in(&mut tx, new).await?;
+    let enqueued = match eager {
+        Some(eager) => super::enqueue::enqueue_eager_in(&mut tx, new, eager).await?,
+        None => (super::enqueue::enqueue_in(&mut tx, new).await?, None),
+    };
     tx.commit().await?;
     Ok(enqueued)
 }

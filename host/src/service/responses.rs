@@ -126,6 +126,7 @@ pub async fn create(
     pool: &PgPool,
     agents: &AgentRegistry,
     policy: &Policy,
+    local: Option<&crate::worker::WorkerObserver>,
     tails: &Tails,
     owner: &Owner,
     idempotency_key: Option<String>,
@@ -226,7 +227,7 @@ pub async fn create(
         webhook: None,
         strategy: Busy::Enqueue,
     };
-    let submitted = match submit::submit(pool, agents, policy, &submission).await {
+    let submitted = match submit::submit(pool, agents, policy, &submission, local).await {
         Ok(s) => s,
         Err(SubmitError::UnknownPlugin { plugin, available }) => {
             return Err(RequestError::NotFound {

@@ -143,7 +143,7 @@ pub async fn fire_due(pool: &PgPool, agents: &AgentRegistry, policy: &Policy) ->
             strategy: Busy::Enqueue,
         };
         // No waiting for a rate token here: the schedules' rows are locked.
-        let run = match submit::submit_within(pool, agents, policy, &submission, Duration::ZERO).await {
+        let run = match submit::submit_within(pool, agents, policy, &submission, Duration::ZERO, None).await {
             Ok(submitted) => Some(submitted.enqueued().run_id),
             // Not fired: tried again next tick; the other schedules go on.
             Err(SubmitError::Db(e)) => {

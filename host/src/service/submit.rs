@@ -19,6 +19,7 @@ use crate::db::enqueue::{self as runs, EnqueueError, Enqueued, NewRun, Owner};
 pub use crate::db::lifecycle::Busy;
 use crate::db::lifecycle::{self, StrategyError};
 use crate::db::{ConversationId, RunId};
+use crate::worker::WorkerObserver;
 
 use super::quota::{Limit, QuotaExceeded, Quotas, QUEUE_RETRY_AFTER_S};
 use super::storable::{self, Unstorable};
@@ -145,13 +146,18 @@ pub enum SubmitError {
 
 /// Validates `s`, pins its plugin and enqueues it (or replays the run its
 /// idempotency key started).
+///
+/// With `local`, this process's worker: when it has a free slot, the run
+/// may start in its enqueue's statement and run here at once (eager start,
+/// [`crate::db::enqueue::Eager`]).
 pub async fn submit(
     pool: &PgPool,
     agents: &AgentRegistry,
     policy: &Policy,
     s: &Submission,
+    local: Option<&WorkerObserver>,
 ) -> Result<Submitted, SubmitError> {
-    submit_within(pool, agents, policy, s, super::quota::SHAPE_WAIT_MAX).await
+    submit_within(pool, agents, policy, s, super::quota::SHAPE_WAIT_MAX, local).await
 }
 
 /// [`submit`], waiting for a rate token up to `rate_wait_max` (zero: a
@@ -163,6 +169,7 @@ pub async fn submit_within(
     policy: &Policy,
     s: &Submission,
     rate_wait_max: std::time::Duration,
+    local: Option<&WorkerObserver>,
 ) -> Result<Submitted, SubmitError> {
     // Before anything reaches the database, text it cannot store.
     storable::text("content", &s.content)?;
@@ -219,16 +226,9 @@ pub async fn submit_within(
     let request = json!({ "content": s.content, "plugin": s.plugin, "conversation_id": s.conversation_id, "config": config,
                 "webhook": s.webhook, "multitask_strategy": s.strategy });
     let new = NewRun {
-        owner: &s.owner,
-        conversation_id: s.conversation_id,
-        content: &s.content,
-        plugin: &s.plugin,
         plugin_digest: registered.as_ref().map(|p| p.digest.as_str()),
         plugin_manifest: registered.as_ref().map(|p| &p.manifest),
-        config: &config,
-        request: &request,
-        idempotency_key: key,
-        webhook: s.webhook.as_deref(),
+        ..new_run(s, &config, &request)
     };
     // A replay is answered as its first request was, before the tenant's
     // rate (it starts nothing, so takes no token); a concurrent first use
@@ -243,13 +243,64 @@ pub async fn submit_within(
     }
     // The tenant's rate: a burst waits for its tokens, up to a bound.
     policy.quotas.enqueue_token_within(tenant, rate_wait_max).await?;
-    match lifecycle::enqueue_with(pool, &new, s.strategy, policy.quotas.config.tenant_max_queued).await {
+    let max_queued = policy.quotas.config.tenant_max_queued;
+    let enqueued = match local.and_then(WorkerObserver::eager_slot) {
+        None => lifecycle::enqueue_with(pool, &new, s.strategy, max_queued, None).await.map(|(e, _)| e),
+        Some(slot) => {
+            // In a task of its own, which owns what it needs: a run that
+            // started in the enqueue reaches this worker's run task even if
+            // the caller stops waiting (a client that hung up mid-request),
+            // instead of being left to the reaper.
+            let (pool, s) = (pool.clone(), s.clone());
+            let registered = registered.as_ref().map(|p| (p.digest.clone(), p.manifest.clone()));
+            let (config, request) = (config.clone(), request.clone());
+            let task = tokio::spawn(async move {
+                let new = NewRun {
+                    plugin_digest: registered.as_ref().map(|(digest, _)| digest.as_str()),
+                    plugin_manifest: registered.as_ref().map(|(_, manifest)| manifest),
+                    ..new_run(&s, &config, &request)
+                };
+                let (enqueued, started) =
+                    lifecycle::enqueue_with(&pool, &new, s.strategy, max_queued, Some(&slot.claim())).await?;
+                if let Some(run) = started {
+                    slot.start(run);
+                }
+                Ok(enqueued)
+            });
+            match task.await {
+                Ok(done) => done,
+                Err(e) => match e.try_into_panic() {
+                    Ok(panic) => std::panic::resume_unwind(panic),
+                    // Only when the runtime shuts down.
+                    Err(_) => return Err(SubmitError::Db(sqlx::Error::PoolClosed)),
+                },
+            }
+        }
+    };
+    match enqueued {
         Ok(e) => Ok(Submitted::Created(e)),
         Err(StrategyError::QueueFull { max }) => Err(queue_full(&policy.quotas, tenant, max).into()),
         Err(StrategyError::Busy(run)) => {
             Err(SubmitError::Busy { conversation: s.conversation_id.expect("busy needs a conversation"), run })
         }
         Err(StrategyError::Enqueue(e)) => enqueue_failed(pool, s, key, &request, e).await,
+    }
+}
+
+/// The run `s` asks for, with its config and request snapshot, its plugin
+/// not pinned (the caller sets the digest and manifest it resolved).
+fn new_run<'a>(s: &'a Submission, config: &'a Value, request: &'a Value) -> NewRun<'a> {
+    NewRun {
+        owner: &s.owner,
+        conversation_id: s.conversation_id,
+        content: &s.content,
+        plugin: &s.plugin,
+        plugin_digest: None,
+        plugin_manifest: None,
+        config,
+        request,
+        idempotency_key: s.idempotency_key.as_deref(),
+        webhook: s.webhook.as_deref(),
     }
 }
 
@@ -374,7 +425,7 @@ mod tests {
             ("idempotency key", Submission { idempotency_key: Some("k\0".into()), ..ok.clone() }),
         ];
         for (field, s) in cases {
-            match submit(&pool, &agents, &Policy::default(), &s).await {
+            match submit(&pool, &agents, &Policy::default(), &s, None).await {
                 Err(SubmitError::Unstorable(u)) => assert_eq!(u.field, field),
                 other => panic!("{field}: {other:?}"),
             }
