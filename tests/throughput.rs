@@ -1020,9 +1020,16 @@ async fn an_eager_start_never_takes_the_place_of_a_queued_run_or_a_running_turn(
 /// Two eager starts in one conversation at the same instant: neither sees
 /// the other's running row, the one-running index refuses the second, and
 /// that enqueue is made again queued, with nothing of the refused attempt
-/// left behind.
+/// left behind: on its own (the pool) and inside a caller's transaction
+/// (a savepoint).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_eager_start_meeting_another_in_its_conversation_is_queued_instead() {
+    for in_transaction in [false, true] {
+        eager_starts_meet(in_transaction).await;
+    }
+}
+
+async fn eager_starts_meet(in_transaction: bool) {
     let db = TestDb::new().await;
     let acme = tenant("acme");
     let config = json!({});
@@ -1039,9 +1046,14 @@ async fn an_eager_start_meeting_another_in_its_conversation_is_queued_instead() 
     let acme2 = acme.clone();
     let second = tokio::spawn(async move {
         let config = json!({});
-        enqueue::enqueue_eager(&pool, &new_run(&acme2, Some(conversation), "echo", &config), &eager("b", None))
-            .await
-            .unwrap()
+        let new = new_run(&acme2, Some(conversation), "echo", &config);
+        if !in_transaction {
+            return enqueue::enqueue_eager(&pool, &new, &eager("b", None)).await.unwrap();
+        }
+        let mut tx = pool.begin().await.unwrap();
+        let done = enqueue::enqueue_eager_in(&mut tx, &new, &eager("b", None)).await.unwrap();
+        tx.commit().await.unwrap();
+        done
     });
     let pool = db.pool.clone();
     wait_for("the second enqueue to wait on the first's index entry", LONG, || {

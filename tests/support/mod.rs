@@ -409,17 +409,22 @@ pub fn sandboxed_router(db: &TestDb) -> (AgentRegistry, axum::Router) {
 
 /// A test-only audit of every status transition, in commit-compatible
 /// order: the sequence is drawn after the row's unique-index check passed.
+/// A run inserted already running (an eager start) is a transition from
+/// `(insert)`.
 pub async fn install_audit(pool: &PgPool) {
     for sql in [
         "CREATE TABLE run_audit (n bigserial PRIMARY KEY, run_id uuid, conversation_id uuid, old text, new text)",
         "CREATE FUNCTION run_audit() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN
              INSERT INTO run_audit (run_id, conversation_id, old, new)
-             VALUES (NEW.id, NEW.conversation_id, OLD.status, NEW.status);
+             VALUES (NEW.id, NEW.conversation_id,
+                     CASE WHEN TG_OP = 'INSERT' THEN '(insert)' ELSE OLD.status END, NEW.status);
              RETURN NULL;
          END $$",
         "CREATE TRIGGER run_audit AFTER UPDATE OF status ON agent_run
          FOR EACH ROW WHEN (OLD.status IS DISTINCT FROM NEW.status) EXECUTE FUNCTION run_audit()",
+        "CREATE TRIGGER run_audit_insert AFTER INSERT ON agent_run
+         FOR EACH ROW WHEN (NEW.status <> 'queued') EXECUTE FUNCTION run_audit()",
     ] {
         sqlx::query(sql).execute(pool).await.unwrap();
     }

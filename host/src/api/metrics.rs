@@ -56,7 +56,11 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
             "Runs started in their enqueue's statement (of those claimed).",
             w.eager_starts.load(Relaxed),
         );
-        e.histogram("agent_host_pickup_seconds", "Enqueue commit to claim, database clock.", &w.pickup);
+        e.histogram(
+            "agent_host_pickup_seconds",
+            "Enqueue commit to claim, database clock (0 for a run started in its enqueue).",
+            &w.pickup,
+        );
         let ended: Vec<(String, f64)> = w
             .ended
             .lock()

@@ -126,10 +126,17 @@ WITH made AS (
     SELECT $2, $3, $4 WHERE $1::uuid IS NULL
     RETURNING id
 ),
+-- A named conversation's row locked before any insert (the foreign key
+-- would take the same lock at the statement's end): an enqueue waits here
+-- for a `reject` or `interrupt` holding the row, never after its own
+-- running row is in the one-running index, where the two could deadlock.
+named AS (
+    SELECT id FROM conversation WHERE id = $1 AND owner_id = $3 FOR KEY SHARE
+),
 target AS (
     SELECT id FROM made
     UNION ALL
-    SELECT id FROM conversation WHERE id = $1 AND owner_id = $3
+    SELECT id FROM named
 ),
 -- Whether the run starts here (see `Eager`): asked for, nothing queued, no
 -- running or waiting turn in a named conversation, the tenant under its cap.
@@ -156,10 +163,12 @@ run AS (
     SELECT $6, m.conversation_id, $3, $4, $5, $9, $10, $11, $12, $13, $14, $15,
            CASE WHEN e.go THEN 'running' ELSE 'queued' END,
            CASE WHEN e.go THEN gen_random_uuid() END,
-           CASE WHEN e.go THEN now() + make_interval(secs => $23) END,
+           -- The statement's start, not the transaction's: in a caller's
+           -- transaction the enqueue is not its first statement.
+           CASE WHEN e.go THEN statement_timestamp() + make_interval(secs => $23) END,
            CASE WHEN e.go THEN $22 END,
            CASE WHEN e.go THEN clock_timestamp() END,
-           CASE WHEN e.go THEN now() END,
+           CASE WHEN e.go THEN statement_timestamp() END,
            CASE WHEN e.go THEN gen_random_uuid() END
     FROM msg m, eager e
     RETURNING id, conversation_id, status, claim_token, seed
@@ -179,7 +188,8 @@ wake AS (
 -- had a message before this turn's (this statement's snapshot holds none of
 -- its own rows).
 SELECT r.conversation_id, r.claim_token, r.seed,
-       $1::uuid IS NOT NULL AND EXISTS (SELECT 1 FROM message h WHERE h.conversation_id = $1) AS has_history
+       $21 AND $1::uuid IS NOT NULL AND EXISTS (SELECT 1 FROM message h WHERE h.conversation_id = $1)
+           AS has_history
 FROM run r WHERE (SELECT count(*) FROM wake) >= 0";
 
 /// [`enqueue`], starting the run in the same statement when `eager` allows
@@ -214,13 +224,19 @@ pub async fn enqueue_eager_in(
     }
     let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
     match enqueue_on(&mut *savepoint, new, Some(eager)).await {
+        Ok(done) => {
+            savepoint.commit().await?;
+            Ok(done)
+        }
         Err(EnqueueError::Db(e)) if super::lifecycle::is_running_conflict(&e) => {
             savepoint.rollback().await?;
             Ok((enqueue_on(&mut **tx, new, None).await?.0, None))
         }
-        done => {
-            savepoint.commit().await?;
-            done
+        // The error itself (a used idempotency key, a missing conversation),
+        // not the release's failure in an aborted transaction.
+        Err(e) => {
+            let _ = savepoint.rollback().await;
+            Err(e)
         }
     }
 }

@@ -368,13 +368,24 @@ impl WorkerObserver {
     /// worker claims nothing or is draining, or every slot is taken. The
     /// slot is taken before the enqueue (acquire-before-pull, as the
     /// dispatcher's); dropped unused, it goes back.
+    ///
+    /// Only while the queue is known dry (the dispatcher's last claim found
+    /// nothing else queued and no wake came since) or no hub tells: behind
+    /// a backlog the enqueue could not start its run anyway, and the slot
+    /// is the dispatcher's to fill.
     pub fn eager_slot(&self) -> Option<EagerSlot> {
         let shared = &self.shared;
+        // Before the drain's check: a drain that begins after it waits for
+        // this start to reach its run task.
+        let tracked = shared.tasks.token();
         if !shared.config.eager_start || !shared.config.dispatch || shared.stop_claiming.is_cancelled() {
             return None;
         }
+        if !shared.queue_dry() && shared.hub_connected() {
+            return None;
+        }
         let permit = shared.slots.clone().try_acquire_owned().ok()?;
-        Some(EagerSlot { permit, shared: shared.clone() })
+        Some(EagerSlot { permit, shared: shared.clone(), _tracked: tracked })
     }
 }
 
@@ -383,6 +394,8 @@ impl WorkerObserver {
 pub struct EagerSlot {
     permit: tokio::sync::OwnedSemaphorePermit,
     shared: Arc<Shared>,
+    /// Keeps the worker's drain waiting until the run is handed over.
+    _tracked: tokio_util::task::task_tracker::TaskTrackerToken,
 }
 
 impl EagerSlot {
