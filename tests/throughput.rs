@@ -1151,3 +1151,102 @@ async fn runs_posted_to_an_idle_host_start_in_their_enqueue_without_a_claim() {
         host.stop().await;
     }
 }
+
+/// An eager start racing a `reject` or `interrupt` enqueue, which holds
+/// its conversation's row `FOR UPDATE` while it decides and then starts its
+/// own run: the racing enqueue waits for that row before it writes
+/// anything, so the two never deadlock (each waiting on the other: one for
+/// the row, one for the one-running index); it then meets the started turn
+/// in the index and is queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eager_start_racing_a_conversation_lock_waits_for_it_and_queues() {
+    let db = TestDb::new().await;
+    let acme = tenant("acme");
+    let (conversation, _) = enqueue::create_conversation(&db.pool, &acme).await.unwrap();
+    // The `reject` enqueue's first step, as `lifecycle::enqueue_with` takes it.
+    let mut locker = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM conversation WHERE id = $1 FOR UPDATE")
+        .bind(conversation)
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let pool = db.pool.clone();
+    let acme2 = acme.clone();
+    let racer = tokio::spawn(async move {
+        let config = json!({});
+        enqueue::enqueue_eager(&pool, &new_run(&acme2, Some(conversation), "echo", &config), &eager("racer", None))
+            .await
+    });
+    let pool = db.pool.clone();
+    wait_for("the racing enqueue to wait for the conversation's row", LONG, || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%made AS%')",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    })
+    .await;
+    let config = json!({});
+    let (first, started) = enqueue::enqueue_eager_in(
+        &mut locker,
+        &new_run(&acme, Some(conversation), "echo", &config),
+        &eager("locker", None),
+    )
+    .await
+    .unwrap();
+    assert!(started.is_some());
+    locker.commit().await.unwrap();
+    let (second, started) = racer.await.unwrap().expect("the racing enqueue failed (a deadlock?)");
+    assert!(started.is_none());
+    assert_eq!(status(&db.pool, first.run_id).await, "running");
+    assert_eq!(status(&db.pool, second.run_id).await, "queued");
+    assert_no_orphans(&db.pool).await;
+}
+
+/// A drain that begins while an enqueue is starting a run on this worker
+/// waits for that run: it is handed to its run task and ends, instead of
+/// being left running in a process that stopped (for the reaper to fail).
+/// The enqueue is held on its conversation's row while the drain begins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_waits_for_a_run_starting_in_its_enqueue() {
+    let db = TestDb::new().await;
+    let (conversation, _) = enqueue::create_conversation(&db.pool, &owner()).await.unwrap();
+    let mut holder = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM conversation WHERE id = $1 FOR UPDATE")
+        .bind(conversation)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    // No hub: nothing says the queue is busy, so the slot is given.
+    let w = agent_host::worker::Worker::start(db.pool.clone(), None, AgentRegistry::with_builtins(), fast_config("d"))
+        .await
+        .unwrap();
+    let slot = w.observer().eager_slot().expect("an idle worker's slot");
+    let pool = db.pool.clone();
+    let enqueue = tokio::spawn(async move {
+        let config = json!({});
+        let owner = owner();
+        let (run, started) =
+            enqueue::enqueue_eager(&pool, &new_run(&owner, Some(conversation), "echo", &config), &slot.claim())
+                .await
+                .unwrap();
+        slot.start(started.expect("an empty queue: the run starts in its enqueue"));
+        run.run_id
+    });
+    let mut drain = tokio::spawn(w.drain());
+    // A drain with nothing in flight ends in milliseconds; this one must not
+    // end while the run is still on its way to the worker.
+    let early = tokio::time::timeout(Duration::from_secs(1), &mut drain).await;
+    assert!(early.is_err(), "the drain ended while a run was starting in its enqueue");
+    holder.commit().await.unwrap();
+    let run = enqueue.await.unwrap();
+    let report = drain.await.unwrap();
+    assert!(report.finished_in_budget, "{report:?}");
+    assert_eq!(status(&db.pool, run).await, "completed");
+    assert_journal_sound(&db.pool, run).await;
+}
