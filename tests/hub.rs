@@ -17,17 +17,6 @@ use support::*;
 
 const LONG: Duration = Duration::from_secs(10);
 
-async fn connected_hub(db: &TestDb) -> Hub {
-    let hub = Hub::start(db.url.clone());
-    let h = hub.clone();
-    wait_for("the hub to connect", LONG, || {
-        let h = h.clone();
-        async move { h.stats().connected.load(Ordering::Relaxed) }
-    })
-    .await;
-    hub
-}
-
 /// Waits until the hub counts `subscribers` subscribers over `channels` channels.
 async fn wait_counts(hub: &Hub, subscribers: u64, channels: u64) {
     let h = hub.clone();

@@ -223,13 +223,7 @@ async fn a_claim_is_dry_only_when_nothing_else_is_queued() {
 async fn runs_one_at_a_time_cost_one_claim_and_one_ending_each() {
     const RUNS: u64 = 5;
     let db = TestDb::new().await;
-    let hub = agent_host::hub::Hub::start(db.url.clone());
-    let h = hub.clone();
-    wait_for("the hub to connect", LONG, || {
-        let h = h.clone();
-        async move { h.stats().connected.load(Ordering::Relaxed) }
-    })
-    .await;
+    let hub = connected_hub(&db).await;
     let config = WorkerConfig { poll_tick: Duration::from_secs(120), ..fast_config("trickle") };
     let w = agent_host::worker::Worker::start(db.pool.clone(), Some(hub), AgentRegistry::with_builtins(), config)
         .await
@@ -916,25 +910,32 @@ fn eager(worker_id: &str, tenant_max_running: Option<i64>) -> enqueue::Eager<'_>
     enqueue::Eager { worker_id, lease: Duration::from_secs(30), tenant_max_running }
 }
 
-/// A run of `plugin` for `owner` in `conversation` (`None`: a new one).
+/// A run of `plugin` for `owner` in `conversation` (`None`: a new one),
+/// its config its request snapshot.
 fn new_run<'a>(
     owner: &'a enqueue::Owner,
     conversation: Option<agent_host::db::ConversationId>,
     plugin: &'a str,
     config: &'a serde_json::Value,
 ) -> enqueue::NewRun<'a> {
-    enqueue::NewRun {
-        owner,
-        conversation_id: conversation,
-        content: "hello agent",
-        plugin,
-        plugin_digest: None,
-        plugin_manifest: None,
-        config,
-        request: config,
-        idempotency_key: None,
-        webhook: None,
-    }
+    support::new_run(owner, conversation, plugin, config, config)
+}
+
+/// Waits until an enqueue (its statement's text) waits on a lock.
+async fn wait_for_enqueue_lock_wait(pool: &sqlx::PgPool, what: &str) {
+    wait_for(what, LONG, || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%made AS%')",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    })
+    .await;
 }
 
 /// A run's row as the claim left it: status, worker, token; its user
@@ -1055,20 +1056,7 @@ async fn eager_starts_meet(in_transaction: bool) {
         tx.commit().await.unwrap();
         done
     });
-    let pool = db.pool.clone();
-    wait_for("the second enqueue to wait on the first's index entry", LONG, || {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                 WHERE wait_event_type = 'Lock' AND query LIKE '%made AS%')",
-            )
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    })
-    .await;
+    wait_for_enqueue_lock_wait(&db.pool, "the second enqueue to wait on the first's index entry").await;
     tx.commit().await.unwrap();
     let (second, started) = second.await.unwrap();
     assert!(started.is_none(), "two turns of one conversation started");
@@ -1114,13 +1102,7 @@ async fn runs_posted_to_an_idle_host_start_in_their_enqueue_without_a_claim() {
         let db = TestDb::new().await;
         // The hub connected first, so its connect is no wake; then the
         // worker's first look at the queue, its one claim before the runs.
-        let hub = agent_host::hub::Hub::start(db.url.clone());
-        let h = hub.clone();
-        wait_for("the hub to connect", LONG, || {
-            let h = h.clone();
-            async move { h.stats().connected.load(Ordering::Relaxed) }
-        })
-        .await;
+        let hub = connected_hub(&db).await;
         let config = WorkerConfig { eager_start: on, poll_tick: Duration::from_secs(120), ..fast_config("w") };
         let host = support::http::TestHost::start(&db, Some(hub), AgentRegistry::with_builtins(), config).await;
         let h = &host;
@@ -1177,20 +1159,7 @@ async fn an_eager_start_racing_a_conversation_lock_waits_for_it_and_queues() {
         enqueue::enqueue_eager(&pool, &new_run(&acme2, Some(conversation), "echo", &config), &eager("racer", None))
             .await
     });
-    let pool = db.pool.clone();
-    wait_for("the racing enqueue to wait for the conversation's row", LONG, || {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                 WHERE wait_event_type = 'Lock' AND query LIKE '%made AS%')",
-            )
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    })
-    .await;
+    wait_for_enqueue_lock_wait(&db.pool, "the racing enqueue to wait for the conversation's row").await;
     let config = json!({});
     let (first, started) = enqueue::enqueue_eager_in(
         &mut locker,

@@ -150,3 +150,10 @@ mod tests {
         assert_eq!(local_postmaster(std::process::id() as i32), None, "a test process is not a postgres backend");
     }
 }
+
+/// Pickup p50s in milliseconds: from the enqueue's commit, and from its call.
+#[derive(Debug, Clone, Copy)]
+pub struct PickupP50 {
+    pub from_commit: f64,
+    pub from_call: f64,
+}

@@ -15,8 +15,7 @@ use std::process::{Command, Stdio};
 use anyhow::Context;
 use serde_json::Value;
 
-use crate::figures::median;
-use crate::queue::PickupP50;
+use crate::figures::{median, PickupP50};
 use crate::{sql, BenchArgs};
 
 /// The pinned package, beside this crate.

@@ -62,19 +62,25 @@ pub async fn enqueue_pinned(
     config: &Value,
 ) -> anyhow::Result<Enqueued> {
     let owner = owner();
-    let new = enqueue::NewRun {
-        owner: &owner,
+    let new = enqueue::NewRun { plugin_digest, plugin_manifest, ..new_run(&owner, content, plugin, config) };
+    Ok(enqueue::enqueue(pool, &new).await?)
+}
+
+/// A run of the benchmark's owner in a conversation of its own, its config
+/// its request snapshot, its plugin not pinned.
+fn new_run<'a>(owner: &'a enqueue::Owner, content: &'a str, plugin: &'a str, config: &'a Value) -> enqueue::NewRun<'a> {
+    enqueue::NewRun {
+        owner,
         conversation_id: None,
         content,
         plugin,
-        plugin_digest,
-        plugin_manifest,
+        plugin_digest: None,
+        plugin_manifest: None,
         config,
         request: config,
         idempotency_key: None,
         webhook: None,
-    };
-    Ok(enqueue::enqueue(pool, &new).await?)
+    }
 }
 
 /// [`enqueue`] as the API of a process running `worker` makes it: when the
@@ -89,18 +95,7 @@ pub async fn enqueue_local(
     config: &Value,
 ) -> anyhow::Result<(Enqueued, bool)> {
     let owner = owner();
-    let new = enqueue::NewRun {
-        owner: &owner,
-        conversation_id: None,
-        content,
-        plugin,
-        plugin_digest: None,
-        plugin_manifest: None,
-        config,
-        request: config,
-        idempotency_key: None,
-        webhook: None,
-    };
+    let new = new_run(&owner, content, plugin, config);
     let Some(slot) = worker.eager_slot() else {
         return Ok((enqueue::enqueue(pool, &new).await?, false));
     };

@@ -11,7 +11,7 @@ use serde_json::json;
 use sqlx::PgPool;
 use tokio::sync::mpsc;
 
-use crate::figures::{self, median, percentiles};
+use crate::figures::{self, median, percentiles, PickupP50};
 use crate::graphile::{Graphile, Pass};
 use crate::library::{self, Agent, AgentError, AgentRegistry, AppState, DbArgs, Hub, RunHost, RunInput, RunStatus};
 use crate::library::{Worker, WorkerConfig};
@@ -90,13 +90,6 @@ pub enum PickupPath {
     /// Started in the enqueue's statement on the enqueuing process's free
     /// slot (eager start), as the API of a process with a worker does.
     Eager,
-}
-
-/// Pickup p50s in milliseconds: from the enqueue's commit, and from its call.
-#[derive(Debug, Clone, Copy)]
-pub struct PickupP50 {
-    pub from_commit: f64,
-    pub from_call: f64,
 }
 
 pub async fn pickup_latency(pool: &PgPool, url: &str, args: &BenchArgs, path: PickupPath) -> anyhow::Result<PickupP50> {

@@ -116,8 +116,14 @@ fn a_small_run_prints_every_figure() {
     let mut expected = vec![
         "agent-host bench: ",
         "enqueue over HTTP, 3 sequential POST /v1/runs: p50 ",
-        "pickup, enqueue commit to agent start, idle worker, hub up, 3 runs: p50 ",
-        "pickup, enqueue commit to agent start, idle worker, hub down, poll tick 100ms, 3 runs: p50 ",
+        "pickup, idle worker, claimed, hub up, 3 runs:",
+        "  enqueue commit to agent start: p50 ",
+        "  enqueue call to agent start:   p50 ",
+        "pickup, idle worker, eager start (",
+        "  enqueue commit to agent start: p50 ",
+        "  enqueue call to agent start:   p50 ",
+        "pickup, idle worker, claimed, hub down, poll tick 100ms, 3 runs:",
+        "  enqueue commit to agent start: p50 ",
         "  pass 1: end to end ",
         "drain 40 pre-enqueued no-op runs, 4 in flight: median ",
         "drain costs per run (medians): ",
@@ -151,6 +157,9 @@ fn a_small_run_prints_every_figure() {
         ]);
     }
     assert_lines_in_order(&stdout, &expected);
+    // The eager path started runs in their enqueue (not one fell back to a claim).
+    let eager = stdout.lines().find(|l| l.starts_with("pickup, idle worker, eager start (")).unwrap();
+    assert!(!eager.contains("(0 of"), "{eager}");
     let waiting = stdout.lines().find(|l| l.contains("runs waiting for approval")).unwrap();
     assert!(waiting.contains("slots held 0, runs running 0"), "a waiting run holds a slot: {waiting}");
 }
@@ -171,9 +180,9 @@ fn the_comparison_interleaves_graphile_workers_passes_with_ours() {
             "  pass 2: graphile-worker defaults ",
             "drain 40 pre-enqueued no-op runs, 4 in flight: median ",
             "graphile-worker 0.18.",
-            "graphile-worker 0.18.0 pickup, addJob to task start, idle worker, 3 jobs: p50 ",
+            "graphile-worker 0.18.0 pickup, idle worker, 3 jobs: addJob resolved to task start p50 ",
             "ratio agent-host drain / graphile-worker defaults, pass by pass: median ",
-            "ratio agent-host pickup p50 / graphile-worker pickup p50: ",
+            "ratio agent-host pickup p50 / graphile-worker pickup p50, from the commit: claimed ",
         ],
     );
     // Each pass's ratio is of that pass's two rates, and the median is of

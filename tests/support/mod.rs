@@ -138,22 +138,30 @@ pub async fn try_enqueue_as(
     config: Value,
 ) -> Result<Enqueued, enqueue::EnqueueError> {
     let request = json!({ "plugin": plugin });
-    enqueue::enqueue(
-        pool,
-        &NewRun {
-            owner,
-            conversation_id: conversation,
-            content: "hello agent",
-            plugin,
-            plugin_digest: None,
-            plugin_manifest: None,
-            config: &config,
-            request: &request,
-            idempotency_key: None,
-            webhook: None,
-        },
-    )
-    .await
+    enqueue::enqueue(pool, &new_run(owner, conversation, plugin, &config, &request)).await
+}
+
+/// A turn "hello agent" of `plugin` for `owner` in `conversation` (`None`:
+/// a new one), its plugin not pinned.
+pub fn new_run<'a>(
+    owner: &'a Owner,
+    conversation: Option<ConversationId>,
+    plugin: &'a str,
+    config: &'a Value,
+    request: &'a Value,
+) -> NewRun<'a> {
+    NewRun {
+        owner,
+        conversation_id: conversation,
+        content: "hello agent",
+        plugin,
+        plugin_digest: None,
+        plugin_manifest: None,
+        config,
+        request,
+        idempotency_key: None,
+        webhook: None,
+    }
 }
 
 /// Short leases and ticks, set through configuration.
@@ -180,6 +188,19 @@ pub fn fast_config(worker_id: &str) -> WorkerConfig {
 /// The deadline of a wait that should end long before it: only a failing
 /// test waits this long.
 pub const LONG: Duration = Duration::from_secs(60);
+
+/// A hub on the test database, once it is connected (so its connect is no
+/// wake for a worker started after).
+pub async fn connected_hub(db: &TestDb) -> Hub {
+    let hub = Hub::start(db.url.clone());
+    let h = hub.clone();
+    wait_for("the hub to connect", LONG, || {
+        let h = h.clone();
+        async move { h.stats().connected.load(std::sync::atomic::Ordering::Relaxed) }
+    })
+    .await;
+    hub
+}
 
 /// A worker running `agents` on the test database, with its own hub.
 pub async fn start_worker_with(db: &TestDb, agents: AgentRegistry, config: WorkerConfig) -> Worker {

@@ -70,6 +70,11 @@ impl AppState {
         }
     }
 
+    /// This process's worker, for runs that start in their enqueue.
+    pub fn local_worker(&self) -> Option<&dyn crate::service::submit::LocalWorker> {
+        self.stats.as_ref().map(|w| w as &dyn crate::service::submit::LocalWorker)
+    }
+
     /// Bounds this process's live SSE tails at `max`.
     pub fn with_sse_tails_max(mut self, max: usize) -> Self {
         self.live_tails = LiveTails::new(max);

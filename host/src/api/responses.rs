@@ -148,7 +148,7 @@ pub async fn create(
     // the native stream does).
     let place = if stream || !background { Some(tails.reserve().map_err(ApiError::from)?) } else { None };
     let check = if stream { Some(super::live::TokenCheck::open(&state, &p)?) } else { None };
-    let local = state.stats.as_ref();
+    let local = state.local_worker();
     let created =
         service::create(&state.pool, &state.agents, &state.policy, local, &tails, &owner(&p), key, &req).await?;
     let mut res = match place {

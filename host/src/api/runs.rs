@@ -81,7 +81,7 @@ async fn enqueue(
         strategy: body.multitask_strategy,
     };
     let submitted =
-        submit::submit(&state.pool, &state.agents, &state.policy, &submission, state.stats.as_ref()).await?;
+        submit::submit(&state.pool, &state.agents, &state.policy, &submission, state.local_worker()).await?;
     let mut headers = HeaderMap::new();
     if submitted.replayed() {
         headers.insert("idempotent-replayed", HeaderValue::from_static("true"));

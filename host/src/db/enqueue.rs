@@ -8,8 +8,8 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use sqlx::{PgExecutor, PgPool, Postgres, Transaction};
 
+use super::claimed::{is_running_conflict, ClaimedRun};
 use super::events::{RUN_QUEUED, RUN_STARTED, USER_MESSAGE_CREATED};
-use super::lifecycle::ClaimedRun;
 use super::notify::RUN_ENQUEUED;
 use super::{ClaimToken, ConversationId, MessageId, MessageStatus, RunId, RunStatus};
 
@@ -204,9 +204,7 @@ pub async fn enqueue_eager(
     eager: &Eager<'_>,
 ) -> Result<(Enqueued, Option<ClaimedRun>), EnqueueError> {
     match enqueue_on(pool, new, Some(eager)).await {
-        Err(EnqueueError::Db(e)) if super::lifecycle::is_running_conflict(&e) => {
-            Ok((enqueue_on(pool, new, None).await?.0, None))
-        }
+        Err(EnqueueError::Db(e)) if is_running_conflict(&e) => Ok((enqueue_on(pool, new, None).await?.0, None)),
         done => done,
     }
 }
@@ -228,7 +226,7 @@ pub async fn enqueue_eager_in(
             savepoint.commit().await?;
             Ok(done)
         }
-        Err(EnqueueError::Db(e)) if super::lifecycle::is_running_conflict(&e) => {
+        Err(EnqueueError::Db(e)) if is_running_conflict(&e) => {
             savepoint.rollback().await?;
             Ok((enqueue_on(&mut **tx, new, None).await?.0, None))
         }

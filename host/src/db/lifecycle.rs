@@ -77,6 +77,7 @@ use serde_json::Value;
 use sqlx::postgres::PgRow;
 use sqlx::{FromRow, PgConnection, PgExecutor, PgPool, Postgres, Row, Transaction};
 
+pub use super::claimed::{is_running_conflict, ClaimedRun};
 use super::enqueue::{journal_queued, Enqueued};
 use super::events::{complete_payload, COMPLETE, RUN_STARTED};
 use super::journal::write_complete;
@@ -99,34 +100,6 @@ pub struct Claim<'a> {
     pub prefilter: bool,
     /// Running runs one tenant may have at most (`None`: no cap).
     pub tenant_max_running: Option<i64>,
-}
-
-/// A run as a worker holds it after a claim.
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct ClaimedRun {
-    pub id: RunId,
-    pub conversation_id: ConversationId,
-    pub claim_token: ClaimToken,
-    pub user_message_id: MessageId,
-    pub owner_id: String,
-    pub tenant_id: String,
-    pub plugin: String,
-    pub plugin_digest: Option<String>,
-    pub plugin_manifest: Option<Value>,
-    pub config: Value,
-    pub content: String,
-    /// Seconds from enqueue to this claim (the database's clock).
-    pub waited_s: f64,
-    /// 1 for the first claim; more for a resumable run handed back, or
-    /// resumed after waiting.
-    pub attempt: i32,
-    /// How often the run waited (resumes after a wait are not lost workers).
-    pub waits: i32,
-    /// The seed of the guest's random generators, the same for every attempt.
-    pub seed: uuid::Uuid,
-    /// Whether the conversation had any message besides this turn's when it
-    /// was claimed; false means its history is empty, no read needed.
-    pub has_history: bool,
 }
 
 /// The claim's common table expressions, shared by [`CLAIM_SQL`] and the
@@ -459,11 +432,6 @@ fn conflict_conversation(e: &sqlx::Error) -> Option<uuid::Uuid> {
     let (_, rest) = detail.split_once("=(")?;
     let (id, _) = rest.split_once(')')?;
     id.parse().ok()
-}
-
-/// Whether a claim error was the index turning away a second running turn.
-pub fn is_running_conflict(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(d) if d.constraint() == Some("one_running_per_conversation"))
 }
 
 // ---------------------------------------------------------------------------

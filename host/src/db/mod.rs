@@ -29,6 +29,7 @@
 pub mod artifacts;
 pub mod audit;
 pub mod calls;
+pub mod claimed;
 pub mod cluster;
 pub mod conversations;
 pub mod enqueue;

@@ -126,7 +126,7 @@ pub async fn create(
     pool: &PgPool,
     agents: &AgentRegistry,
     policy: &Policy,
-    local: Option<&crate::worker::WorkerObserver>,
+    local: Option<&dyn submit::LocalWorker>,
     tails: &Tails,
     owner: &Owner,
     idempotency_key: Option<String>,

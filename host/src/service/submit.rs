@@ -15,11 +15,12 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 
 use crate::agent::AgentRegistry;
+use crate::db::claimed::ClaimedRun;
+use crate::db::enqueue::Eager;
 use crate::db::enqueue::{self as runs, EnqueueError, Enqueued, NewRun, Owner};
 pub use crate::db::lifecycle::Busy;
 use crate::db::lifecycle::{self, StrategyError};
 use crate::db::{ConversationId, RunId};
-use crate::worker::WorkerObserver;
 
 use super::quota::{Limit, QuotaExceeded, Quotas, QUEUE_RETRY_AFTER_S};
 use super::storable::{self, Unstorable};
@@ -85,6 +86,24 @@ impl Policy {
                 && under
         })
     }
+}
+
+/// This process's worker as the enqueue sees it, for eager start
+/// ([`crate::db::enqueue::Eager`]); `worker::WorkerObserver` is one. A trait
+/// here, so this service does not import the worker, which imports it.
+pub trait LocalWorker: Send + Sync {
+    /// A free slot for a run that may start in its enqueue, taken now;
+    /// `None` when the worker takes no eager start at this moment.
+    fn start_slot(&self) -> Option<Box<dyn StartSlot>>;
+}
+
+/// A slot taken for a run that may start in its enqueue: dropped unused,
+/// it goes back.
+pub trait StartSlot: Send {
+    /// The claim the enqueue makes for the worker.
+    fn claim(&self) -> Eager<'_>;
+    /// Runs the run its enqueue started, in this slot, at once.
+    fn start(self: Box<Self>, run: ClaimedRun);
 }
 
 /// The run a submission started, or the one its idempotency key started before.
@@ -155,7 +174,7 @@ pub async fn submit(
     agents: &AgentRegistry,
     policy: &Policy,
     s: &Submission,
-    local: Option<&WorkerObserver>,
+    local: Option<&dyn LocalWorker>,
 ) -> Result<Submitted, SubmitError> {
     submit_within(pool, agents, policy, s, super::quota::SHAPE_WAIT_MAX, local).await
 }
@@ -169,7 +188,7 @@ pub async fn submit_within(
     policy: &Policy,
     s: &Submission,
     rate_wait_max: std::time::Duration,
-    local: Option<&WorkerObserver>,
+    local: Option<&dyn LocalWorker>,
 ) -> Result<Submitted, SubmitError> {
     // Before anything reaches the database, text it cannot store.
     storable::text("content", &s.content)?;
@@ -244,7 +263,7 @@ pub async fn submit_within(
     // The tenant's rate: a burst waits for its tokens, up to a bound.
     policy.quotas.enqueue_token_within(tenant, rate_wait_max).await?;
     let max_queued = policy.quotas.config.tenant_max_queued;
-    let enqueued = match local.and_then(WorkerObserver::eager_slot) {
+    let enqueued = match local.and_then(LocalWorker::start_slot) {
         None => lifecycle::enqueue_with(pool, &new, s.strategy, max_queued, None).await.map(|(e, _)| e),
         Some(slot) => {
             // In a task of its own, which owns what it needs: a run that

@@ -389,6 +389,22 @@ impl WorkerObserver {
     }
 }
 
+impl crate::service::submit::LocalWorker for WorkerObserver {
+    fn start_slot(&self) -> Option<Box<dyn crate::service::submit::StartSlot>> {
+        Some(Box::new(self.eager_slot()?))
+    }
+}
+
+impl crate::service::submit::StartSlot for EagerSlot {
+    fn claim(&self) -> crate::db::enqueue::Eager<'_> {
+        EagerSlot::claim(self)
+    }
+
+    fn start(self: Box<Self>, run: crate::db::lifecycle::ClaimedRun) {
+        EagerSlot::start(*self, run)
+    }
+}
+
 /// A slot taken for a run that may start in its enqueue (see
 /// [`WorkerObserver::eager_slot`]).
 pub struct EagerSlot {
