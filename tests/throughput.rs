@@ -1195,7 +1195,7 @@ async fn a_drain_waits_for_a_run_starting_in_its_enqueue() {
     let w = agent_host::worker::Worker::start(db.pool.clone(), None, AgentRegistry::with_builtins(), fast_config("d"))
         .await
         .unwrap();
-    let slot = w.observer().eager_slot().expect("an idle worker's slot");
+    let slot = agent_host::service::submit::LocalWorker::start_slot(&w.observer()).expect("an idle worker's slot");
     let pool = db.pool.clone();
     let enqueue = tokio::spawn(async move {
         let config = json!({});

@@ -26,6 +26,7 @@ pub use agent_host::run::journal::FLUSH_DEFAULT as JOURNAL_FLUSH_DEFAULT;
 pub use agent_host::run::manifest::TOOL_CALLS_CEILING;
 pub use agent_host::sandbox::{Manifest, Sandbox, INSTANCES_MAX};
 pub use agent_host::server::{connect_and_migrate, open_database, serve};
+pub use agent_host::service::submit::LocalWorker;
 pub use agent_host::stream::decode::SseDecoder;
 pub use agent_host::tools::{EventSink, Tool, ToolCall, ToolRegistry};
 pub use agent_host::worker::{Worker, WorkerConfig, WorkerObserver};
@@ -96,7 +97,7 @@ pub async fn enqueue_local(
 ) -> anyhow::Result<(Enqueued, bool)> {
     let owner = owner();
     let new = new_run(&owner, content, plugin, config);
-    let Some(slot) = worker.eager_slot() else {
+    let Some(slot) = worker.start_slot() else {
         return Ok((enqueue::enqueue(pool, &new).await?, false));
     };
     let (enqueued, started) = enqueue::enqueue_eager(pool, &new, &slot.claim()).await?;

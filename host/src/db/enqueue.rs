@@ -284,27 +284,25 @@ async fn enqueue_on(
     // The answer the API gives: the state the run was accepted in (seq 2,
     // `run_queued`), whether or not it started in the same commit.
     let enqueued = Enqueued { run_id, status: RunStatus::Queued, conversation_id, user_message_id: message_id };
-    let started = match (eager, token, seed) {
-        (Some(_), Some(claim_token), Some(seed)) => Some(ClaimedRun {
-            id: run_id,
-            conversation_id,
-            claim_token,
-            user_message_id: message_id,
-            owner_id: new.owner.user_id.clone(),
-            tenant_id: new.owner.tenant_id.clone(),
-            plugin: new.plugin.to_string(),
-            plugin_digest: new.plugin_digest.map(str::to_string),
-            plugin_manifest: new.plugin_manifest.cloned(),
-            config: new.config.clone(),
-            content: new.content.to_string(),
-            waited_s: 0.0,
-            attempt: 1,
-            waits: 0,
-            seed,
-            has_history,
-        }),
-        _ => None,
-    };
+    // A token and a seed: the statement started the run.
+    let started = token.zip(seed).map(|(claim_token, seed)| ClaimedRun {
+        id: run_id,
+        conversation_id,
+        claim_token,
+        user_message_id: message_id,
+        owner_id: new.owner.user_id.clone(),
+        tenant_id: new.owner.tenant_id.clone(),
+        plugin: new.plugin.to_string(),
+        plugin_digest: new.plugin_digest.map(str::to_string),
+        plugin_manifest: new.plugin_manifest.cloned(),
+        config: new.config.clone(),
+        content: new.content.to_string(),
+        waited_s: 0.0,
+        attempt: 1,
+        waits: 0,
+        seed,
+        has_history,
+    });
     Ok((enqueued, started))
 }
 

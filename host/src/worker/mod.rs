@@ -362,7 +362,9 @@ impl WorkerObserver {
     pub fn in_flight(&self) -> usize {
         self.shared.held.lock().unwrap().len()
     }
+}
 
+impl crate::service::submit::LocalWorker for WorkerObserver {
     /// A free slot of this worker for a run to start in its enqueue (eager
     /// start, [`crate::db::enqueue::Eager`]): `None` when it is off, the
     /// worker claims nothing or is draining, or every slot is taken. The
@@ -373,7 +375,7 @@ impl WorkerObserver {
     /// nothing else queued and no wake came since) or no hub tells: behind
     /// a backlog the enqueue could not start its run anyway, and the slot
     /// is the dispatcher's to fill.
-    pub fn eager_slot(&self) -> Option<EagerSlot> {
+    fn start_slot(&self) -> Option<Box<dyn crate::service::submit::StartSlot>> {
         let shared = &self.shared;
         // Before the drain's check: a drain that begins after it waits for
         // this start to reach its run task.
@@ -385,38 +387,21 @@ impl WorkerObserver {
             return None;
         }
         let permit = shared.slots.clone().try_acquire_owned().ok()?;
-        Some(EagerSlot { permit, shared: shared.clone(), _tracked: tracked })
-    }
-}
-
-impl crate::service::submit::LocalWorker for WorkerObserver {
-    fn start_slot(&self) -> Option<Box<dyn crate::service::submit::StartSlot>> {
-        Some(Box::new(self.eager_slot()?))
-    }
-}
-
-impl crate::service::submit::StartSlot for EagerSlot {
-    fn claim(&self) -> crate::db::enqueue::Eager<'_> {
-        EagerSlot::claim(self)
-    }
-
-    fn start(self: Box<Self>, run: crate::db::lifecycle::ClaimedRun) {
-        EagerSlot::start(*self, run)
+        Some(Box::new(EagerSlot { permit, shared: shared.clone(), _tracked: tracked }))
     }
 }
 
 /// A slot taken for a run that may start in its enqueue (see
-/// [`WorkerObserver::eager_slot`]).
-pub struct EagerSlot {
+/// `LocalWorker::start_slot` of [`WorkerObserver`]).
+struct EagerSlot {
     permit: tokio::sync::OwnedSemaphorePermit,
     shared: Arc<Shared>,
     /// Keeps the worker's drain waiting until the run is handed over.
     _tracked: tokio_util::task::task_tracker::TaskTrackerToken,
 }
 
-impl EagerSlot {
-    /// The claim the enqueue makes for this worker.
-    pub fn claim(&self) -> crate::db::enqueue::Eager<'_> {
+impl crate::service::submit::StartSlot for EagerSlot {
+    fn claim(&self) -> crate::db::enqueue::Eager<'_> {
         let config = &self.shared.config;
         crate::db::enqueue::Eager {
             worker_id: &config.worker_id,
@@ -426,15 +411,14 @@ impl EagerSlot {
     }
 
     /// Runs a run its enqueue started, in this slot: held, heartbeated and
-    /// fenced from here on exactly as a claimed run. Call it at once after
-    /// the commit; a run that never reaches it (the process died) is the
-    /// reaper's when its lease lapses, as a claimed run's is.
-    pub fn start(self, run: crate::db::lifecycle::ClaimedRun) {
-        self.shared.stats.eager_starts.fetch_add(1, Ordering::Relaxed);
-        self.shared.stats.claimed.fetch_add(1, Ordering::Relaxed);
-        // It waited no time in the queue: the pickup histogram says so.
-        self.shared.stats.pickup.observe(run.waited_s);
-        run_task::spawn(&self.shared, run, self.permit);
+    /// fenced from here on exactly as a claimed run (it waited no time in
+    /// the queue: the pickup histogram says so). A run that never reaches
+    /// it (the process died) is the reaper's when its lease lapses, as a
+    /// claimed run's is.
+    fn start(self: Box<Self>, run: crate::db::lifecycle::ClaimedRun) {
+        let EagerSlot { permit, shared, _tracked } = *self;
+        shared.stats.eager_starts.fetch_add(1, Ordering::Relaxed);
+        dispatcher::start(&shared, vec![run], vec![permit]);
     }
 }
 
