@@ -4,21 +4,25 @@
 // its batching (local queue, batched completions), then pickup latency
 // (addJob resolved to task start, and from its call, idle worker). Prints
 // one JSON line.
-// `mode` picks what is measured: `all` (the default), `drain` (the drain
-// passes only: agent-host-bench interleaves one pass of each queue at a
-// time) or `pickup`.
+// `mode` picks what is measured: `all` (the default: every drain pass, then
+// pickup), `pickup`, or one step of a drain that agent-host-bench measures
+// from outside (the server's CPU, WAL and commits around the step):
+// `prepare` (empty the queue, enqueue N jobs, VACUUM ANALYZE), then
+// `defaults` or `batched` (one drain pass of the prepared jobs with that
+// preset, with this process's own CPU over the pass).
 //
-// Usage: node drain.js <connection-url> <jobs> <concurrency> <passes> <samples> [all|drain|pickup]
+// Usage: node drain.js <connection-url> <jobs> <concurrency> <passes> <samples> [all|pickup|prepare|defaults|batched]
 "use strict";
 const { run, makeWorkerUtils } = require("graphile-worker");
 
+const MODES = ["all", "pickup", "prepare", "defaults", "batched"];
 const [url, jobsArg, concArg, passesArg, samplesArg, modeArg = "all"] = process.argv.slice(2);
 const jobs = Number(jobsArg);
 const concurrency = Number(concArg);
 const passes = Number(passesArg);
 const samples = Number(samplesArg);
-if (!url || !(jobs > 0 && concurrency > 0 && passes > 0 && samples > 0) || !["all", "drain", "pickup"].includes(modeArg)) {
-  console.error("usage: node drain.js <connection-url> <jobs> <concurrency> <passes> <samples> [all|drain|pickup]");
+if (!url || !(jobs > 0 && concurrency > 0 && passes > 0 && samples > 0) || !MODES.includes(modeArg)) {
+  console.error(`usage: node drain.js <connection-url> <jobs> <concurrency> <passes> <samples> [${MODES.join("|")}]`);
   process.exit(2);
 }
 // Bound on one drain pass or one pickup.
@@ -63,12 +67,18 @@ function within(promise, what) {
   return Promise.race([promise, timeout]).finally(() => clearTimeout(timer));
 }
 
-async function drainPass(utils, preset) {
+async function prepare(utils) {
   await reset(utils);
   await enqueue(utils, jobs);
+}
+
+// One drain of the prepared jobs: jobs/s, and this process's CPU per job
+// (user and system, µs) over the same window.
+async function drainPass(preset) {
   let done = 0;
   let finish;
   const finished = new Promise((resolve) => (finish = resolve));
+  const cpu0 = process.cpuUsage();
   const t0 = process.hrtime.bigint();
   const runner = await run({
     connectionString: url,
@@ -83,8 +93,9 @@ async function drainPass(utils, preset) {
     if (done === jobs) finish(process.hrtime.bigint());
   });
   const t1 = await within(finished, "a drain pass");
+  const cpu = process.cpuUsage(cpu0);
   await runner.stop();
-  return jobs / (Number(t1 - t0) / 1e9);
+  return { rate: jobs / (Number(t1 - t0) / 1e9), cpu_us_per_job: (cpu.user + cpu.system) / jobs };
 }
 
 async function pickup(utils) {
@@ -122,17 +133,22 @@ async function main() {
     batched: { preset: { worker: { localQueue: { size: concurrency + 1 }, completeJobBatchDelay: 0, failJobBatchDelay: 0 } } },
   };
   const out = { version: require("./package-lock.json").packages["node_modules/graphile-worker"].version };
-  if (modeArg !== "pickup") {
+  if (modeArg === "prepare") {
+    await prepare(utils);
+  } else if (modeArg in presets) {
+    out.pass = await drainPass(presets[modeArg]);
+  } else if (modeArg === "all") {
     const rates = { defaults: [], batched: [] };
     for (let pass = 0; pass < passes; pass++) {
       for (const name of Object.keys(presets)) {
-        rates[name].push(await drainPass(utils, presets[name]));
+        await prepare(utils);
+        rates[name].push((await drainPass(presets[name])).rate);
       }
     }
     out.defaults = { median: median(rates.defaults), passes: rates.defaults };
     out.batched = { median: median(rates.batched), passes: rates.batched };
   }
-  if (modeArg !== "drain") out.pickup = await pickup(utils);
+  if (modeArg === "all" || modeArg === "pickup") out.pickup = await pickup(utils);
   await utils.release();
   console.log(JSON.stringify(out));
 }

@@ -14,8 +14,9 @@ use std::process::{Command, Stdio};
 
 use anyhow::Context;
 use serde_json::Value;
+use sqlx::PgPool;
 
-use crate::figures::{median, PickupP50};
+use crate::figures::{self, median, PickupP50};
 use crate::{sql, BenchArgs};
 
 /// The pinned package, beside this crate.
@@ -71,11 +72,53 @@ pub struct Graphile {
 }
 
 /// One drain pass of graphile-worker: jobs/s with its defaults and with its
-/// batching.
+/// batching, and what each cost per job.
 #[derive(Debug, Clone, Copy)]
 pub struct Pass {
     pub defaults: f64,
     pub batched: f64,
+    pub defaults_costs: Costs,
+    pub batched_costs: Costs,
+}
+
+/// What one of its drain passes cost per job, read as our drain's are
+/// (`queue::Drained`): the server's counters and CPU around the pass, and
+/// Node's own CPU over it (`process.cpuUsage`).
+#[derive(Debug, Clone, Copy)]
+pub struct Costs {
+    /// Transactions that wrote, per job.
+    pub commits_per_job: f64,
+    pub wal_bytes_per_job: f64,
+    /// Node's CPU per job, in µs.
+    pub node_cpu_us: f64,
+    /// The server's CPU per job, in µs; NaN for a server not on this machine.
+    pub server_cpu_us: f64,
+}
+
+impl Costs {
+    /// `X commits, Y WAL bytes; CPU node A µs, database B µs`.
+    pub fn line(&self) -> String {
+        let database = match self.server_cpu_us.is_finite() {
+            true => format!("database {:.0} µs", self.server_cpu_us),
+            false => "database not on this machine".into(),
+        };
+        format!(
+            "{:.2} commits, {:.0} WAL bytes; CPU node {:.0} µs, {database}",
+            self.commits_per_job, self.wal_bytes_per_job, self.node_cpu_us
+        )
+    }
+
+    /// The median of each cost over `passes`.
+    pub fn medians(passes: impl Iterator<Item = Costs>) -> Costs {
+        let passes: Vec<Costs> = passes.collect();
+        let m = |f: fn(&Costs) -> f64| median(&mut passes.iter().map(f).collect::<Vec<_>>());
+        Costs {
+            commits_per_job: m(|c| c.commits_per_job),
+            wal_bytes_per_job: m(|c| c.wal_bytes_per_job),
+            node_cpu_us: m(|c| c.node_cpu_us),
+            server_cpu_us: m(|c| c.server_cpu_us),
+        }
+    }
 }
 
 impl Graphile {
@@ -91,7 +134,8 @@ impl Graphile {
         Ok(Some(Graphile { dir, url, version: "?".into() }))
     }
 
-    /// `drain.js` in `mode` (one pass for `drain`), its answer.
+    /// `drain.js` in `mode` (one step of one pass for `prepare`,
+    /// `defaults` and `batched`), its answer.
     async fn node(&mut self, args: &BenchArgs, mode: &str) -> anyhow::Result<Value> {
         let (dir, url, args, mode) = (self.dir.clone(), self.url.clone(), args.clone(), mode.to_string());
         let run = move || {
@@ -114,10 +158,35 @@ impl Graphile {
         Ok(v)
     }
 
-    /// One drain pass with its defaults, then one with its batching.
-    pub async fn drain_pass(&mut self, args: &BenchArgs) -> anyhow::Result<Pass> {
-        let v = self.node(args, "drain").await?;
-        Ok(Pass { defaults: num(&v, &["defaults", "median"])?, batched: num(&v, &["batched", "median"])? })
+    /// One drain pass with its defaults, then one with its batching, each
+    /// of freshly enqueued jobs; `pool` is any database of the same server
+    /// (its counters and CPU are the server's).
+    pub async fn drain_pass(&mut self, pool: &PgPool, args: &BenchArgs) -> anyhow::Result<Pass> {
+        let (defaults, defaults_costs) = self.drain_one(pool, args, "defaults").await?;
+        let (batched, batched_costs) = self.drain_one(pool, args, "batched").await?;
+        Ok(Pass { defaults, batched, defaults_costs, batched_costs })
+    }
+
+    /// One drain pass with `preset`: jobs/s and its costs per job. The
+    /// server's counters and CPU are read around the pass's process (its
+    /// start and its connection's few statements are in them too: a few
+    /// milliseconds against the pass's seconds).
+    async fn drain_one(&mut self, pool: &PgPool, args: &BenchArgs, preset: &str) -> anyhow::Result<(f64, Costs)> {
+        self.node(args, "prepare").await?;
+        let server = sql::local_postmaster(pool).await?;
+        let (wal0, xid0) = sql::write_marks(pool).await?;
+        let server0 = server.and_then(figures::server_cpu);
+        let v = self.node(args, preset).await?;
+        let server1 = server.and_then(figures::server_cpu);
+        let (wal1, xid1) = sql::write_marks(pool).await?;
+        let n = args.runs as f64;
+        let costs = Costs {
+            commits_per_job: (xid1 - xid0) as f64 / n,
+            wal_bytes_per_job: (wal1 - wal0) as f64 / n,
+            node_cpu_us: num(&v, &["pass", "cpu_us_per_job"])?,
+            server_cpu_us: server0.zip(server1).map_or(f64::NAN, |(a, b)| (b - a) * 1e6 / n),
+        };
+        Ok((num(&v, &["pass", "rate"])?, costs))
     }
 
     /// Pickup latency, addJob resolved to task start: p50 and p99 in ms;
@@ -158,6 +227,11 @@ impl Graphile {
             median(&mut defaults),
             median(&mut batched),
             theirs.len()
+        );
+        println!(
+            "graphile-worker {version} costs per job (medians): defaults {}; batched {}",
+            Costs::medians(theirs.iter().map(|p| p.defaults_costs)).line(),
+            Costs::medians(theirs.iter().map(|p| p.batched_costs)).line()
         );
         println!(
             "graphile-worker {version} pickup, idle worker, {} jobs: addJob resolved to task start p50 {p50:.2} ms, \

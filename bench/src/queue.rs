@@ -179,11 +179,11 @@ pub async fn throughput(
     for pass in 1..=args.passes {
         let theirs_first = pass % 2 == 0;
         if let (true, Some(g)) = (theirs_first, graphile.as_deref_mut()) {
-            theirs.push(g.drain_pass(args).await?);
+            theirs.push(g.drain_pass(pool, args).await?);
         }
         let d = drain_costs(pool, url, args.runs, args.in_flight, None).await?;
         if let (false, Some(g)) = (theirs_first, graphile.as_deref_mut()) {
-            theirs.push(g.drain_pass(args).await?);
+            theirs.push(g.drain_pass(pool, args).await?);
         }
         e2e.push(d.rate);
         commits.push(d.commits_per_run);
@@ -207,9 +207,12 @@ pub async fn throughput(
         // Its pass of this round, when there is a comparison.
         if let Some(t) = theirs.last() {
             println!(
-                "  pass {pass}: graphile-worker defaults {:.0} jobs/s, batched {:.0} jobs/s (ratios {:.2}, {:.2})",
+                "  pass {pass}: graphile-worker defaults {:.0} jobs/s ({} per job), batched {:.0} jobs/s ({} per job) \
+                 (ratios {:.2}, {:.2})",
                 t.defaults,
+                t.defaults_costs.line(),
                 t.batched,
+                t.batched_costs.line(),
                 d.rate / t.defaults,
                 d.rate / t.batched
             );

@@ -180,6 +180,7 @@ fn the_comparison_interleaves_graphile_workers_passes_with_ours() {
             "  pass 2: graphile-worker defaults ",
             "drain 40 pre-enqueued no-op runs, 4 in flight: median ",
             "graphile-worker 0.18.",
+            "graphile-worker 0.18.0 costs per job (medians): defaults ",
             "graphile-worker 0.18.0 pickup, idle worker, 3 jobs: addJob resolved to task start p50 ",
             "ratio agent-host drain / graphile-worker defaults, pass by pass: median ",
             "ratio agent-host pickup p50 / graphile-worker pickup p50, from the commit: claimed ",
@@ -206,6 +207,14 @@ fn the_comparison_interleaves_graphile_workers_passes_with_ours() {
             "{ours} / {defaults} is not {ratio}"
         );
         ratios.push(ratio);
+    }
+    // Its costs per job are read as ours are: every job wrote at least one
+    // commit, and Node and the (local) server each spent CPU on it.
+    let costs = stdout.lines().find(|l| l.contains(" costs per job (medians): defaults ")).unwrap();
+    for preset in ["defaults ", "batched "] {
+        let part = &costs[costs.find(preset).unwrap()..];
+        assert!(number(part, preset) > 0.0, "no commits per job: {costs}");
+        assert!(number(part, "CPU node ") > 0.0 && number(part, "database ") > 0.0, "{costs}");
     }
     let summary = stdout.lines().find(|l| l.starts_with("ratio agent-host drain / graphile-worker")).unwrap();
     let median = number(summary, "pass by pass: median ");
