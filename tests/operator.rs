@@ -764,7 +764,7 @@ async fn a_schedule_held_by_a_quota_fires_later_not_never() {
     let (code, queued) = host.call("POST", "/v1/runs", Some(json!({ "content": "first", "plugin": "echo" }))).await;
     assert_eq!(code, StatusCode::ACCEPTED);
     due().await;
-    assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+    assert_eq!(fire_due(&db.pool, &agents, &policy, None).await.unwrap(), 1);
     assert_eq!(runs().await, 1, "no firing without a rate token");
     let fire_at: chrono::DateTime<chrono::Utc> =
         sqlx::query_scalar("SELECT next_fire_at FROM schedule WHERE id = $1::uuid")
@@ -780,7 +780,7 @@ async fn a_schedule_held_by_a_quota_fires_later_not_never() {
     let deadline = std::time::Instant::now() + LONG;
     while !queue_refused() {
         assert!(std::time::Instant::now() < deadline, "never refused by the queue quota");
-        assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+        assert_eq!(fire_due(&db.pool, &agents, &policy, None).await.unwrap(), 1);
         tokio::time::sleep(Duration::from_millis(20)).await; // the poll's pace
     }
     assert_eq!(runs().await, 1, "no firing past the queue quota");
@@ -795,7 +795,7 @@ async fn a_schedule_held_by_a_quota_fires_later_not_never() {
     let deadline = std::time::Instant::now() + LONG;
     while runs().await < 2 {
         assert!(std::time::Instant::now() < deadline, "the held firing was never made");
-        assert_eq!(fire_due(&db.pool, &agents, &policy).await.unwrap(), 1);
+        assert_eq!(fire_due(&db.pool, &agents, &policy, None).await.unwrap(), 1);
         tokio::time::sleep(Duration::from_millis(20)).await; // the poll's pace
     }
     let key: String =

@@ -1134,6 +1134,58 @@ async fn runs_posted_to_an_idle_host_start_in_their_enqueue_without_a_claim() {
     }
 }
 
+/// A schedule's firing is a submission too: on a host whose worker has a
+/// free slot, its run starts in the firing's enqueue, with no claim
+/// statement and no wake, as a posted run's does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schedule_firing_on_an_idle_host_starts_its_run_in_the_enqueue() {
+    const FIRINGS: usize = 2;
+    let db = TestDb::new().await;
+    let hub = connected_hub(&db).await;
+    let config = WorkerConfig {
+        poll_tick: Duration::from_secs(120),
+        schedule_tick: Duration::from_millis(100),
+        ..fast_config("w")
+    };
+    let host = support::http::TestHost::start(&db, Some(hub), AgentRegistry::with_builtins(), config).await;
+    let h = &host;
+    wait_for("the worker's first look at the queue", LONG, || async move {
+        h.scrape().await["agent_host_claim_rounds_total"] == 1.0
+    })
+    .await;
+    let (code, schedule) = host
+        .call("POST", "/v1/schedules", Some(json!({ "plugin": "echo", "content": "tick", "cron": "* * * * * *" })))
+        .await;
+    assert_eq!(code.as_u16(), 201, "{schedule}");
+    let key = format!("schedule-{}-%", schedule["id"].as_str().unwrap());
+    let fired = || async {
+        sqlx::query_scalar::<_, RunId>(
+            "SELECT id FROM agent_run WHERE idempotency_key LIKE $1 AND status = 'completed' ORDER BY queue_pos",
+        )
+        .bind(&key)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+    };
+    wait_for("two firings' runs completed", LONG, || async { fired().await.len() >= FIRINGS }).await;
+    let (code, _) = host.call("POST", &format!("/v1/schedules/{}/pause", schedule["id"].as_str().unwrap()), None).await;
+    assert_eq!(code.as_u16(), 200);
+    let runs = fired().await;
+    for run in &runs {
+        let kinds: Vec<String> = assert_journal_sound(&db.pool, *run).await.into_iter().map(|(_, k)| k).collect();
+        assert_eq!(&kinds[..3], ["user_message_created", "run_queued", "run_started"]);
+    }
+    let metrics = host.scrape().await;
+    assert!(
+        metrics["agent_host_eager_starts_total"] >= runs.len() as f64,
+        "{} eager starts for {} completed firings",
+        metrics["agent_host_eager_starts_total"],
+        runs.len()
+    );
+    assert_eq!(metrics["agent_host_claim_rounds_total"], 1.0, "a firing's run was claimed");
+    host.stop().await;
+}
+
 /// An eager start racing a `reject` or `interrupt` enqueue, which holds
 /// its conversation's row `FOR UPDATE` while it decides and then starts its
 /// own run: the racing enqueue waits for that row before it writes

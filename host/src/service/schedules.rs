@@ -19,7 +19,7 @@ use crate::db::schedules::{self, NewSchedule, Schedule};
 use crate::db::ConversationId;
 
 use super::storable;
-use super::submit::{self, Busy, Policy, Submission, SubmitError, CONFIG_BYTES_MAX, CONTENT_CHARS_MAX};
+use super::submit::{self, Busy, LocalWorker, Policy, Submission, SubmitError, CONFIG_BYTES_MAX, CONTENT_CHARS_MAX};
 
 /// Schedules one pass fires at most (the next pass takes the rest).
 pub const FIRE_BATCH_MAX: i64 = 100;
@@ -121,8 +121,14 @@ pub async fn create(
 
 /// Fires every due schedule once (at most [`FIRE_BATCH_MAX`]): one run each,
 /// keyed by the firing's time, then the next firing after now. Returns the
-/// firings made.
-pub async fn fire_due(pool: &PgPool, agents: &AgentRegistry, policy: &Policy) -> Result<usize, sqlx::Error> {
+/// firings made. With `local`, the firing process's worker: a run may
+/// start in its enqueue there ([`submit::submit`]).
+pub async fn fire_due(
+    pool: &PgPool,
+    agents: &AgentRegistry,
+    policy: &Policy,
+    local: Option<&dyn LocalWorker>,
+) -> Result<usize, sqlx::Error> {
     let mut tx = pool.begin().await?;
     let due = schedules::due(&mut tx, FIRE_BATCH_MAX).await?;
     // The database's clock, the one `due` compared with: a host clock behind
@@ -143,7 +149,7 @@ pub async fn fire_due(pool: &PgPool, agents: &AgentRegistry, policy: &Policy) ->
             strategy: Busy::Enqueue,
         };
         // No waiting for a rate token here: the schedules' rows are locked.
-        let run = match submit::submit_within(pool, agents, policy, &submission, Duration::ZERO, None).await {
+        let run = match submit::submit_within(pool, agents, policy, &submission, Duration::ZERO, local).await {
             Ok(submitted) => Some(submitted.enqueued().run_id),
             // Not fired: tried again next tick; the other schedules go on.
             Err(SubmitError::Db(e)) => {

@@ -359,6 +359,11 @@ pub struct WorkerObserver {
 }
 
 impl WorkerObserver {
+    /// The observer of the worker `shared` belongs to.
+    pub(super) fn of(shared: &Arc<Shared>) -> Self {
+        WorkerObserver { worker: shared.stats.clone(), journal: shared.journal_stats.clone(), shared: shared.clone() }
+    }
+
     pub fn in_flight(&self) -> usize {
         self.shared.held.lock().unwrap().len()
     }
@@ -506,11 +511,7 @@ impl Worker {
 
     /// A handle `/metrics` reads while the worker runs.
     pub fn observer(&self) -> WorkerObserver {
-        WorkerObserver {
-            worker: self.shared.stats.clone(),
-            journal: self.shared.journal_stats.clone(),
-            shared: self.shared.clone(),
-        }
+        WorkerObserver::of(&self.shared)
     }
 
     /// The two-phase drain. Phase 1 stops claiming (milliseconds: the loop is
