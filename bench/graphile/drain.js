@@ -5,17 +5,17 @@
 // (addJob resolved to task start, and from its call, idle worker). Prints
 // one JSON line.
 // `mode` picks what is measured: `all` (the default: every drain pass, then
-// pickup), `pickup`, or one step of a drain that agent-host-bench measures
+// pickup), `drain` (the drain passes only), `pickup`, or one step of a drain that agent-host-bench measures
 // from outside (the server's CPU, WAL and commits around the step):
 // `prepare` (empty the queue, enqueue N jobs, VACUUM ANALYZE), then
 // `defaults` or `batched` (one drain pass of the prepared jobs with that
 // preset, with this process's own CPU over the pass).
 //
-// Usage: node drain.js <connection-url> <jobs> <concurrency> <passes> <samples> [all|pickup|prepare|defaults|batched]
+// Usage: node drain.js <connection-url> <jobs> <concurrency> <passes> <samples> [all|drain|pickup|prepare|defaults|batched]
 "use strict";
 const { run, makeWorkerUtils } = require("graphile-worker");
 
-const MODES = ["all", "pickup", "prepare", "defaults", "batched"];
+const MODES = ["all", "drain", "pickup", "prepare", "defaults", "batched"];
 const [url, jobsArg, concArg, passesArg, samplesArg, modeArg = "all"] = process.argv.slice(2);
 const jobs = Number(jobsArg);
 const concurrency = Number(concArg);
@@ -137,7 +137,7 @@ async function main() {
     await prepare(utils);
   } else if (modeArg in presets) {
     out.pass = await drainPass(presets[modeArg]);
-  } else if (modeArg === "all") {
+  } else if (modeArg === "all" || modeArg === "drain") {
     const rates = { defaults: [], batched: [] };
     for (let pass = 0; pass < passes; pass++) {
       for (const name of Object.keys(presets)) {
