@@ -151,6 +151,16 @@ mod tests {
     }
 }
 
+/// `{own} X µs, database Y µs`: CPU per unit of work of a process (`host`,
+/// `node`) and of the server; the database's part is left out when the
+/// server is not on this machine.
+pub fn cpu_line(own: &str, own_us: f64, server_us: f64) -> String {
+    match server_us.is_finite() {
+        true => format!("{own} {own_us:.0} µs, database {server_us:.0} µs"),
+        false => format!("{own} {own_us:.0} µs, database not on this machine"),
+    }
+}
+
 /// Pickup p50s in milliseconds: from the enqueue's commit, and from its call.
 #[derive(Debug, Clone, Copy)]
 pub struct PickupP50 {

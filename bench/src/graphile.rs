@@ -98,13 +98,11 @@ pub struct Costs {
 impl Costs {
     /// `X commits, Y WAL bytes; CPU node A µs, database B µs`.
     pub fn line(&self) -> String {
-        let database = match self.server_cpu_us.is_finite() {
-            true => format!("database {:.0} µs", self.server_cpu_us),
-            false => "database not on this machine".into(),
-        };
         format!(
-            "{:.2} commits, {:.0} WAL bytes; CPU node {:.0} µs, {database}",
-            self.commits_per_job, self.wal_bytes_per_job, self.node_cpu_us
+            "{:.2} commits, {:.0} WAL bytes; CPU {}",
+            self.commits_per_job,
+            self.wal_bytes_per_job,
+            figures::cpu_line("node", self.node_cpu_us, self.server_cpu_us)
         )
     }
 
@@ -173,18 +171,14 @@ impl Graphile {
     /// milliseconds against the pass's seconds).
     async fn drain_one(&mut self, pool: &PgPool, args: &BenchArgs, preset: &str) -> anyhow::Result<(f64, Costs)> {
         self.node(args, "prepare").await?;
-        let server = sql::local_postmaster(pool).await?;
-        let (wal0, xid0) = sql::write_marks(pool).await?;
-        let server0 = server.and_then(figures::server_cpu);
+        let server = sql::ServerMarks::read(pool).await?;
         let v = self.node(args, preset).await?;
-        let server1 = server.and_then(figures::server_cpu);
-        let (wal1, xid1) = sql::write_marks(pool).await?;
-        let n = args.runs as f64;
+        let server = server.per(pool, args.runs as f64).await?;
         let costs = Costs {
-            commits_per_job: (xid1 - xid0) as f64 / n,
-            wal_bytes_per_job: (wal1 - wal0) as f64 / n,
+            commits_per_job: server.commits,
+            wal_bytes_per_job: server.wal_bytes,
             node_cpu_us: num(&v, &["pass", "cpu_us_per_job"])?,
-            server_cpu_us: server0.zip(server1).map_or(f64::NAN, |(a, b)| (b - a) * 1e6 / n),
+            server_cpu_us: server.cpu_us,
         };
         Ok((num(&v, &["pass", "rate"])?, costs))
     }

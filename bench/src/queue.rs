@@ -202,7 +202,7 @@ pub async fn throughput(
             d.rate,
             d.commits_per_run,
             d.wal_bytes_per_run,
-            cpu_per_run(d.host_cpu_us, d.server_cpu_us)
+            figures::cpu_line("host", d.host_cpu_us, d.server_cpu_us)
         );
         // Its pass of this round, when there is a comparison.
         if let Some(t) = theirs.last() {
@@ -240,7 +240,7 @@ pub async fn throughput(
         drained.wal_bytes_per_run,
         drained.runs_per_claim,
         drained.runs_per_ending_commit,
-        cpu_per_run(drained.host_cpu_us, drained.server_cpu_us)
+        figures::cpu_line("host", drained.host_cpu_us, drained.server_cpu_us)
     );
     println!(
         "SQL floor, {n} connections each claiming one run and finishing it: median {f:.0} runs/s",
@@ -268,7 +268,7 @@ pub async fn drains(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Resul
             d.wal_bytes_per_run,
             d.runs_per_claim,
             d.runs_per_ending_commit,
-            cpu_per_run(d.host_cpu_us, d.server_cpu_us)
+            figures::cpu_line("host", d.host_cpu_us, d.server_cpu_us)
         );
     }
     println!(
@@ -278,15 +278,6 @@ pub async fn drains(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Resul
         median(&mut rates)
     );
     Ok(())
-}
-
-/// `host X µs, database Y µs`: CPU per run; the database's part is left
-/// out when the server is not on this machine.
-fn cpu_per_run(host_us: f64, server_us: f64) -> String {
-    match server_us.is_finite() {
-        true => format!("host {host_us:.0} µs, database {server_us:.0} µs"),
-        false => format!("host {host_us:.0} µs, database not on this machine"),
-    }
 }
 
 /// One drain's rate and what it wrote.
@@ -332,9 +323,8 @@ pub async fn drain_costs(
 ) -> anyhow::Result<Drained> {
     sql::reset(pool).await?;
     enqueue_noops(pool, runs, manifest).await?;
-    let (wal0, xid0) = sql::write_marks(pool).await?;
-    let server = sql::local_postmaster(pool).await?;
-    let (own0, server0) = (figures::cpu_self(), server.and_then(figures::server_cpu));
+    let server = sql::ServerMarks::read(pool).await?;
+    let own0 = figures::cpu_self();
     let t0 = Instant::now();
     let hub = Some(Hub::start(url.to_string()));
     let worker = Worker::start(pool.clone(), hub, AgentRegistry::with_builtins(), worker_config(in_flight)).await?;
@@ -345,19 +335,19 @@ pub async fn drain_costs(
         anyhow::ensure!(t0.elapsed() < DRAIN_MAX, "drain pass took over {DRAIN_MAX:?}");
     }
     let took = t0.elapsed();
-    let (own1, server1) = (figures::cpu_self(), server.and_then(figures::server_cpu));
-    let (wal1, xid1) = sql::write_marks(pool).await?;
-    worker.drain().await;
+    let own1 = figures::cpu_self();
     let n = runs as f64;
+    let costs = server.per(pool, n).await?;
+    worker.drain().await;
     let per = |a: u64| if a == 0 { f64::NAN } else { n / a as f64 };
     Ok(Drained {
         rate: n / took.as_secs_f64(),
-        commits_per_run: (xid1 - xid0) as f64 / n,
-        wal_bytes_per_run: (wal1 - wal0) as f64 / n,
+        commits_per_run: costs.commits,
+        wal_bytes_per_run: costs.wal_bytes,
         runs_per_claim: per(stats.claim_rounds.load(Ordering::Relaxed)),
         runs_per_ending_commit: per(stats.finish_commits.load(Ordering::Relaxed)),
         host_cpu_us: (own1 - own0) * 1e6 / n,
-        server_cpu_us: server0.zip(server1).map_or(f64::NAN, |(a, b)| (b - a) * 1e6 / n),
+        server_cpu_us: costs.cpu_us,
     })
 }
 

@@ -114,6 +114,43 @@ pub async fn local_postmaster(db: impl PgExecutor<'_>) -> Result<Option<u32>, sq
     Ok(crate::figures::local_postmaster(backend))
 }
 
+/// The server's counters and CPU at one moment, read before a measured
+/// stretch (a drain, ours or graphile-worker's) and compared after it.
+pub struct ServerMarks {
+    wal: i64,
+    xid: i64,
+    postmaster: Option<u32>,
+    cpu: Option<f64>,
+}
+
+/// What the server did over a measured stretch, per unit of work.
+pub struct ServerCosts {
+    /// Transactions that wrote (one commit record and one WAL flush each).
+    pub commits: f64,
+    pub wal_bytes: f64,
+    /// The server's CPU, in µs; NaN for a server not on this machine.
+    pub cpu_us: f64,
+}
+
+impl ServerMarks {
+    pub async fn read(pool: &sqlx::PgPool) -> anyhow::Result<ServerMarks> {
+        let postmaster = local_postmaster(pool).await?;
+        let (wal, xid) = write_marks(pool).await?;
+        Ok(ServerMarks { wal, xid, postmaster, cpu: postmaster.and_then(crate::figures::server_cpu) })
+    }
+
+    /// What the server did since these marks, per unit of `n` units.
+    pub async fn per(&self, pool: &sqlx::PgPool, n: f64) -> anyhow::Result<ServerCosts> {
+        let cpu = self.postmaster.and_then(crate::figures::server_cpu);
+        let (wal, xid) = write_marks(pool).await?;
+        Ok(ServerCosts {
+            commits: (xid - self.xid) as f64 / n,
+            wal_bytes: (wal - self.wal) as f64 / n,
+            cpu_us: self.cpu.zip(cpu).map_or(f64::NAN, |(a, b)| (b - a) * 1e6 / n),
+        })
+    }
+}
+
 /// The server's write position and its next transaction id: the difference
 /// of two readings is the WAL written (bytes, every database of the server)
 /// and the transactions that wrote (each one commit record, the fsync a

@@ -16,8 +16,7 @@ use sqlx::PgPool;
 
 use crate::agent::AgentRegistry;
 use crate::db::claimed::ClaimedRun;
-use crate::db::enqueue::Eager;
-use crate::db::enqueue::{self as runs, EnqueueError, Enqueued, NewRun, Owner};
+use crate::db::enqueue::{self as runs, Eager, EnqueueError, Enqueued, NewRun, Owner};
 pub use crate::db::lifecycle::Busy;
 use crate::db::lifecycle::{self, StrategyError};
 use crate::db::{ConversationId, RunId};
