@@ -471,3 +471,50 @@ async fn after_sign_in_a_person_sees_the_app_the_plugins_languages_and_a_run_pan
     drop(host);
     let _ = std::fs::remove_dir_all(cache);
 }
+
+/// Issue 40: a link cannot steer the console. An id in the URL is taken
+/// only when it is a UUID and every request path encodes it: a link whose
+/// run id climbs to another route (`#r=../tokens/ID/revoke%3F`, which once
+/// made a signed-in operator's console revoke that token) is set aside and
+/// said on the page, and no request leaves for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_whose_id_is_a_path_cannot_steer_the_console() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let db = TestDb::new().await;
+    let operator =
+        tokens::NewToken { user_id: "root", tenant_id: "ops", admin: true, operator: true, ..Default::default() };
+    let (_, operator) = tokens::create_with(&db.pool, &operator).await.unwrap();
+    let victim = tokens::NewToken { user_id: "vic", tenant_id: "acme", ..Default::default() };
+    let (victim, _) = tokens::create_with(&db.pool, &victim).await.unwrap();
+    let host = HostProcess::spawn(&db.url, "w", FAST);
+    let browser = Browser::start().await;
+    browser.goto(&format!("http://{}/", host.addr)).await;
+    browser
+        .run(
+            "document.getElementById('token').value = arguments[0]; document.getElementById('signin-button').click()",
+            json!([operator]),
+        )
+        .await;
+    browser.until("the plugin list", "return document.getElementById('plugin').options.length > 1").await;
+    browser.requested_urls().await;
+
+    browser.goto(&format!("http://{}/#r=../tokens/{}/revoke%3F", host.addr, victim.id)).await;
+    browser.refresh().await;
+    browser
+        .until(
+            "the link set aside",
+            "return document.getElementById('run-error').textContent.includes('not a run or conversation id')",
+        )
+        .await;
+    let urls = browser.requested_urls().await;
+    assert!(!urls.iter().any(|u| u.contains("/tokens/")), "a request left for the link: {urls:?}");
+    let revoked: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT revoked_at FROM api_token WHERE id = $1")
+            .bind(victim.id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(revoked, None, "the link revoked a token");
+    browser.quit().await;
+    drop(host);
+}

@@ -20,7 +20,14 @@ const TURNS: usize = 40;
 const ALL_DONE_WITHIN: Duration = Duration::from_secs(60);
 
 fn claim_args(worker_id: &str) -> Claim<'_> {
-    Claim { limit: 10, lease: Duration::from_secs(30), worker_id, prefilter: true, tenant_max_running: None }
+    Claim {
+        limit: 10,
+        lease: Duration::from_secs(30),
+        worker_id,
+        prefilter: true,
+        tenant_max_running: None,
+        rooms: Default::default(),
+    }
 }
 
 async fn stamps(pool: &sqlx::PgPool, run: RunId) -> (Option<DateTime<Utc>>, Option<DateTime<Utc>>) {

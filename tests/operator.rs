@@ -883,3 +883,38 @@ async fn concurrent_first_uploads_of_a_name_record_one_upload() {
         assert_eq!(actions, ["plugin.repointed", "plugin.uploaded"], "{name}");
     }
 }
+
+/// Issue 40: a tenant's admin reads its audit trail without learning an
+/// operator's token id. An operator creates and revokes a token of tenant
+/// `acme`: both rows are acme's, and acme's admin sees who acted but not
+/// with which token; its own actions still name its token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_reading_its_audit_trail_sees_no_operator_token_id() {
+    let db = TestDb::new().await;
+    let host = TestHost::undispatched(&db, |_| {}).await;
+    let (operator_id, operator) = token(&db.pool, "root", "ops", true, true).await;
+    let (admin_id, admin) = token(&db.pool, "ada", "acme", true, false).await;
+    let body = json!({ "user_id": "bob", "tenant_id": "acme" });
+    let (code, created) = host.call_as(&operator, "POST", "/v1/tokens", Some(body)).await;
+    assert_eq!(code, StatusCode::CREATED, "{created}");
+    let bob = created["id"].as_str().unwrap().to_string();
+    let (code, _) = host.call_as(&operator, "POST", &format!("/v1/tokens/{bob}/revoke"), None).await;
+    assert_eq!(code, StatusCode::OK);
+    let body = json!({ "user_id": "carl" });
+    assert_eq!(host.call_as(&admin, "POST", "/v1/tokens", Some(body)).await.0, StatusCode::CREATED);
+
+    let (code, trail) = host.call_as(&admin, "GET", "/v1/audit", None).await;
+    assert_eq!(code, StatusCode::OK, "{trail}");
+    let rows = trail["events"].as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{trail}");
+    for row in &rows[..2] {
+        assert_eq!(row["actor_user"], "root", "{row}");
+        assert_eq!(row["actor_token"], Value::Null, "an operator's token id shown to a tenant: {row}");
+    }
+    assert_eq!(rows[2]["actor_token"], json!(admin_id), "the tenant's own token is named");
+    assert!(!trail.to_string().contains(&operator_id.to_string()), "{trail}");
+    // The operator reads every row whole.
+    let (_, all) = host.call_as(&operator, "GET", "/v1/audit", None).await;
+    assert!(all.to_string().contains(&operator_id.to_string()), "{all}");
+    host.stop().await;
+}

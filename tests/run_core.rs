@@ -22,7 +22,14 @@ use sqlx::postgres::PgListener;
 use support::*;
 
 fn claim_args(worker_id: &str, limit: i64, prefilter: bool) -> Claim<'_> {
-    Claim { limit, lease: Duration::from_secs(30), worker_id, prefilter, tenant_max_running: None }
+    Claim {
+        limit,
+        lease: Duration::from_secs(30),
+        worker_id,
+        prefilter,
+        tenant_max_running: None,
+        rooms: Default::default(),
+    }
 }
 
 #[tokio::test]
@@ -685,7 +692,14 @@ async fn boot_reconciler_ends_orphans_of_a_dead_cluster() {
     // Claimed by processes that no longer exist, with leases long lapsed.
     lifecycle::claim(
         &db.pool,
-        &Claim { limit: 3, lease: Duration::ZERO, worker_id: "gone", prefilter: true, tenant_max_running: None },
+        &Claim {
+            limit: 3,
+            lease: Duration::ZERO,
+            worker_id: "gone",
+            prefilter: true,
+            tenant_max_running: None,
+            rooms: Default::default(),
+        },
     )
     .await
     .unwrap();
@@ -849,5 +863,77 @@ async fn a_tenant_cap_bounds_its_running_runs_and_others_use_the_slots() {
     // The other tenant (capped too, at 1) ran beside it, not after it.
     let other_spans = spans("other").await;
     assert!(other_spans[0].0 < capped_spans.last().unwrap().0, "the cap held the other tenant back");
+    w.drain().await;
+}
+
+/// Runs of `tenant` in `status`.
+async fn count_of(pool: &sqlx::PgPool, tenant: &str, status: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE tenant_id = $1 AND status = $2")
+        .bind(tenant)
+        .bind(status)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Issue 40: one tenant's long runs cannot hold every slot. At the default
+/// share (75% of 4 slots: 3), a tenant posting more long runs than slots
+/// holds 3 and its fourth waits queued; a tenant arriving next starts at
+/// the next claim (its wake), not when a long run ends. An operator's share
+/// for the tenant (`tenants share`, read on the heartbeat) lets it fill the
+/// process again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_at_its_share_of_the_slots_leaves_room_for_a_newcomer() {
+    let db = TestDb::new().await;
+    let pool = &db.pool;
+    let hub = connected_hub(&db).await;
+    let config =
+        WorkerConfig { max_runs: 4, tenant_slot_share_pct: worker::TENANT_SLOT_SHARE_PCT_DEFAULT, ..fast_config("w") };
+    let w = Worker::start(pool.clone(), Some(hub), AgentRegistry::with_builtins(), config).await.unwrap();
+    let long = json!({ "steps": 100_000, "step_ms": 3_600_000 });
+    let mut evil = Vec::new();
+    for _ in 0..5 {
+        evil.push(enqueue_as(pool, &tenant("evil"), None, "sleep", long.clone()).await.run_id);
+    }
+    wait_for("evil to hold its share", LONG, || async { count_of(pool, "evil", "running").await == 3 }).await;
+
+    let good = enqueue_as(pool, &tenant("good"), None, "echo", json!({})).await.run_id;
+    wait_status(pool, good, "completed", LONG).await;
+    let pickup_s: f64 =
+        sqlx::query_scalar("SELECT extract(epoch FROM started_at - created_at)::float8 FROM agent_run WHERE id = $1")
+            .bind(good)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    eprintln!("good's pickup with evil at its share: {:.0} ms", pickup_s * 1000.0);
+    // Woken by its enqueue's NOTIFY; the poll tick (0.5 s) bounds a lost wake.
+    assert!(pickup_s < 2.0, "good waited {pickup_s} s for a slot");
+    assert_eq!(count_of(pool, "evil", "running").await, 3, "evil took the slot left for others");
+    assert_eq!(count_of(pool, "evil", "queued").await, 2);
+
+    // The operator gives evil the whole process: it fills the fourth slot.
+    agent_host::db::tenants::set_share(pool, "evil", Some(100)).await.unwrap();
+    wait_for("evil to fill the process", LONG, || async { count_of(pool, "evil", "running").await == 4 }).await;
+    assert_eq!(count_of(pool, "evil", "queued").await, 1, "never more than the process's slots");
+
+    for id in evil {
+        lifecycle::cancel(pool, id, "evil-user").await.unwrap();
+    }
+    w.drain().await;
+}
+
+/// A built-in agent has a wall time too (the manifest's, as a Wasm guest
+/// has): a turn that would sleep past it ends failed with the limit named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_builtin_agent_past_its_wall_time_ends_failed() {
+    let db = TestDb::new().await;
+    let mut agents = AgentRegistry::with_builtins();
+    let manifest = agent_host::run::manifest::Manifest::parse(&json!({ "limits": { "wall_ms": 300 } })).unwrap();
+    agents.insert_with_manifest("sleep", Arc::new(agent_host::agent::Sleep), manifest);
+    let w = start_worker_with(&db, agents, fast_config("w")).await;
+    let run = enqueue(&db.pool, None, "sleep", json!({ "steps": 100_000, "step_ms": 3_600_000 })).await.run_id;
+    assert_eq!(wait_terminal(&db.pool, run, LONG).await, "failed");
+    let error = run_error(&db.pool, run).await;
+    assert!(error.contains("wall time of 300 ms exceeded"), "{error}");
     w.drain().await;
 }

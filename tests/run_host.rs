@@ -88,7 +88,14 @@ async fn journal_pool(db: &TestDb) -> PgPool {
 
 async fn claimed(db: &TestDb) -> ClaimedRun {
     enqueue(&db.pool, None, "noop", json!({})).await;
-    let claim = Claim { limit: 1, lease: LONG, worker_id: "journal", prefilter: true, tenant_max_running: None };
+    let claim = Claim {
+        limit: 1,
+        lease: LONG,
+        worker_id: "journal",
+        prefilter: true,
+        tenant_max_running: None,
+        rooms: Default::default(),
+    };
     lifecycle::claim(&db.pool, &claim).await.unwrap().pop().unwrap()
 }
 

@@ -234,7 +234,14 @@ async fn a_missing_complete_is_synthesized_from_the_run_row() {
     let e = enqueue(&db.pool, None, "noop", json!({})).await;
     lifecycle::claim(
         &db.pool,
-        &lifecycle::Claim { limit: 1, lease: LONG, worker_id: "dying", prefilter: true, tenant_max_running: None },
+        &lifecycle::Claim {
+            limit: 1,
+            lease: LONG,
+            worker_id: "dying",
+            prefilter: true,
+            tenant_max_running: None,
+            rooms: Default::default(),
+        },
     )
     .await
     .unwrap();

@@ -25,7 +25,14 @@ use serde_json::json;
 use support::*;
 
 fn claim_args(worker_id: &str, limit: i64, prefilter: bool) -> Claim<'_> {
-    Claim { limit, lease: Duration::from_secs(30), worker_id, prefilter, tenant_max_running: None }
+    Claim {
+        limit,
+        lease: Duration::from_secs(30),
+        worker_id,
+        prefilter,
+        tenant_max_running: None,
+        rooms: Default::default(),
+    }
 }
 
 fn tenant(name: &str) -> enqueue::Owner {
@@ -1247,7 +1254,8 @@ async fn a_drain_waits_for_a_run_starting_in_its_enqueue() {
     let w = agent_host::worker::Worker::start(db.pool.clone(), None, AgentRegistry::with_builtins(), fast_config("d"))
         .await
         .unwrap();
-    let slot = agent_host::service::submit::LocalWorker::start_slot(&w.observer()).expect("an idle worker's slot");
+    let slot =
+        agent_host::service::submit::LocalWorker::start_slot(&w.observer(), "acme").expect("an idle worker's slot");
     let pool = db.pool.clone();
     let enqueue = tokio::spawn(async move {
         let config = json!({});

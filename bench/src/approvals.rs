@@ -81,7 +81,7 @@ fn agents(started: Option<mpsc::UnboundedSender<(RunId, Instant)>>) -> AgentRegi
 }
 
 fn worker_config(worker_id: &str) -> WorkerConfig {
-    WorkerConfig { max_runs: SLOTS, worker_id: worker_id.into(), ..WorkerConfig::default() }
+    WorkerConfig { max_runs: SLOTS, worker_id: worker_id.into(), tenant_slot_share_pct: 100, ..WorkerConfig::default() }
 }
 
 pub async fn approvals(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow::Result<()> {

@@ -97,7 +97,7 @@ pub async fn enqueue_local(
 ) -> anyhow::Result<(Enqueued, bool)> {
     let owner = owner();
     let new = new_run(&owner, content, plugin, config);
-    let Some(slot) = worker.start_slot() else {
+    let Some(slot) = worker.start_slot(&owner.tenant_id) else {
         return Ok((enqueue::enqueue(pool, &new).await?, false));
     };
     let (enqueued, started) = enqueue::enqueue_eager(pool, &new, &slot.claim()).await?;
@@ -116,6 +116,7 @@ pub async fn claim(pool: &PgPool, worker_id: &str, limit: usize) -> Result<Vec<C
         worker_id,
         prefilter: true,
         tenant_max_running: None,
+        rooms: Default::default(),
     };
     lifecycle::claim(pool, &claim).await
 }

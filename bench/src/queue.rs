@@ -28,7 +28,8 @@ const ENQUEUE_CHUNK: usize = 5_000;
 
 /// A worker of the benchmark, as `serve` configures one.
 pub fn worker_config(max_runs: usize) -> WorkerConfig {
-    WorkerConfig { max_runs, worker_id: "bench".into(), ..WorkerConfig::default() }
+    // One tenant, every slot: the queue's cost, not the share kept for others.
+    WorkerConfig { max_runs, worker_id: "bench".into(), tenant_slot_share_pct: 100, ..WorkerConfig::default() }
 }
 
 /// Reports the instant it started, then returns like `noop`.

@@ -53,7 +53,7 @@ pub async fn stream_latency(pool: &PgPool, url: &str) -> anyhow::Result<()> {
     let mut agents = AgentRegistry::default();
     agents.insert("ticker", Arc::new(Ticker { sent: tx, ticks: TICKS, deltas: DELTAS }));
     let hub = Hub::start(url.to_string());
-    let config = WorkerConfig { worker_id: "bench".into(), ..WorkerConfig::default() };
+    let config = WorkerConfig { worker_id: "bench".into(), tenant_slot_share_pct: 100, ..WorkerConfig::default() };
     let worker = Worker::start(pool.clone(), Some(hub.clone()), agents.clone(), config).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;

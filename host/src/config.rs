@@ -57,6 +57,9 @@ pub enum Command {
     /// Manage API tokens.
     #[command(subcommand)]
     Tokens(TokensCommand),
+    /// Operator settings per tenant.
+    #[command(subcommand)]
+    Tenants(TenantsCommand),
     /// The benchmark moved to its own binary; this only says where.
     #[command(hide = true)]
     Bench {
@@ -262,6 +265,22 @@ pub enum TokensCommand {
     Revoke { id: uuid::Uuid },
 }
 
+#[derive(Debug, Subcommand)]
+pub enum TenantsCommand {
+    /// Set the share of each process's run slots TENANT may hold (percent,
+    /// 1-100), or --clear it back to --tenant-slot-share-pct. Every process
+    /// reads it on its next heartbeat.
+    Share {
+        tenant: String,
+        #[arg(required_unless_present = "clear", value_parser = clap::value_parser!(u8).range(1..=100))]
+        pct: Option<u8>,
+        #[arg(long, conflicts_with = "pct")]
+        clear: bool,
+    },
+    /// The tenants with a share of their own: tenant, percent.
+    List,
+}
+
 /// Longest `--expires-in`: ten years.
 pub const EXPIRES_IN_MAX_S: i64 = 10 * 365 * 86_400;
 
@@ -291,9 +310,15 @@ pub struct ServeArgs {
     /// Address of the HTTP API (port 0 picks a free port).
     #[arg(long, env = "AGENT_HOST_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
-    /// Create a demo token, enqueue a demo run and print how to watch it.
+    /// Create a demo token, enqueue a demo run and print how to watch it
+    /// (and its ending). Implies --builtin-agents.
     #[arg(long)]
     pub demo: bool,
+    /// Offer the built-in agents (`noop`, `echo`, `sleep`: for demos, tests
+    /// and benchmarks) to every tenant. Off by default: on a shared host
+    /// they are agents nobody uploaded.
+    #[arg(long, env = "AGENT_HOST_BUILTIN_AGENTS")]
+    pub builtin_agents: bool,
     /// SSE keepalive, which is also a tail's fallback poll when no wake arrives.
     #[arg(long, env = "AGENT_HOST_SSE_KEEPALIVE_MS", default_value_t = 15_000)]
     pub sse_keepalive_ms: u64,
@@ -412,6 +437,13 @@ pub struct WorkerArgs {
     /// Running runs one tenant may have at most, across all processes (unset: no cap).
     #[arg(long, env = "AGENT_HOST_TENANT_MAX_RUNNING")]
     pub tenant_max_running: Option<u32>,
+    /// The share of this process's run slots one tenant may hold, in
+    /// percent (rounded up, at least one slot): the rest stay free for the
+    /// other tenants, so no tenant holds every slot. A tenant's own share is
+    /// set with `agent-host tenants share` (read on each heartbeat).
+    #[arg(long, env = "AGENT_HOST_TENANT_SLOT_SHARE_PCT", default_value_t = crate::worker::TENANT_SLOT_SHARE_PCT_DEFAULT,
+          value_parser = clap::value_parser!(u8).range(1..=100))]
+    pub tenant_slot_share_pct: u8,
     /// Queued runs one tenant may have at most, across all processes; past
     /// it an enqueue answers 429 `quota_exceeded` (unset: no quota).
     #[arg(long, env = "AGENT_HOST_TENANT_MAX_QUEUED")]
@@ -465,6 +497,7 @@ impl WorkerArgs {
             retention_interval: ms(self.retention_interval_ms),
             cancel_grace: ms(self.cancel_grace_ms),
             tenant_max_running: self.tenant_max_running,
+            tenant_slot_share_pct: self.tenant_slot_share_pct,
             dispatch: !self.no_dispatch,
             resume_attempts: self.resume_attempts,
             webhooks: self.webhook_secret.as_deref().and_then(|s| crate::worker::webhook_secret_bytes(s).ok()).map(

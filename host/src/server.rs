@@ -31,14 +31,15 @@ pub async fn open_database(args: &DbArgs) -> anyhow::Result<Database> {
         Some(url) => (url.clone(), None),
         None => {
             let opts = ClusterOptions { dir: args.data_dir.clone(), ephemeral: false, remove_on_exit: false };
-            let cluster = tokio::task::spawn_blocking(move || Cluster::start(&opts))
+            let mut cluster = tokio::task::spawn_blocking(move || Cluster::start(&opts))
                 .await?
                 .context("starting the private PostgreSQL cluster")?;
             cluster
                 .ensure_database(db::cluster::DATABASE)
                 .await
                 .context("creating the database in the private cluster")?;
-            tracing::info!(url = %cluster.url(db::cluster::DATABASE), "private PostgreSQL cluster running");
+            // Not the URL: it holds the password.
+            tracing::info!(port = cluster.port(), "private PostgreSQL cluster running on 127.0.0.1");
             (cluster.url(db::cluster::DATABASE), Some(cluster))
         }
     };
@@ -67,7 +68,12 @@ pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let hub = (!args.worker.no_hub).then(|| Hub::start(database.listen_url.clone()));
     let sandbox =
         crate::sandbox::Sandbox::for_process(pool.clone(), &db_args.cache_dir, db_args.artifact_key_file.as_deref())?;
-    let agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(tools);
+    // Built-in agents only where the operator offers them (the demo does).
+    let agents = match args.builtin_agents || args.demo {
+        true => AgentRegistry::with_builtins(),
+        false => AgentRegistry::default(),
+    };
+    let agents = agents.with_sandbox(sandbox).with_tools(tools);
     let agents_for_demo = agents.clone();
     // One policy (and so one set of quota buckets) for the API and the scheduler.
     let policy = config.policy.clone();
@@ -215,6 +221,35 @@ async fn demo_run(pool: &PgPool, plugin: &str, content: &str) -> anyhow::Result<
     Ok(run.run_id)
 }
 
+/// How long the demo watches one of its runs for its ending.
+const DEMO_RUN_WATCH_MAX: Duration = Duration::from_secs(600);
+
+/// Prints a demo run's ending when it comes (`demo: chat run ... completed:
+/// "..."`): the line a person (and the test of the README's first command)
+/// waits for.
+async fn demo_ending(pool: PgPool, plugin: &'static str, run: crate::db::RunId) {
+    let deadline = tokio::time::Instant::now() + DEMO_RUN_WATCH_MAX;
+    while tokio::time::Instant::now() < deadline {
+        match db::runs::get_run(&pool, run, "demo").await {
+            Ok(Some(v)) if v.status.is_terminal() => {
+                let said = db::conversations::messages(&pool, v.conversation_id, "demo", None, 100)
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|m| m.into_iter().rev().find(|m| m.role == "assistant"))
+                    .map(|m| m.content)
+                    .unwrap_or_default();
+                let error = v.error.map(|e| format!(" ({e})")).unwrap_or_default();
+                println!("demo: {plugin} run {run} {}{error}: {said:?}", v.status.as_str());
+                return;
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(error = %e, "reading the demo run"),
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 /// The demo: the example plugins built and registered (Rust `chat` first,
 /// then Python and JavaScript when their toolchains are here), a token, and
 /// a sandboxed `chat` turn that calls the clock tool.
@@ -227,6 +262,7 @@ async fn demo(pool: &PgPool, agents: &AgentRegistry, addr: std::net::SocketAddr)
         ("sleep", "the built-in sleep agent: build the plugins for the real thing")
     };
     let run_id = demo_run(pool, plugin, content).await?;
+    tokio::spawn(demo_ending(pool.clone(), plugin, run_id));
     // The plugin registered now (the Python and JavaScript ones follow when built).
     let body = json!({ "content": content, "plugin": plugin, "config": demo_config() }).to_string();
     println!(
@@ -246,7 +282,10 @@ async fn demo(pool: &PgPool, agents: &AgentRegistry, addr: std::net::SocketAddr)
         for (name, dir) in DEMO_PLUGINS.iter().skip(1) {
             match demo_plugin(&pool, &agents, name, dir).await {
                 Ok(true) => match demo_run(&pool, name, content).await {
-                    Ok(run) => println!("demo: {name} is ready; its demo run is {run}"),
+                    Ok(run) => {
+                        println!("demo: {name} is ready; its demo run is {run}");
+                        tokio::spawn(demo_ending(pool.clone(), *name, run));
+                    }
                     Err(e) => println!("demo: {name}: enqueueing its run failed: {e:#}"),
                 },
                 Ok(false) => {}
@@ -337,6 +376,36 @@ pub async fn plugins_list(db_args: &DbArgs, tenant: Option<&str>) -> anyhow::Res
 
 /// `tokens create | list | revoke`: the operator's command line, audited
 /// as `cli`. A list never prints a secret; only `create` prints one, once.
+/// `tenants`: the operator's settings per tenant, audited.
+pub async fn tenants(db_args: &DbArgs, command: crate::config::TenantsCommand) -> anyhow::Result<()> {
+    use crate::config::TenantsCommand;
+    with_pool(db_args, |pool| async move {
+        match command {
+            TenantsCommand::Share { tenant, pct, clear: _ } => {
+                let pct = pct.map(i32::from);
+                let mut tx = pool.begin().await?;
+                db::tenants::set_share(&mut *tx, &tenant, pct).await?;
+                let detail = json!({ "slot_share_pct": pct });
+                let action = db::audit::action::TENANT_SHARE_SET;
+                db::audit::record(&mut *tx, &db::audit::Actor::cli(), action, Some(&tenant), &tenant, detail).await?;
+                tx.commit().await?;
+                match pct {
+                    Some(p) => println!("tenant {tenant}: at most {p}% of each process's run slots"),
+                    None => println!("tenant {tenant}: the processes' default share (--tenant-slot-share-pct)"),
+                }
+            }
+            TenantsCommand::List => {
+                println!("tenant\tslot_share_pct");
+                for (tenant, pct) in db::tenants::shares(&pool).await? {
+                    println!("{tenant}\t{pct}");
+                }
+            }
+        }
+        Ok(())
+    })
+    .await
+}
+
 pub async fn tokens(db_args: &DbArgs, command: crate::config::TokensCommand) -> anyhow::Result<()> {
     use crate::config::TokensCommand;
     with_pool(db_args, |pool| async move {

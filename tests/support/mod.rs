@@ -180,6 +180,8 @@ pub fn fast_config(worker_id: &str) -> WorkerConfig {
         retention_interval: Duration::from_secs(60),
         cancel_grace: Duration::from_millis(500),
         tenant_max_running: None,
+        // Every slot for one tenant: the tests of the default share set it.
+        tenant_slot_share_pct: 100,
         dispatch: true,
         ..WorkerConfig::default()
     }
@@ -373,10 +375,20 @@ pub async fn fail_inserts(pool: &PgPool, function: &str, trigger: &str, table: &
 
 /// Claims one run for `worker_id` with `lease` (and the prefilter on).
 pub async fn claim_one(pool: &PgPool, worker_id: &str, lease: Duration) -> lifecycle::ClaimedRun {
-    lifecycle::claim(pool, &lifecycle::Claim { limit: 1, lease, worker_id, prefilter: true, tenant_max_running: None })
-        .await
-        .unwrap()
-        .remove(0)
+    lifecycle::claim(
+        pool,
+        &lifecycle::Claim {
+            limit: 1,
+            lease,
+            worker_id,
+            prefilter: true,
+            tenant_max_running: None,
+            rooms: Default::default(),
+        },
+    )
+    .await
+    .unwrap()
+    .remove(0)
 }
 
 /// `UPDATE agent_run SET <set> WHERE id = run`: a row forced into a state

@@ -38,9 +38,27 @@ impl HostProcess {
     /// [`HostProcess::spawn`] with `env` set for the process only (it may
     /// set `AGENT_HOST_LOG`).
     pub fn spawn_with_env(database_url: &str, worker_id: &str, args: &[&str], env: &[(&str, &str)]) -> HostProcess {
+        // The tests' built-in agents, and every slot for one tenant (the
+        // tests of the tenants' shares spawn with [`HostProcess::spawn_sharing`]).
+        HostProcess::spawn_inner(database_url, worker_id, &["--tenant-slot-share-pct", "100"], args, env)
+    }
+
+    /// [`HostProcess::spawn`] at the host's default tenant share.
+    pub fn spawn_sharing(database_url: &str, worker_id: &str, args: &[&str]) -> HostProcess {
+        HostProcess::spawn_inner(database_url, worker_id, &[], args, &[])
+    }
+
+    fn spawn_inner(
+        database_url: &str,
+        worker_id: &str,
+        defaults: &[&str],
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> HostProcess {
         let mut child = Command::new(env!("CARGO_BIN_EXE_agent-host"))
             .args(["--database-url", database_url, "--db-pool-max", "8", "serve", "--listen", "127.0.0.1:0"])
-            .args(["--worker-id", worker_id])
+            .args(["--worker-id", worker_id, "--builtin-agents"])
+            .args(defaults)
             .args(args)
             .env("AGENT_HOST_LOG", "info")
             .envs(env.iter().copied())

@@ -47,4 +47,11 @@ pub struct RunInput {
 pub trait Agent: Send + Sync + 'static {
     /// Runs one turn and returns the final assistant text.
     async fn run(&self, host: &RunHost, input: RunInput) -> Result<String, AgentError>;
+
+    /// Whether the agent keeps its manifest's wall time itself (a Wasm
+    /// guest's sandbox does, and reports what it was doing); for every
+    /// other agent the run task ends the turn at the wall time.
+    fn keeps_wall_time(&self) -> bool {
+        false
+    }
 }

@@ -13,9 +13,20 @@ let token = localStorage.getItem("agent-host-token") || "";
 let source = null, ticker = null;
 const run = { id: null, text: "", events: 0, lastSeq: 0, started: null, lastAt: null, pending: null };
 
+// Ids come from the URL, which anyone can link to: only a UUID is taken;
+// anything else is set aside (`bad`) and said, never put in a request path.
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
 function hashState() {
   const p = new URLSearchParams(location.hash.slice(1));
-  return { c: p.get("c"), r: p.get("r") };
+  const bad = [p.get("c"), p.get("r")].filter((v) => v !== null && !UUID.test(v));
+  const id = (v) => (v !== null && UUID.test(v) ? v : null);
+  return { c: id(p.get("c")), r: id(p.get("r")), bad };
+}
+
+// A request path with every value encoded as one path segment: an id can
+// never climb to another route (`../tokens/...`) or start a query.
+function path(strings, ...values) {
+  return strings.reduce((out, s, i) => out + s + (i < values.length ? encodeURIComponent(String(values[i])) : ""), "");
 }
 function setHash(c, r) {
   const p = new URLSearchParams();
@@ -131,7 +142,7 @@ async function loadSchedules() {
     b.textContent = s.paused ? "Resume" : "Pause";
     b.onclick = async (e) => {
       e.stopPropagation();
-      await api("POST", `/v1/schedules/${s.id}/${s.paused ? "resume" : "pause"}`);
+      await api("POST", path`/v1/schedules/${s.id}/${s.paused ? "resume" : "pause"}`);
       loadSchedules();
     };
     li.append(b);
@@ -146,8 +157,8 @@ async function loadTranscript(conversation) {
     return null;
   }
   const [messages, view] = await Promise.all([
-    listAll(`/v1/conversations/${conversation}/messages`, "messages", 50),
-    api("GET", `/v1/conversations/${conversation}`),
+    listAll(path`/v1/conversations/${conversation}/messages`, "messages", 50),
+    api("GET", path`/v1/conversations/${conversation}`),
   ]);
   $("conversation-title").textContent = "Conversation " + conversation.slice(0, 8);
   $("transcript").replaceChildren(...messages.map((m) => {
@@ -172,12 +183,16 @@ async function loadTranscript(conversation) {
 }
 
 async function showState() {
-  const { c, r } = hashState();
+  const { c, r, bad } = hashState();
+  if (bad.length) {
+    $("run").hidden = false;
+    $("run-error").textContent = "This link's id is not a run or conversation id; it was ignored.";
+  }
   await loadConversations();
   loadSchedules().catch(() => {});
   const view = await loadTranscript(c);
   const target = r || (view && view.active_run_id);
-  if (target) watch(target); else if (!r) $("run").hidden = true;
+  if (target) watch(target); else if (!r && !bad.length) $("run").hidden = true;
 }
 
 function renderRun() {
@@ -196,7 +211,7 @@ function setStatus(status) {
 
 async function showTimings(id) {
   try {
-    const v = await api("GET", `/v1/runs/${id}`);
+    const v = await api("GET", path`/v1/runs/${id}`);
     setStatus(v.status);
     const t = (x) => (x ? new Date(x).toLocaleTimeString() : "-");
     const took = v.started_at && v.finished_at ? ` · ran ${((new Date(v.finished_at) - new Date(v.started_at)) / 1000).toFixed(2)} s` : "";
@@ -224,7 +239,7 @@ async function decide(decision) {
   const reason = $("approval-reason").value.trim();
   if (decision === "reject" && reason) body.reason = reason;
   try {
-    await api("POST", `/v1/runs/${run.id}/approvals/${run.pending.call_id}`, body);
+    await api("POST", path`/v1/runs/${run.id}/approvals/${run.pending.call_id}`, body);
     showApproval(null);
   } catch (e) { $("approval-error").textContent = e.message; }
 }
@@ -256,11 +271,11 @@ async function openStream(id) {
   let ticket;
   run.opening = true;
   try {
-    ticket = await api("POST", `/v1/runs/${id}/stream-ticket`);
+    ticket = await api("POST", path`/v1/runs/${id}/stream-ticket`);
   } catch (e) { $("run-error").textContent = e.message; return; } finally { run.opening = false; }
   if (run.id !== id) return;
   if (source) source.close();
-  const es = new EventSource(`/v1/runs/${id}/events?from=${run.lastSeq}&ticket=${encodeURIComponent(ticket.ticket)}`);
+  const es = new EventSource(path`/v1/runs/${id}/events` + `?from=${Number(run.lastSeq)}&ticket=${encodeURIComponent(ticket.ticket)}`);
   source = es;
   for (const kind of KINDS) es.addEventListener(kind, (e) => onEvent(kind, JSON.parse(e.data)));
   es.onerror = () => {
@@ -332,7 +347,7 @@ $("composer").addEventListener("submit", async (e) => {
   } catch (err) { $("composer-error").textContent = err.message; }
 });
 $("stop").onclick = async () => {
-  try { await api("POST", `/v1/runs/${run.id}/cancel`); } catch (e) { $("run-error").textContent = e.message; }
+  try { await api("POST", path`/v1/runs/${run.id}/cancel`); } catch (e) { $("run-error").textContent = e.message; }
 };
 $("approve").onclick = () => decide("approve");
 $("reject").onclick = () => decide("reject");

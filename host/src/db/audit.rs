@@ -26,6 +26,7 @@ pub mod action {
     pub const SCHEDULE_DELETED: &str = "schedule.deleted";
     pub const SCHEDULE_PAUSED: &str = "schedule.paused";
     pub const SCHEDULE_RESUMED: &str = "schedule.resumed";
+    pub const TENANT_SHARE_SET: &str = "tenant.share_set";
 }
 
 /// Who acted: a token's principal, or the operator's command line.
@@ -92,7 +93,9 @@ pub async fn record(
 }
 
 /// Rows after `after` (oldest first), at most `limit`: of `tenant` (its own
-/// rows and the operator-wide ones) when given, else all.
+/// rows and the operator-wide ones) when given, else all. A tenant's read
+/// names only its own tokens: the token of an actor from another tenant, or
+/// of an operator, is left out (null).
 pub async fn list(
     db: impl PgExecutor<'_>,
     tenant: Option<&str>,
@@ -100,7 +103,12 @@ pub async fn list(
     limit: i64,
 ) -> Result<Vec<AuditEvent>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT id, at, actor_user, actor_tenant, actor_token, tenant_id, action, target, detail FROM audit_event
+        "SELECT id, at, actor_user, actor_tenant,
+                CASE WHEN $1::text IS NULL
+                       OR (actor_tenant = $1
+                           AND NOT EXISTS (SELECT 1 FROM api_token t WHERE t.id = actor_token AND t.operator))
+                     THEN actor_token END AS actor_token,
+                tenant_id, action, target, detail FROM audit_event
          WHERE ($1::text IS NULL OR tenant_id = $1 OR tenant_id IS NULL) AND id > $2
          ORDER BY id LIMIT $3",
     )

@@ -5,6 +5,13 @@
 //!
 //! PostgreSQL refuses to run as root, so as root the cluster runs as the
 //! `postgres` account, which then owns the data directory.
+//!
+//! It admits only the host: it listens on 127.0.0.1 alone (no Unix socket)
+//! and asks every connection for a password (SCRAM), which the host
+//! generated at `initdb` and keeps in `<dir>/pg.password`, readable by the
+//! host's user alone (mode 0600). A cluster made by an earlier host with
+//! trust authentication is given a password the first time it is opened
+//! ([`Cluster::ensure_database`]).
 
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
@@ -52,6 +59,38 @@ pub struct Cluster {
     /// Holding the write end of the guard's stdin keeps the guard waiting;
     /// when this process ends, for whatever reason, the guard stops the cluster.
     guard: Option<Child>,
+    /// The `postgres` role's password, from `<dir>/pg.password`.
+    password: String,
+    /// An earlier host's cluster still on trust authentication: given a
+    /// password (and SCRAM) by [`Cluster::ensure_database`].
+    trusting: bool,
+    password_file: PathBuf,
+}
+
+/// Bytes of randomness in a generated password (written as hex).
+const PASSWORD_BYTES: usize = 32;
+
+/// The authentication every connection meets: TCP from this machine only,
+/// with the password (there is no Unix socket).
+const HBA: &str = "# agent-host private cluster: only the host, by password
+    host all all 127.0.0.1/32 scram-sha-256
+    host all all ::1/128 scram-sha-256
+";
+
+/// A new random password (hex).
+fn new_password() -> String {
+    let bytes: [u8; PASSWORD_BYTES] = rand::random();
+    hex::encode(bytes)
+}
+
+/// Writes `text` to a new file at `path` readable and writable by its owner alone.
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()
 }
 
 impl Cluster {
@@ -87,16 +126,44 @@ impl Cluster {
                 .map_err(|e| ClusterError::Io { path: pgdata.clone(), source: e.into() })?;
             std::fs::set_permissions(&pgdata, std::fs::Permissions::from_mode(0o700)).map_err(io(&pgdata))?;
         }
-        let mut cluster = Cluster { pgdata, bin_dir, port: 0, run_as, guard: None };
+        let password_file = dir.join("pg.password");
+        let mut cluster = Cluster {
+            pgdata,
+            bin_dir,
+            port: 0,
+            run_as,
+            guard: None,
+            password: String::new(),
+            trusting: false,
+            password_file: password_file.clone(),
+        };
         let log = cluster.log_path();
 
         if !cluster.pgdata.join("PG_VERSION").exists() {
+            let password = new_password();
+            // initdb reads the password from a file the server's account
+            // can read: a private copy, removed once it has been read.
+            let pwfile = dir.join(format!("pg.password.{}.initdb", std::process::id()));
+            write_private(&pwfile, &password).map_err(io(&pwfile))?;
+            if let Some((uid, gid)) = run_as {
+                nix::unistd::chown(&pwfile, Some(uid), Some(gid))
+                    .map_err(|e| ClusterError::Io { path: pwfile.clone(), source: e.into() })?;
+            }
             let mut initdb = cluster.command("initdb");
-            initdb.arg("-D").arg(&cluster.pgdata).args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C"]);
+            initdb
+                .arg("-D")
+                .arg(&cluster.pgdata)
+                .args(["-U", "postgres", "--auth=scram-sha-256", "-E", "UTF8", "--locale=C"])
+                .arg(format!("--pwfile={}", pwfile.display()));
             if opts.ephemeral {
                 initdb.arg("--no-sync");
             }
-            cluster.run(initdb, "initdb")?;
+            let made = cluster.run(initdb, "initdb");
+            let _ = std::fs::remove_file(&pwfile);
+            made?;
+            write_private(&password_file, &password).map_err(io(&password_file))?;
+            let hba = cluster.pgdata.join("pg_hba.conf");
+            std::fs::write(&hba, HBA).map_err(io(&hba))?;
             let mut conf = String::from(
                 "\n# agent-host private cluster\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = ''\nmax_connections = 300\n",
             );
@@ -107,6 +174,13 @@ impl Cluster {
             let mut existing = std::fs::read_to_string(&conf_path).map_err(io(&conf_path))?;
             existing.push_str(&conf);
             std::fs::write(&conf_path, existing).map_err(io(&conf_path))?;
+        }
+
+        match std::fs::read_to_string(&password_file) {
+            Ok(p) => cluster.password = p.trim().to_string(),
+            // A cluster an earlier host made, with trust authentication.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => cluster.trusting = true,
+            Err(e) => return Err(ClusterError::Io { path: password_file, source: e }),
         }
 
         let started_here = match cluster.running_port() {
@@ -168,14 +242,22 @@ impl Cluster {
         Ok(cluster)
     }
 
-    /// Connection URL for a database of this cluster.
+    /// Connection URL for a database of this cluster, with the password:
+    /// not for logs (see [`Cluster::port`]).
     pub fn url(&self, database: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{}", self.port, database)
+        match self.password.is_empty() {
+            true => format!("postgres://postgres@127.0.0.1:{}/{}", self.port, database),
+            false => format!("postgres://postgres:{}@127.0.0.1:{}/{}", self.password, self.port, database),
+        }
     }
 
-    /// Creates `database` unless it exists.
-    pub async fn ensure_database(&self, database: &str) -> Result<(), sqlx::Error> {
+    /// Creates `database` unless it exists (and first gives a cluster still
+    /// on trust authentication its password).
+    pub async fn ensure_database(&mut self, database: &str) -> Result<(), sqlx::Error> {
         use sqlx::Connection;
+        if self.trusting {
+            self.secure().await?;
+        }
         let mut conn = sqlx::PgConnection::connect(&self.url("postgres")).await?;
         let exists: bool = sqlx::query_scalar("SELECT exists (SELECT 1 FROM pg_database WHERE datname = $1)")
             .bind(database)
@@ -191,6 +273,27 @@ impl Cluster {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// A cluster an earlier host made with trust authentication: the
+    /// `postgres` role gets a new password, kept in `pg.password` (0600),
+    /// and `pg_hba.conf` asks every connection for it from the reload on.
+    async fn secure(&mut self) -> Result<(), sqlx::Error> {
+        use sqlx::Connection;
+        let io = |e: std::io::Error| sqlx::Error::Io(e);
+        let mut conn = sqlx::PgConnection::connect(&self.url("postgres")).await?;
+        let password = new_password();
+        // A hex string: nothing in it needs quoting.
+        sqlx::query(&format!("ALTER ROLE postgres PASSWORD '{password}'")).execute(&mut conn).await?;
+        write_private(&self.password_file, &password).map_err(io)?;
+        let hba = self.pgdata.join("pg_hba.conf");
+        std::fs::write(&hba, HBA).map_err(io)?;
+        sqlx::query("SELECT pg_reload_conf()").execute(&mut conn).await?;
+        conn.close().await?;
+        self.password = password;
+        self.trusting = false;
+        tracing::warn!(file = %self.password_file.display(), "the private cluster used trust authentication: it now asks for a password");
+        Ok(())
     }
 
     pub fn log_path(&self) -> PathBuf {

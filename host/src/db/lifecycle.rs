@@ -100,6 +100,29 @@ pub struct Claim<'a> {
     pub prefilter: bool,
     /// Running runs one tenant may have at most (`None`: no cap).
     pub tenant_max_running: Option<i64>,
+    /// Runs each tenant may still start on this worker: its share of the
+    /// process's slots less what it holds here ([`Rooms`]).
+    pub rooms: Rooms,
+}
+
+/// How many more runs each tenant may start on the claiming worker (its
+/// share of the process's slots, less the runs it holds there). Tenants not
+/// named take `default`. A claim whose rooms bind nothing (every tenant may
+/// take all `limit` rows) is the same statement as one without them, so it
+/// keeps its prepared plan; one that binds is written for that claim alone.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rooms {
+    pub tenants: Vec<String>,
+    pub slots: Vec<i64>,
+    /// For tenants not named; `None`: as many as the claim asks.
+    pub default: Option<i64>,
+}
+
+impl Rooms {
+    /// Whether the rooms can keep a claim of `limit` rows from any row.
+    pub fn bind(&self, limit: i64) -> bool {
+        self.default.is_some_and(|d| d < limit) || self.slots.iter().any(|s| *s < limit)
+    }
 }
 
 /// The claim's common table expressions, shared by [`CLAIM_SQL`] and the
@@ -162,9 +185,15 @@ heads AS (
     ) c
 ),
 candidates AS (
-    SELECT id, queue_pos,
-           running + row_number() OVER (PARTITION BY tenant_id ORDER BY queue_pos) AS load_after
+    SELECT id, queue_pos, tenant_id,
+           running + row_number() OVER (PARTITION BY tenant_id ORDER BY queue_pos) AS load_after,
+           row_number() OVER (PARTITION BY tenant_id ORDER BY queue_pos) AS taken_here
     FROM heads
+),
+-- The tenants' rooms on this worker ({rooms}): a tenant takes no more
+-- rows than its share of this process's slots leaves it (`worker::shares`).
+rooms AS (
+    SELECT * FROM unnest({room_tenants}::text[], {room_slots}::bigint[]) AS room(tenant_id, slots)
 ),
 claimed AS (
     UPDATE agent_run r SET
@@ -179,7 +208,9 @@ claimed AS (
         seed              = coalesce(r.seed, gen_random_uuid())
     WHERE r.id IN (
         SELECT id FROM candidates
-        WHERE NOT {capped} OR load_after <= {cap}
+        WHERE (NOT {capped} OR load_after <= {cap})
+          AND taken_here <= coalesce((SELECT slots FROM rooms WHERE rooms.tenant_id = candidates.tenant_id),
+                                     {room_default})
         ORDER BY load_after, queue_pos
         LIMIT {limit}
     )
@@ -305,7 +336,7 @@ static CLAIM_TEMPLATE: LazyLock<String> =
 /// shape and kept ([`WRITTEN_MAX`] shapes at most: a process has one per
 /// template and slot count).
 fn write_claim_in(sql: &'static str, claim: &Claim<'_>, except: &[uuid::Uuid]) -> Arc<str> {
-    if !except.is_empty() {
+    if !except.is_empty() || claim.rooms.bind(claim.limit) {
         return write_claim(sql, claim, except).into();
     }
     let key = (
@@ -344,8 +375,21 @@ fn write_claim(sql: &str, claim: &Claim<'_>, except: &[uuid::Uuid]) -> String {
         .replace("{lease}", &format!("{:?}", claim.lease.as_secs_f64()))
         .replace("{run_started}", &sql_string(RUN_STARTED))
         .replace("{except}", &format!("'{{{except}}}'"))
-        // Last: nothing is written in after the one text from outside.
+        .replace(
+            "{room_slots}",
+            &format!("'{{{}}}'", claim.rooms.slots.iter().map(i64::to_string).collect::<Vec<_>>().join(",")),
+        )
+        .replace("{room_default}", &claim.rooms.default.unwrap_or(claim.limit).max(0).to_string())
         .replace("{worker}", &sql_string(claim.worker_id))
+        // Last: nothing is written in after the texts from outside (tenant
+        // ids), so none of them can hold a placeholder that is then filled.
+        .replace(
+            "{room_tenants}",
+            &format!(
+                "ARRAY[{}]::text[]",
+                claim.rooms.tenants.iter().map(|t| sql_string(t)).collect::<Vec<_>>().join(",")
+            ),
+        )
 }
 
 /// `text` as an SQL string literal, whatever the server's

@@ -20,6 +20,7 @@
 //! - [`runs`]: run reads as clients see them; [`responses`]: the Responses
 //!   API's reads of a run and its deletion mark.
 //! - [`plugins`]: content-addressed components and the names pointing at them.
+//! - [`tenants`]: operator settings per tenant (its share of a process's slots).
 //! - [`tokens`]: bearer tokens (expiry, revocation) and stream tickets.
 //! - [`audit`]: the append-only audit trail.
 //! - [`webhooks`]: the completion-webhook outbox; [`schedules`]: cron
@@ -43,6 +44,7 @@ pub mod runs;
 pub mod schedules;
 pub mod status;
 pub mod suspensions;
+pub mod tenants;
 pub mod tokens;
 pub mod webhooks;
 

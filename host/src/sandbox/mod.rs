@@ -678,6 +678,10 @@ impl Agent for WasmAgent {
     async fn run(&self, host: &RunHost, input: RunInput) -> Result<String, AgentError> {
         self.execute(host, input).await
     }
+
+    fn keeps_wall_time(&self) -> bool {
+        true
+    }
 }
 
 /// The sandbox is where the agent registry finds components.

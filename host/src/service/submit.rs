@@ -91,9 +91,10 @@ impl Policy {
 /// ([`crate::db::enqueue::Eager`]); `worker::WorkerObserver` is one. A trait
 /// here, so this service does not import the worker, which imports it.
 pub trait LocalWorker: Send + Sync {
-    /// A free slot for a run that may start in its enqueue, taken now;
-    /// `None` when the worker takes no eager start at this moment.
-    fn start_slot(&self) -> Option<Box<dyn StartSlot>>;
+    /// A free slot for a run of `tenant` that may start in its enqueue,
+    /// taken now; `None` when the worker takes no eager start at this
+    /// moment (or the tenant holds its share of the slots).
+    fn start_slot(&self, tenant: &str) -> Option<Box<dyn StartSlot>>;
 }
 
 /// A slot taken for a run that may start in its enqueue: dropped unused,
@@ -262,7 +263,7 @@ pub async fn submit_within(
     // The tenant's rate: a burst waits for its tokens, up to a bound.
     policy.quotas.enqueue_token_within(tenant, rate_wait_max).await?;
     let max_queued = policy.quotas.config.tenant_max_queued;
-    let enqueued = match local.and_then(LocalWorker::start_slot) {
+    let enqueued = match local.and_then(|w| w.start_slot(tenant)) {
         None => lifecycle::enqueue_with(pool, &new, s.strategy, max_queued, None).await.map(|(e, _)| e),
         Some(slot) => {
             // In a task of its own, which owns what it needs: a run that

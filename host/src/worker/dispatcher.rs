@@ -71,9 +71,15 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
             w.drain();
         }
         let asked = permits.len();
-        let claim = claim_of(&shared, asked);
+        let (claim, reserved) = claim_of(&shared, asked);
         let result = async { db::lifecycle::claim_batch_on(conn.get().await?, &claim).await }.await;
         shared.stats.claim_rounds.fetch_add(1, Ordering::Relaxed);
+        // The reservation lasts until the claimed runs are held (`start`);
+        // a claim that starts nothing gives it back before it waits.
+        let reserved = match &result {
+            Ok(batch) if !batch.runs.is_empty() => Some(reserved),
+            _ => None,
+        };
         let claimed = match result {
             Ok(batch) => {
                 shared.claimed(batch.dry);
@@ -113,6 +119,7 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
         // at once would find nothing; the next run queued wakes us.
         let dry = claimed.len() < asked && shared.queue_dry();
         start(&shared, claimed, permits);
+        drop(reserved);
         if dry {
             idle_wait(&shared, wakes.as_mut(), shared.config.poll_tick).await;
         }
@@ -120,15 +127,20 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
     conn.close().await;
 }
 
-/// A claim of up to `limit` rows as this worker makes it.
-pub(super) fn claim_of(shared: &Shared, limit: usize) -> Claim<'_> {
-    Claim {
+/// A claim of up to `limit` rows as this worker makes it, with the rows
+/// reserved against every tenant's share until the reservation is dropped
+/// (after [`start`]: its runs are held by then).
+pub(super) fn claim_of(shared: &Shared, limit: usize) -> (Claim<'_>, super::shares::Reservation) {
+    let (rooms, reserved) = shared.reserve(limit);
+    let claim = Claim {
         limit: limit as i64,
         lease: shared.config.lease,
         worker_id: &shared.config.worker_id,
         prefilter: true,
         tenant_max_running: shared.config.tenant_max_running.map(i64::from),
-    }
+        rooms,
+    };
+    (claim, reserved)
 }
 
 /// Starts the runs of a claim (the dispatcher's, or the finisher's made

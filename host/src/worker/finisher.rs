@@ -195,7 +195,7 @@ async fn turnover(
     if taken.is_empty() {
         return false;
     }
-    let claim = super::dispatcher::claim_of(shared, taken.len());
+    let (claim, _reserved) = super::dispatcher::claim_of(shared, taken.len());
     match db::lifecycle::finish_and_claim(c, endings, &claim).await {
         Ok(t) => {
             shared.claimed(t.dry);

@@ -14,6 +14,13 @@ pub(super) async fn run(shared: Arc<Shared>) {
 }
 
 async fn beat(shared: &Shared) {
+    // The operator's tenant shares, read again each beat (`shares`).
+    if shared.config.dispatch {
+        match db::tenants::shares(&shared.pool).await {
+            Ok(s) => shared.shares.set_overrides(s),
+            Err(e) => tracing::warn!(error = %e, "reading the tenants' slot shares failed; keeping the last ones"),
+        }
+    }
     let held: Vec<_> = shared.held.lock().unwrap().iter().map(|(id, h)| (*id, h.token)).collect();
     if held.is_empty() {
         return;

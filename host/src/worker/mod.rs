@@ -9,6 +9,7 @@ mod reaper;
 mod retention;
 mod run_task;
 mod schedules;
+mod shares;
 mod waker;
 mod webhooks;
 
@@ -31,6 +32,7 @@ use crate::hub::Hub;
 
 pub use finisher::{FINISH_BATCH_MAX, FINISH_WINDOW_DEFAULT, FINISH_WINDOW_MAX};
 pub use reaper::sweep as reap_sweep;
+pub use shares::TENANT_SLOT_SHARE_PCT_DEFAULT;
 
 /// Article defaults.
 pub const LEASE_DEFAULT: Duration = Duration::from_secs(30);
@@ -78,6 +80,11 @@ pub struct WorkerConfig {
     /// Running runs one tenant may have at most, across all processes
     /// (`None`: no cap; fairness alone orders the tenants).
     pub tenant_max_running: Option<u32>,
+    /// The share of this process's slots one tenant may hold, in percent
+    /// (rounded up, at least one slot); the rest stay free for the other
+    /// tenants. The operator sets a tenant's own with `agent-host tenants
+    /// share` (see `shares`).
+    pub tenant_slot_share_pct: u8,
     /// Run the claim loop (false: this process only reaps and serves).
     pub dispatch: bool,
     /// Attempts a resumable run gets: after this many lost workers (or
@@ -116,6 +123,7 @@ impl Default for WorkerConfig {
             retention_interval: RETENTION_INTERVAL_DEFAULT,
             cancel_grace: CANCEL_GRACE_DEFAULT,
             tenant_max_running: None,
+            tenant_slot_share_pct: TENANT_SLOT_SHARE_PCT_DEFAULT,
             dispatch: true,
             resume_attempts: crate::db::lifecycle::RESUME_ATTEMPTS_DEFAULT,
             webhooks: None,
@@ -142,6 +150,8 @@ pub enum ConfigError {
     Zero(&'static str),
     #[error("max runs must be between 1 and {max}, the sandbox's instance pool, not {0}", max = crate::sandbox::INSTANCES_MAX)]
     MaxRuns(usize),
+    #[error("a tenant's slot share must be 1-100 percent, not {0}")]
+    SlotShare(u8),
     #[error("worker id must be 1-200 bytes")]
     WorkerId,
     #[error("finish window must be at most {max:?}, not {0:?}", max = FINISH_WINDOW_MAX)]
@@ -172,6 +182,9 @@ impl WorkerConfig {
         }
         if self.resume_attempts == 0 {
             return Err(ConfigError::Zero("resume attempts"));
+        }
+        if !(1..=100).contains(&self.tenant_slot_share_pct) {
+            return Err(ConfigError::SlotShare(self.tenant_slot_share_pct));
         }
         if self.tenant_max_running == Some(0) {
             return Err(ConfigError::Zero("tenant max running"));
@@ -217,6 +230,8 @@ struct Held {
     slot: Slot,
     /// Cancelled when the fence shows the claim is gone: the run stops at once.
     lost: CancellationToken,
+    /// Whose run it is: a tenant holds at most its share of the slots (`shares`).
+    tenant: String,
     /// Fired when a stop is requested (cancel NOTIFY, or the flag on a heartbeat).
     cancel: CancellationToken,
 }
@@ -301,6 +316,8 @@ pub(crate) struct Shared {
     /// run task may register just after the stop's NOTIFY. Locked after `held`.
     early_cancels: Mutex<HashMap<RunId, std::time::Instant>>,
     slots: Arc<Semaphore>,
+    /// Each tenant's share of `slots`, and the claims in flight.
+    shares: Arc<shares::Shares>,
     tasks: TaskTracker,
     /// Phase 1 of the drain: stop claiming.
     stop_claiming: CancellationToken,
@@ -345,6 +362,21 @@ impl Shared {
         self.dry.load(Ordering::Relaxed) && self.hub_connected()
     }
 
+    /// The runs this process holds, by tenant.
+    fn held_by_tenant(&self) -> HashMap<String, usize> {
+        let mut by = HashMap::new();
+        for h in self.held.lock().unwrap().values() {
+            *by.entry(h.tenant.clone()).or_default() += 1;
+        }
+        by
+    }
+
+    /// Rooms for a claim of up to `limit` rows, reserved until the
+    /// reservation is dropped (after its runs are held).
+    fn reserve(&self, limit: usize) -> (crate::db::lifecycle::Rooms, shares::Reservation) {
+        self.shares.reserve(&self.held_by_tenant(), limit)
+    }
+
     fn hub_connected(&self) -> bool {
         self.hub.as_ref().is_some_and(|h| h.stats().connected.load(Ordering::Relaxed))
     }
@@ -380,7 +412,7 @@ impl crate::service::submit::LocalWorker for WorkerObserver {
     /// nothing else queued and no wake came since) or no hub tells: behind
     /// a backlog the enqueue could not start its run anyway, and the slot
     /// is the dispatcher's to fill.
-    fn start_slot(&self) -> Option<Box<dyn crate::service::submit::StartSlot>> {
+    fn start_slot(&self, tenant: &str) -> Option<Box<dyn crate::service::submit::StartSlot>> {
         let shared = &self.shared;
         // Before the drain's check: a drain that begins after it waits for
         // this start to reach its run task.
@@ -392,7 +424,15 @@ impl crate::service::submit::LocalWorker for WorkerObserver {
             return None;
         }
         let permit = shared.slots.clone().try_acquire_owned().ok()?;
-        Some(Box::new(EagerSlot { permit, shared: shared.clone(), _tracked: tracked }))
+        // A tenant at its share of the slots waits in the queue for a
+        // process with room (`shares`).
+        let (rooms, reserved) = shared.reserve(1);
+        let room =
+            rooms.tenants.iter().position(|t| t == tenant).map_or(rooms.default.unwrap_or(1), |i| rooms.slots[i]);
+        if room < 1 {
+            return None;
+        }
+        Some(Box::new(EagerSlot { permit, shared: shared.clone(), _tracked: tracked, _reserved: reserved }))
     }
 }
 
@@ -403,6 +443,8 @@ struct EagerSlot {
     shared: Arc<Shared>,
     /// Keeps the worker's drain waiting until the run is handed over.
     _tracked: tokio_util::task::task_tracker::TaskTrackerToken,
+    /// The slot counted against every tenant's share until the run is held.
+    _reserved: shares::Reservation,
 }
 
 impl crate::service::submit::StartSlot for EagerSlot {
@@ -421,7 +463,7 @@ impl crate::service::submit::StartSlot for EagerSlot {
     /// it (the process died) is the reaper's when its lease lapses, as a
     /// claimed run's is.
     fn start(self: Box<Self>, run: crate::db::lifecycle::ClaimedRun) {
-        let EagerSlot { permit, shared, _tracked } = *self;
+        let EagerSlot { permit, shared, _tracked, _reserved } = *self;
         shared.stats.eager_starts.fetch_add(1, Ordering::Relaxed);
         dispatcher::start(&shared, vec![run], vec![permit]);
     }
@@ -459,6 +501,7 @@ impl Worker {
             pool,
             agents,
             slots: Arc::new(Semaphore::new(config.max_runs)),
+            shares: Arc::new(shares::Shares::new(config.max_runs, config.tenant_slot_share_pct)),
             config,
             held: Mutex::new(HashMap::new()),
             early_cancels: Mutex::new(HashMap::new()),

@@ -51,7 +51,13 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
         }
         held.insert(
             row.id,
-            Held { token: row.claim_token, slot: slot.clone(), lost: lost.clone(), cancel: cancel.clone() },
+            Held {
+                token: row.claim_token,
+                slot: slot.clone(),
+                lost: lost.clone(),
+                cancel: cancel.clone(),
+                tenant: row.tenant_id.clone(),
+            },
         );
     }
     let span = tracing::info_span!("run", run_id = %row.id, plugin = %row.plugin);
@@ -219,6 +225,15 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         lost.cancelled().await;
         host.suspension_settled().await;
     };
+    // The manifest's wall time, for an agent that does not keep it itself
+    // (a built-in): no agent runs without one.
+    let wall_ms = host.manifest().limits.wall_ms;
+    let wall = async {
+        match agent.keeps_wall_time() {
+            true => std::future::pending().await,
+            false => tokio::time::sleep(std::time::Duration::from_millis(wall_ms)).await,
+        }
+    };
     let result = tokio::select! {
         biased;
         _ = lost_or_suspended => match host.suspended() {
@@ -240,6 +255,7 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
             }
             Err(AgentError::failed(FailReason::DrainTimeout, "the host shut down before the run finished"))
         }
+        _ = wall => Err(AgentError::failed(FailReason::Limit, format!("wall time of {wall_ms} ms exceeded"))),
         _ = host.journal_gave_up() => {
             Err(AgentError::failed(FailReason::Host, "the run's journal could not be written: the database was unreachable too long"))
         }

@@ -1,0 +1,166 @@
+//! A tenant's share of this process's run slots: no tenant holds every slot.
+//!
+//! Fair claims order the queue by each tenant's load, but a run, once
+//! started, keeps its slot until it ends: a tenant alone on a host would
+//! otherwise fill every slot of every process with long runs, and a tenant
+//! arriving next would wait for one of them to end. So each process keeps
+//! part of its slots back from any one tenant: a tenant may hold at most its
+//! share of the process's slots (`--tenant-slot-share-pct`, 75 by default,
+//! rounded up, at least one; the operator sets a share per tenant with
+//! `agent-host tenants share`). Every process keeps the rest free for the
+//! others, so a tenant arriving while another holds all it may gets a slot
+//! at the next claim (a wake: milliseconds; at worst the poll tick).
+//!
+//! The count is this process's own: the runs it holds (`Shared::held`, by
+//! tenant) and the rows claims in flight may still take (each reserves its
+//! limit until its runs are held). Claims and eager starts read the rooms
+//! left ([`Rooms`]); a tenant at its share is passed over, its runs stay
+//! queued for a process with room, and nothing is refused.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+
+use crate::db::lifecycle::Rooms;
+
+/// The share of a process's slots one tenant may hold, in percent.
+pub const TENANT_SLOT_SHARE_PCT_DEFAULT: u8 = 75;
+
+/// Shares and the claims in flight of one worker.
+#[derive(Debug)]
+pub(crate) struct Shares {
+    /// The process's slots (`--max-runs`).
+    slots: usize,
+    default_pct: u8,
+    /// The operator's per-tenant shares, read from the database on each heartbeat.
+    overrides: RwLock<HashMap<String, u8>>,
+    /// Rows the claims in flight may still take (the sum of their limits).
+    pending: Mutex<usize>,
+}
+
+impl Shares {
+    pub fn new(slots: usize, default_pct: u8) -> Self {
+        Shares { slots, default_pct, overrides: RwLock::default(), pending: Mutex::new(0) }
+    }
+
+    /// The runs `tenant` may hold on this process at most.
+    pub fn cap(&self, tenant: &str) -> usize {
+        let pct = self.overrides.read().unwrap().get(tenant).copied().unwrap_or(self.default_pct);
+        cap_of(self.slots, pct)
+    }
+
+    /// Replaces the operator's shares (percent, 1-100; others are ignored).
+    pub fn set_overrides(&self, shares: impl IntoIterator<Item = (String, i32)>) {
+        let map = shares
+            .into_iter()
+            .filter_map(|(t, p)| u8::try_from(p).ok().filter(|p| (1..=100).contains(p)).map(|p| (t, p)));
+        *self.overrides.write().unwrap() = map.collect();
+    }
+
+    /// The rooms for a claim of up to `limit` rows, given the runs this
+    /// process holds by tenant, and a reservation of those rows that lasts
+    /// until it is dropped (after the claimed runs are held).
+    pub fn reserve(self: &Arc<Self>, held: &HashMap<String, usize>, limit: usize) -> (Rooms, Reservation) {
+        let pending = {
+            let mut p = self.pending.lock().unwrap();
+            let before = *p;
+            *p += limit;
+            before
+        };
+        let reservation = Reservation { shares: self.clone(), rows: limit };
+        let room = |tenant: &str| {
+            let holds = held.get(tenant).copied().unwrap_or(0);
+            self.cap(tenant).saturating_sub(holds + pending) as i64
+        };
+        let limit = limit as i64;
+        let mut rooms = Rooms::default();
+        let default = cap_of(self.slots, self.default_pct).saturating_sub(pending) as i64;
+        rooms.default = (default < limit).then_some(default);
+        // A tenant is named when its room differs from what an unnamed one gets.
+        let unnamed = default.min(limit);
+        let overrides = self.overrides.read().unwrap();
+        for tenant in held.keys().chain(overrides.keys()) {
+            let r = room(tenant).min(limit);
+            if r != unnamed && !rooms.tenants.contains(tenant) {
+                rooms.tenants.push(tenant.clone());
+                rooms.slots.push(r);
+            }
+        }
+        (rooms, reservation)
+    }
+}
+
+/// `pct` percent of `slots`, rounded up, at least one.
+fn cap_of(slots: usize, pct: u8) -> usize {
+    (slots * usize::from(pct)).div_ceil(100).max(1)
+}
+
+/// Rows a claim in flight may still take; given back when dropped.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    shares: Arc<Shares>,
+    rows: usize,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut p = self.shares.pending.lock().unwrap();
+        *p = p.saturating_sub(self.rows);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(pairs: &[(&str, usize)]) -> HashMap<String, usize> {
+        pairs.iter().map(|(t, n)| (t.to_string(), *n)).collect()
+    }
+
+    #[test]
+    fn the_share_rounds_up_and_is_never_zero() {
+        assert_eq!(cap_of(16, 75), 12);
+        assert_eq!(cap_of(4, 75), 3);
+        assert_eq!(cap_of(2, 75), 2);
+        assert_eq!(cap_of(1, 1), 1);
+        assert_eq!(cap_of(16, 100), 16);
+    }
+
+    #[test]
+    fn a_claim_far_from_every_share_binds_nothing() {
+        let shares = Arc::new(Shares::new(16, 75));
+        let (rooms, _r) = shares.reserve(&held(&[("a", 2)]), 4);
+        assert!(!rooms.bind(4), "{rooms:?}");
+    }
+
+    #[test]
+    fn a_tenant_at_its_share_gets_no_room_and_others_keep_theirs() {
+        let shares = Arc::new(Shares::new(4, 75));
+        let (rooms, _r) = shares.reserve(&held(&[("evil", 3)]), 1);
+        assert_eq!(rooms.tenants, vec!["evil".to_string()]);
+        assert_eq!(rooms.slots, vec![0]);
+        assert_eq!(rooms.default, None, "a tenant holding nothing may take the one row");
+    }
+
+    #[test]
+    fn claims_in_flight_count_against_every_tenant_until_dropped() {
+        let shares = Arc::new(Shares::new(4, 75));
+        let (_, first) = shares.reserve(&held(&[]), 2);
+        let (rooms, second) = shares.reserve(&held(&[]), 2);
+        assert_eq!(rooms.default, Some(1), "3 allowed, 2 may be taken by the claim in flight");
+        drop((first, second));
+        let (rooms, _r) = shares.reserve(&held(&[]), 2);
+        assert_eq!(rooms.default, None);
+    }
+
+    #[test]
+    fn an_operator_share_names_its_tenant() {
+        let shares = Arc::new(Shares::new(4, 75));
+        shares.set_overrides([("big".to_string(), 100), ("small".to_string(), 25), ("bad".to_string(), 0)]);
+        let (rooms, _r) = shares.reserve(&held(&[("big", 3), ("small", 0)]), 2);
+        let named: HashMap<_, _> = rooms.tenants.iter().cloned().zip(rooms.slots.iter().copied()).collect();
+        assert_eq!(named.get("big"), Some(&1));
+        assert_eq!(named.get("small"), Some(&1));
+        assert!(!named.contains_key("bad"));
+        assert_eq!(shares.cap("bad"), 3, "an out-of-range share is ignored");
+    }
+}

@@ -1,0 +1,8 @@
+-- A tenant's share of each process's run slots, set by the operator
+-- (`agent-host tenants share`). A tenant without a row takes the process's
+-- --tenant-slot-share-pct. Each worker reads this table on its heartbeat.
+CREATE TABLE tenant_limit (
+    tenant_id      text PRIMARY KEY CHECK (length(tenant_id) BETWEEN 1 AND 200),
+    slot_share_pct integer NOT NULL CHECK (slot_share_pct BETWEEN 1 AND 100),
+    updated_at     timestamptz NOT NULL DEFAULT now()
+);
