@@ -119,3 +119,110 @@ fn the_binary_refuses_at_start_with_the_flag_in_its_message() {
         assert!(!stderr.contains("connecting to PostgreSQL"), "{args:?}: refused only after opening the database");
     }
 }
+
+/// The front door and the book keep their links: every relative link in the
+/// README, CONTRIBUTING, CHANGELOG and the book names a file of the
+/// repository, and an anchor names a heading of that file; every page of the
+/// book is in its SUMMARY.
+#[test]
+fn the_readme_and_the_book_link_only_to_what_exists() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut pages: Vec<std::path::PathBuf> =
+        ["README.md", "CONTRIBUTING.md", "CHANGELOG.md"].iter().map(|p| root.join(p)).collect();
+    let mut book = Vec::new();
+    let mut dirs = vec![root.join("docs/src")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                book.push(path);
+            }
+        }
+    }
+    pages.extend(book.iter().cloned());
+    let slug = |heading: &str| -> String {
+        heading
+            .trim()
+            .to_lowercase()
+            .chars()
+            .filter(|c| c.is_alphanumeric() || *c == ' ' || *c == '-' || *c == '_')
+            .collect::<String>()
+            .replace(' ', "-")
+    };
+    let anchors = |path: &std::path::Path| -> Vec<String> {
+        let text = std::fs::read_to_string(path).unwrap();
+        let mut fenced = false;
+        let mut out = Vec::new();
+        for line in text.lines() {
+            if line.starts_with("```") {
+                fenced = !fenced;
+            } else if !fenced && line.starts_with('#') {
+                out.push(slug(line.trim_start_matches('#')));
+            }
+        }
+        out
+    };
+    let link = regex_lite_links;
+    let mut broken = Vec::new();
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap();
+        for target in link(&text) {
+            if target.starts_with("http://") || target.starts_with("https://") || target.starts_with("mailto:") {
+                continue;
+            }
+            let (file, anchor) = match target.split_once('#') {
+                Some((f, a)) => (f, Some(a)),
+                None => (target.as_str(), None),
+            };
+            let resolved = if file.is_empty() { page.clone() } else { page.parent().unwrap().join(file) };
+            if !resolved.exists() {
+                broken.push(format!("{}: {target} (no such file)", page.display()));
+            } else if let Some(a) = anchor {
+                if resolved.is_file() && !anchors(&resolved).iter().any(|h| h == a) {
+                    broken.push(format!("{}: {target} (no such heading)", page.display()));
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+    let summary = std::fs::read_to_string(root.join("docs/src/SUMMARY.md")).unwrap();
+    for page in &book {
+        let rel = page.strip_prefix(root.join("docs/src")).unwrap().to_string_lossy().into_owned();
+        if rel != "SUMMARY.md" {
+            assert!(summary.contains(&format!("]({rel})")), "docs/src/{rel} is not in SUMMARY.md");
+        }
+    }
+}
+
+/// The targets of the markdown links `[text](target)` in `text`, outside
+/// fenced code.
+fn regex_lite_links(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        let mut rest = line;
+        while let Some(i) = rest.find("](") {
+            let after = &rest[i + 2..];
+            match after.find(')') {
+                Some(j) => {
+                    let target = &after[..j];
+                    if !target.contains(' ') && !target.contains('`') {
+                        out.push(target.to_string());
+                    }
+                    rest = &after[j + 1..];
+                }
+                None => break,
+            }
+        }
+    }
+    out
+}

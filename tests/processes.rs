@@ -171,20 +171,14 @@ async fn private_cluster_starts_is_reused_and_stops_with_the_host() {
             .output()
             .unwrap()
     };
+    // A one-shot command makes no cluster: it refuses, naming where it looked.
     let first = run(&["migrate"]);
-    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
-    assert!(String::from_utf8_lossy(&first.stdout).contains("migrations applied"));
-    assert!(dir.join("pg/PG_VERSION").exists());
-    // Stopped on exit: no postmaster left behind.
-    assert!(!dir.join("pg/postmaster.pid").exists(), "the cluster outlived the host");
+    assert!(!first.status.success());
+    let said = String::from_utf8_lossy(&first.stderr).to_string();
+    assert!(said.contains(&format!("no agent-host database in {}", dir.display())), "{said}");
+    assert!(!dir.join("pg").exists(), "a one-shot command made a cluster");
 
-    // Reused: the same cluster (and its data) on the next start.
-    let token = run(&["tokens", "create", "--user", "u", "--tenant", "t"]);
-    assert!(token.status.success(), "{}", String::from_utf8_lossy(&token.stderr));
-    assert!(String::from_utf8_lossy(&token.stdout).starts_with("ah_"));
-    assert!(!dir.join("pg/postmaster.pid").exists());
-
-    // A served host stops its cluster when it drains on SIGTERM.
+    // `serve` makes it, and stops it when it drains on SIGTERM.
     let mut host = std::process::Command::new(bin)
         .arg("--data-dir")
         .arg(&dir)
@@ -197,11 +191,25 @@ async fn private_cluster_starts_is_reused_and_stops_with_the_host() {
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(host.stdout.take().unwrap()), &mut line).unwrap();
     assert!(line.starts_with("agent-host listening on"), "{line}");
+    assert!(dir.join("pg/PG_VERSION").exists());
     assert!(dir.join("pg/postmaster.pid").exists());
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(host.id() as i32), Signal::SIGTERM).unwrap();
     let status = host.wait().unwrap();
     assert!(status.success(), "{status:?}");
     assert!(!dir.join("pg/postmaster.pid").exists(), "the cluster outlived the host");
+
+    // Reused by the next commands, each saying which database it used, and
+    // stopped again when each exits.
+    let migrated = run(&["migrate"]);
+    assert!(migrated.status.success(), "{}", String::from_utf8_lossy(&migrated.stderr));
+    assert!(String::from_utf8_lossy(&migrated.stdout).contains("migrations applied"));
+    let said = String::from_utf8_lossy(&migrated.stderr).to_string();
+    assert!(said.contains(&format!("database: the private cluster in {}", dir.display())), "{said}");
+    assert!(!dir.join("pg/postmaster.pid").exists(), "the cluster outlived the command");
+    let token = run(&["tokens", "create", "--user", "u", "--tenant", "t"]);
+    assert!(token.status.success(), "{}", String::from_utf8_lossy(&token.stderr));
+    assert!(String::from_utf8_lossy(&token.stdout).starts_with("ah_"));
+    assert!(!dir.join("pg/postmaster.pid").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -211,7 +219,7 @@ fn missing_postgres_binaries_name_the_package_to_install() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
         .arg("--data-dir")
         .arg(&dir)
-        .arg("migrate")
+        .args(["serve", "--listen", "127.0.0.1:0"])
         .env_remove("DATABASE_URL")
         .env("AGENT_HOST_PG_BIN", "/nonexistent")
         .output()
@@ -659,4 +667,59 @@ async fn the_private_cluster_admits_only_the_host() {
     assert!(ready.status().is_success(), "{}", ready.status());
     stop_host(host).await;
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 39: no trap in the command line. `plugins add` run from another
+/// directory without --data-dir would once make an empty cluster there,
+/// register the plugin in it and print success, while the serving host never
+/// saw it. Now it refuses and names the directory it would have used; with
+/// the host's --data-dir it reaches the serving host's database, says so,
+/// and the host serves the plugin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugins_add_from_another_directory_reaches_the_host_or_refuses() {
+    let dir = std::env::temp_dir().join(format!("agent-host-trap-{}", uuid::Uuid::new_v4().simple()));
+    let elsewhere = std::env::temp_dir().join(format!("agent-host-elsewhere-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let echo = elsewhere.join("echo.wasm");
+    std::fs::write(&echo, plugin_wasm("echo")).unwrap();
+    let (host, addr) = serve_private(&dir).await;
+    let add = |data_dir: Option<&std::path::Path>| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"));
+        cmd.current_dir(&elsewhere).env_remove("DATABASE_URL").env_remove("AGENT_HOST_DATA_DIR");
+        cmd.arg("--cache-dir").arg(elsewhere.join("cache"));
+        if let Some(d) = data_dir {
+            cmd.arg("--data-dir").arg(d);
+        }
+        cmd.args(["plugins", "add", "echo2"]).arg(&echo).output().unwrap()
+    };
+    let refused = add(None);
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr).to_string();
+    let would = elsewhere.join(".agent-host");
+    assert!(said.contains(&format!("no agent-host database in {}", would.display())), "{said}");
+    assert!(!would.exists(), "a cluster was made in {}", would.display());
+
+    let added = add(Some(&dir));
+    let said = String::from_utf8_lossy(&added.stderr).to_string();
+    assert!(added.status.success(), "{said}");
+    assert!(said.contains(&format!("database: the private cluster in {}", dir.display())), "{said}");
+    // The serving host sees it.
+    let password = std::fs::read_to_string(dir.join("pg.password")).unwrap();
+    let url = format!("postgres://postgres:{}@127.0.0.1:{}/agent_host", password.trim(), cluster_port(&dir));
+    let pool = agent_host::db::connect(&url, 1).await.unwrap();
+    let token = agent_host::db::tokens::create(&pool, "alice", "acme", false).await.unwrap();
+    let listed: serde_json::Value = reqwest::Client::new()
+        .get(format!("http://{addr}/v1/plugins"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(listed["plugins"].as_array().unwrap().iter().any(|p| p["name"] == "echo2"), "{listed}");
+    pool.close().await;
+    stop_host(host).await;
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&elsewhere);
 }

@@ -207,7 +207,7 @@ async fn components_of_both_worlds_run_side_by_side() {
     assert!(frames.len() > 5 && frames[frames.len() - 2].starts_with("event: response.completed"), "{raw}");
 }
 
-/// The benchmark of BENCHMARKS.md ("The Responses API"), by hand:
+/// The benchmark of docs/src/performance.md ("The Responses API"), by hand:
 /// `cargo test --test responses -- --ignored --nocapture responses_benchmark`.
 /// Create to first delta through each route for the same run (`echo`), and
 /// the events per second one Responses stream carries replaying a long

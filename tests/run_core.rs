@@ -937,3 +937,83 @@ async fn a_builtin_agent_past_its_wall_time_ends_failed() {
     assert!(error.contains("wall time of 300 ms exceeded"), "{error}");
     w.drain().await;
 }
+
+/// Answers with `config.bytes` bytes, or fails with an error that long
+/// (`config.fail`).
+struct Says;
+
+#[async_trait]
+impl Agent for Says {
+    async fn run(&self, _host: &RunHost, input: RunInput) -> Result<String, AgentError> {
+        let n = input.config["bytes"].as_u64().unwrap_or(0) as usize;
+        let text = "é".repeat(n / 2);
+        match input.config["fail"].as_bool() {
+            Some(true) => Err(AgentError::failed(agent_host::error::FailReason::Agent, text)),
+            _ => Ok(text),
+        }
+    }
+}
+
+/// Issue 40: a final answer or an error of any size is stored bounded: cut
+/// at a character boundary with a marker (never a failure of the store), so
+/// neither the transcript, the run row, its `complete` event nor a later
+/// turn's history carries megabytes a guest chose to return.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_answer_or_error_is_stored_cut_with_a_marker() {
+    let db = TestDb::new().await;
+    let pool = &db.pool;
+    let mut agents = AgentRegistry::with_builtins();
+    agents.insert("says", Arc::new(Says));
+    let w = start_worker_with(&db, agents, fast_config("w")).await;
+    let answer = enqueue(pool, None, "says", json!({ "bytes": 8 << 20 })).await;
+    let error = enqueue(pool, None, "says", json!({ "bytes": 1 << 20, "fail": true })).await;
+    assert_eq!(wait_terminal(pool, answer.run_id, LONG).await, "completed");
+    assert_eq!(wait_terminal(pool, error.run_id, LONG).await, "failed");
+    let stored: String = sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
+        .bind(answer.run_id)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert!(stored.len() <= agent_host::run::text::ANSWER_BYTES_MAX, "{} bytes stored", stored.len());
+    assert!(stored.len() > agent_host::run::text::ANSWER_BYTES_MAX - 100);
+    assert!(stored.ends_with(" bytes cut]"), "{}", &stored[stored.len() - 40..]);
+    let e = run_error(pool, error.run_id).await;
+    assert!(e.len() <= agent_host::run::text::ERROR_BYTES_MAX, "{} bytes of error stored", e.len());
+    assert!(e.ends_with(" bytes cut]"), "{}", &e[e.len() - 40..]);
+    let complete: serde_json::Value =
+        sqlx::query_scalar("SELECT payload FROM run_event WHERE run_id = $1 AND type = 'complete'")
+            .bind(error.run_id)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(complete["error"].as_str(), Some(e.as_str()), "the complete event carries the same cut error");
+    w.drain().await;
+}
+
+/// Issue 40: a run's journal has a budget in bytes (`journal_bytes_max`),
+/// not only a count of events: a run streaming past it ends failed with the
+/// limit named, and its journal stays within the budget (and one event).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_past_its_journal_budget_ends_failed() {
+    let db = TestDb::new().await;
+    let mut agents = AgentRegistry::with_builtins();
+    let budget = 4_000;
+    let manifest =
+        agent_host::run::manifest::Manifest::parse(&json!({ "limits": { "journal_bytes_max": budget } })).unwrap();
+    agents.insert_with_manifest("sleep", Arc::new(agent_host::agent::Sleep), manifest);
+    let w = start_worker_with(&db, agents, fast_config("w")).await;
+    let run = enqueue(&db.pool, None, "sleep", json!({ "steps": 100_000, "step_ms": 0 })).await.run_id;
+    assert_eq!(wait_terminal(&db.pool, run, LONG).await, "failed");
+    let error = run_error(&db.pool, run).await;
+    assert!(error.contains(&format!("journal budget of {budget} bytes spent")), "{error}");
+    let written: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(length(type) + length(payload::text)), 0) FROM run_event
+         WHERE run_id = $1 AND type = 'content_delta'",
+    )
+    .bind(run)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(written <= budget + 200, "{written} bytes of deltas journaled past a budget of {budget}");
+    w.drain().await;
+}

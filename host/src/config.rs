@@ -30,6 +30,8 @@ pub struct DbArgs {
     #[arg(long, env = "AGENT_HOST_LISTEN_DATABASE_URL", global = true)]
     pub listen_database_url: Option<String>,
     /// Directory of the private cluster (used only without DATABASE_URL).
+    /// `serve` makes the cluster there; every other command uses the one it
+    /// made, and refuses (naming the directory) when there is none.
     #[arg(long, env = "AGENT_HOST_DATA_DIR", default_value = ".agent-host", global = true)]
     pub data_dir: PathBuf,
     /// Where compiled plugin components are cached (keyed by digest and engine).

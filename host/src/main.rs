@@ -12,7 +12,7 @@ use agent_host::{db, server};
 
 /// Where the benchmark went when it left the host's binary.
 const BENCH_MOVED: &str = "the benchmark is no longer part of agent-host: it is its own binary, \
-    `cargo run --release -p agent-host-bench -- [flags]` (the same flags; see BENCHMARKS.md)";
+    `cargo run --release -p agent-host-bench -- [flags]` (the same flags; see docs/src/performance.md)";
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

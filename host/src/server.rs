@@ -478,14 +478,54 @@ pub async fn audit(db_args: &DbArgs, tenant: Option<&str>, after: Option<i64>, l
     .await
 }
 
-/// A one-shot command's database: opened (private cluster if need be) and
-/// migrated, handed to `work`, then closed and the cluster stopped, whatever
-/// `work` returned.
+/// Where a one-shot command's database is, for a person: the server and
+/// database of `DATABASE_URL` (never its password), or the private cluster's
+/// directory.
+pub fn describe_database(db_args: &DbArgs) -> String {
+    match &db_args.database_url {
+        Some(url) => match url::Url::parse(url) {
+            Ok(u) => format!(
+                "{}:{}{} (DATABASE_URL)",
+                u.host_str().unwrap_or("localhost"),
+                u.port().unwrap_or(5432),
+                u.path()
+            ),
+            Err(_) => "DATABASE_URL".to_string(),
+        },
+        None => format!("the private cluster in {}", absolute(&db_args.data_dir).display()),
+    }
+}
+
+/// `path` made absolute against the working directory (as given when that fails).
+fn absolute(path: &std::path::Path) -> std::path::PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// A one-shot command's database: opened and migrated, handed to `work`,
+/// then closed and the private cluster stopped, whatever `work` returned.
+/// It says on stderr which database it used. A one-shot command never makes
+/// a private cluster: run from another directory, the default relative
+/// `--data-dir` would name an empty one, and whatever the command wrote
+/// there the serving host would never see; so without `DATABASE_URL` the
+/// data directory must hold a cluster `serve` made, or the command refuses
+/// and names the directory it looked in.
 pub async fn with_pool<T, F, Fut>(db_args: &DbArgs, work: F) -> anyhow::Result<T>
 where
     F: FnOnce(PgPool) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<T>>,
 {
+    if db_args.database_url.is_none() {
+        let dir = absolute(&db_args.data_dir);
+        if !dir.join("pg/PG_VERSION").exists() {
+            anyhow::bail!(
+                "no agent-host database in {}: this command does not make one. Run it with the --data-dir \
+                 (or AGENT_HOST_DATA_DIR) of the host it is for (`agent-host serve` made its cluster there), \
+                 or set DATABASE_URL",
+                dir.display()
+            );
+        }
+    }
+    eprintln!("agent-host: database: {}", describe_database(db_args));
     let mut database = open_database(db_args).await?;
     let pool = connect_and_migrate(&database.url, 2).await?;
     let result = work(pool.clone()).await;

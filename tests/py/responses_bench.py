@@ -1,4 +1,4 @@
-"""The Responses route beside the native one (BENCHMARKS.md): create to the
+"""The Responses route beside the native one (docs/src/performance.md): create to the
 first text delta for the same run (the builtin `echo`), through each route,
 with one HTTP client (http.client, a fresh connection per request, like an
 SDK's first call); and the events per second one Responses stream carries

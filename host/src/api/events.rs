@@ -26,7 +26,7 @@ use crate::db::events::COMPLETE;
 use crate::db::journal::Event;
 use crate::db::runs;
 use crate::db::RunId;
-use crate::stream::tail::{Item, TailStream, PAGE_EVENTS_MAX};
+use crate::stream::tail::{Item, TailStream, PAGE_BYTES_MAX, PAGE_EVENTS_MAX};
 
 use super::live::TokenCheck;
 use super::{ApiError, ApiQuery, AppState, Auth, OrNotFound, PathId};
@@ -81,16 +81,19 @@ pub async fn events(
     }
 }
 
-/// The JSON encoder: up to [`PAGE_EVENTS_MAX`] events after `from`;
+/// The JSON encoder: up to [`PAGE_EVENTS_MAX`] events after `from`, and
+/// about [`PAGE_BYTES_MAX`] bytes of them (at least one event);
 /// `next_from` is the last seq returned (or `from`), `terminal` whether the
 /// run has ended for this reader (its ending is on this page, or was before it).
 async fn page(mut tail: TailStream, from: i32) -> Result<Json<Value>, ApiError> {
     let (mut frames, mut next_from, mut terminal) = (Vec::new(), from, false);
-    while frames.len() < PAGE_EVENTS_MAX as usize {
+    let mut bytes = 0;
+    while frames.len() < PAGE_EVENTS_MAX as usize && bytes < PAGE_BYTES_MAX as usize {
         match tail.next().await.transpose()? {
             Some(Item::Event(e)) => {
                 next_from = e.seq;
                 terminal = e.kind == COMPLETE;
+                bytes += crate::run::text::json_bytes(&e.payload);
                 frames.push(frame(&e));
             }
             Some(Item::End(ending)) => {

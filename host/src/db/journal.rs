@@ -99,6 +99,42 @@ pub async fn events_after(
         .await
 }
 
+/// Journal rows of a run after `after_seq`, in order, at most `limit` and
+/// at most about `bytes_max` bytes of payload (always the first row, however
+/// large: a reader moves on), and whether rows were left for the bytes: a
+/// tail's one read of a long journal holds a bounded amount of memory.
+pub async fn events_after_bounded(
+    db: impl PgExecutor<'_>,
+    run: RunId,
+    after_seq: i32,
+    limit: i64,
+    bytes_max: i64,
+) -> Result<(Vec<Event>, bool), sqlx::Error> {
+    let rows: Vec<(i32, String, Value, bool)> = sqlx::query_as(
+        "SELECT seq, type, payload, cut FROM (
+             SELECT seq, type, payload, before,
+                    bool_or(before >= $4) OVER () AS cut
+             FROM (
+                 SELECT seq, type, payload,
+                        coalesce(sum(octet_length(payload::text)) OVER (ORDER BY seq
+                            ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+                 FROM (SELECT seq, type, payload FROM run_event
+                       WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3) r
+             ) w
+         ) e
+         WHERE before < $4 OR before = 0
+         ORDER BY seq",
+    )
+    .bind(run)
+    .bind(after_seq)
+    .bind(limit)
+    .bind(bytes_max)
+    .fetch_all(db)
+    .await?;
+    let cut = rows.first().is_some_and(|r| r.3);
+    Ok((rows.into_iter().map(|(seq, kind, payload, _)| Event { seq, kind, payload }).collect(), cut))
+}
+
 /// The `complete` event written by a finalizer other than the claim holder
 /// (the reaper), in the transaction that flipped the status: seq is
 /// max(seq)+1, read in its own statement after the status flip locked the

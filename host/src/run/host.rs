@@ -118,6 +118,8 @@ struct State {
     streamed: String,
     /// Events the agent emitted (host-written ones are not counted).
     events: u64,
+    /// Bytes appended to the journal (kinds and payloads, every event).
+    journal_bytes: u64,
     /// Tool calls made: the next call's ordinal is this plus one.
     tool_calls: u64,
     usage: Usage,
@@ -262,6 +264,22 @@ impl RunHost {
         Ok(())
     }
 
+    /// The plugin's `journal_bytes_max`: every event the run's journal takes
+    /// (the agent's, streamed model text, the host's own) counts; past the
+    /// budget the run ends at once, failed with reason `limit`.
+    fn count_journal_bytes(&self, bytes: usize) -> Result<(), HostError> {
+        let max = self.inner.manifest.limits.journal_bytes_max;
+        let total = {
+            let mut s = self.state();
+            s.journal_bytes += bytes as u64;
+            s.journal_bytes
+        };
+        if total > max {
+            return Err(self.abort(FailReason::Limit, format!("journal budget of {max} bytes spent")));
+        }
+        Ok(())
+    }
+
     /// `emit-event` as a guest calls it: `payload` is JSON text.
     pub async fn emit_event_json(&self, kind: &str, payload: &str) -> Result<(), HostError> {
         self.check_payload_size("event payload", "exceeds", payload.len())?;
@@ -318,6 +336,7 @@ impl RunHost {
     /// earlier attempt of a resumed run journaled is not written again; the
     /// readings an agent's event may depend on are recorded before it.
     async fn append(&self, kind: &str, payload: Value, by_agent: bool) -> Result<(), HostError> {
+        self.count_journal_bytes(kind.len() + crate::run::text::json_bytes(&payload))?;
         let mut journal = self.inner.journal.lock().await;
         let journal = journal.as_mut().ok_or(HostError::Fenced)?;
         let op = {

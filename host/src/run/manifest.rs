@@ -59,6 +59,9 @@ pub struct Limits {
     pub payload_bytes: u64,
     /// Events one run may emit.
     pub events_max: u64,
+    /// Bytes one run's journal may hold (event kinds and payloads, streamed
+    /// text included); past it the run ends failed with reason `limit`.
+    pub journal_bytes_max: u64,
     /// Tool calls one run may make.
     pub tool_calls_max: u64,
     /// One tool call, at most (a tool's own timeout may be shorter).
@@ -78,6 +81,7 @@ pub const CPU_MS_CEILING: u64 = 3_600_000;
 pub const WALL_MS_CEILING: u64 = 24 * 3_600_000;
 pub const PAYLOAD_BYTES_CEILING: u64 = 16 << 20;
 pub const EVENTS_CEILING: u64 = 10_000_000;
+pub const JOURNAL_BYTES_CEILING: u64 = 1 << 30;
 pub const TOOL_CALLS_CEILING: u64 = 100_000;
 pub const TOOL_TIMEOUT_MS_CEILING: u64 = 3_600_000;
 pub const RECORDED_CALLS_CEILING: u64 = 1_000_000;
@@ -94,6 +98,7 @@ impl Default for Limits {
             wall_ms: 600_000,
             payload_bytes: 1 << 20,
             events_max: 100_000,
+            journal_bytes_max: 64 << 20,
             tool_calls_max: 1_000,
             tool_timeout_ms: 300_000,
             recorded_calls_max: 100_000,
@@ -115,6 +120,7 @@ impl Manifest {
             ("wall_ms", l.wall_ms, WALL_MS_CEILING),
             ("payload_bytes", l.payload_bytes, PAYLOAD_BYTES_CEILING),
             ("events_max", l.events_max, EVENTS_CEILING),
+            ("journal_bytes_max", l.journal_bytes_max, JOURNAL_BYTES_CEILING),
             ("tool_calls_max", l.tool_calls_max, TOOL_CALLS_CEILING),
             ("tool_timeout_ms", l.tool_timeout_ms, TOOL_TIMEOUT_MS_CEILING),
             ("recorded_calls_max", l.recorded_calls_max, RECORDED_CALLS_CEILING),

@@ -17,6 +17,32 @@ pub fn storable(s: &str) -> Cow<'_, str> {
     }
 }
 
+/// The most bytes of a run's final answer that are stored (as its
+/// assistant message, in the Responses view and in webhooks): a longer one
+/// is cut ([`cut`]), never a failure of the store.
+pub const ANSWER_BYTES_MAX: usize = 1 << 20;
+/// The most bytes of a run's error that are stored.
+pub const ERROR_BYTES_MAX: usize = 16 << 10;
+
+/// `s` cut to at most `max` bytes at a character boundary, with a marker
+/// saying how much was cut (the marker fits within `max`).
+pub fn cut(s: &str, max: usize) -> Cow<'_, str> {
+    if s.len() <= max {
+        return Cow::Borrowed(s);
+    }
+    // The marker's length with the widest count it could carry.
+    let room = max.saturating_sub(marker(s.len()).len());
+    let mut end = room.min(s.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    Cow::Owned(format!("{}{}", &s[..end], marker(s.len() - end)))
+}
+
+fn marker(bytes_cut: usize) -> String {
+    format!(" [… {bytes_cut} bytes cut]")
+}
+
 /// How many U+0000 `s` holds.
 pub fn nul_count(s: &str) -> usize {
     s.bytes().filter(|b| *b == 0).count()
@@ -80,5 +106,18 @@ mod tests {
         assert_eq!(storable_json(&mut v), 4);
         assert_eq!(v, json!({ "delta": "a\u{FFFD}b", "nested": [{ "k\u{FFFD}": "\u{FFFD}\u{FFFD}" }], "n": 1 }));
         assert_eq!(json_bytes(&v), v.to_string().len());
+    }
+
+    #[test]
+    fn a_long_text_is_cut_at_a_character_boundary_with_a_marker_within_the_bound() {
+        assert!(matches!(cut("short", 100), Cow::Borrowed("short")));
+        let long = "é".repeat(1000); // 2,000 bytes
+        let c = cut(&long, 101);
+        assert!(c.len() <= 101, "{}", c.len());
+        assert!(c.ends_with(" bytes cut]"), "{c}");
+        let kept = c.split(" [… ").next().unwrap();
+        assert!(kept.chars().all(|ch| ch == 'é'));
+        let said: usize = c.rsplit(" [… ").next().unwrap().trim_end_matches(" bytes cut]").parse().unwrap();
+        assert_eq!(kept.len() + said, long.len());
     }
 }

@@ -38,6 +38,9 @@ use crate::hub::{Hub, Subscription};
 
 /// Events one journal read returns at most.
 pub const PAGE_EVENTS_MAX: i64 = 500;
+/// Payload bytes one journal read returns at most (past the first event):
+/// what one tail, and one JSON page, hold in memory at once.
+pub const PAGE_BYTES_MAX: i64 = 4 << 20;
 /// The default keepalive, which is also the fallback poll.
 pub const KEEPALIVE_DEFAULT: Duration = Duration::from_secs(15);
 /// The shortest keepalive a tail uses, whatever it is given: a zero would
@@ -318,9 +321,17 @@ impl Reader {
                 }
             }
         }
-        let events = journal::events_after(&self.pool, self.run, self.cursor, self.config.page_events_max).await?;
-        // A full page: read on before asking whether the run ended.
-        self.next = if events.len() as i64 == self.config.page_events_max { Next::Read } else { Next::Check };
+        let (events, cut) = journal::events_after_bounded(
+            &self.pool,
+            self.run,
+            self.cursor,
+            self.config.page_events_max,
+            PAGE_BYTES_MAX,
+        )
+        .await?;
+        // A full page (in rows or bytes): read on before asking whether the run ended.
+        let full = cut || events.len() as i64 == self.config.page_events_max;
+        self.next = if full { Next::Read } else { Next::Check };
         self.ready.extend(events);
         Ok(())
     }

@@ -78,7 +78,10 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Option<Hub>) {
         // a claim that starts nothing gives it back before it waits.
         let reserved = match &result {
             Ok(batch) if !batch.runs.is_empty() => Some(reserved),
-            _ => None,
+            _ => {
+                drop(reserved);
+                None
+            }
         };
         let claimed = match result {
             Ok(batch) => {

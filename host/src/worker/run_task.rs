@@ -337,8 +337,11 @@ async fn finalize(
         replaced += text::nul_count(&s);
         text::storable(&s).into_owned()
     };
-    let error = error.map(&mut storable);
-    let assistant = assistant.map(|(t, s)| (storable(t), s));
+    // Bounded wherever it is stored (the message, the run, its `complete`
+    // event, a webhook) and fed back (every later turn's history): cut with
+    // a marker, never a failure of the store.
+    let error = error.map(|e| text::cut(&e, text::ERROR_BYTES_MAX).into_owned()).map(&mut storable);
+    let assistant = assistant.map(|(t, s)| (storable(text::cut(&t, text::ANSWER_BYTES_MAX).into_owned()), s));
     if replaced > 0 {
         shared.journal_stats.nul_replaced.fetch_add(replaced as u64, Ordering::Relaxed);
     }
