@@ -6,3 +6,9 @@ CREATE TABLE tenant_limit (
     slot_share_pct integer NOT NULL CHECK (slot_share_pct BETWEEN 1 AND 100),
     updated_at     timestamptz NOT NULL DEFAULT now()
 );
+
+-- Schedules are capped per tenant (counted at create) and fired fairly
+-- across tenants.
+CREATE INDEX schedule_tenant ON schedule (tenant_id);
+-- Whether a schedule's owner still holds a valid token, asked on each firing.
+CREATE INDEX api_token_user ON api_token (user_id);

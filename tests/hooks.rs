@@ -86,6 +86,8 @@ impl Env {
         let mut args: Vec<&str> = FAST.to_vec();
         args.extend(["--completion-webhook-allow", &allow, "--webhook-secret", SECRET]);
         args.extend(["--webhook-poll-ms", "100", "--webhook-backoff-ms", "50", "--schedule-tick-ms", "100"]);
+        // The tests' schedules fire every second.
+        args.extend(["--schedule-min-interval-s", "1"]);
         args.extend(extra);
         HostProcess::spawn(&self.db.url, worker, &args)
     }

@@ -724,8 +724,9 @@ async fn a_created_token_expires_no_later_than_its_creator() {
 }
 
 /// A schedule's firing past a tenant quota is not dropped: it waits for
-/// no rate token inside its transaction, is counted as refused, and the
-/// same firing is made at a later tick once the quota allows.
+/// no rate token inside its transaction, is counted as refused, backs off
+/// (it does not head every pass while held), and is made at a later pass
+/// once the quota allows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_schedule_held_by_a_quota_fires_later_not_never() {
     use agent_host::agent::AgentRegistry;
@@ -772,7 +773,9 @@ async fn a_schedule_held_by_a_quota_fires_later_not_never() {
             .fetch_one(&db.pool)
             .await
             .unwrap();
-    assert!(fire_at < chrono::Utc::now(), "the firing is still due");
+    let backoff = chrono::Duration::from_std(agent_host::service::schedules::HELD_BACKOFF).unwrap();
+    let now = chrono::Utc::now();
+    assert!(fire_at > now && fire_at <= now + backoff, "a held firing backs off: {fire_at} (now {now})");
     // Then past the queue quota (one queued run): still held.
     // Tried until the rate bucket has refilled (a refusal by rate takes no
     // token) and the queue quota is what holds it.
@@ -780,6 +783,7 @@ async fn a_schedule_held_by_a_quota_fires_later_not_never() {
     let deadline = std::time::Instant::now() + LONG;
     while !queue_refused() {
         assert!(std::time::Instant::now() < deadline, "never refused by the queue quota");
+        due().await; // its backoff over
         assert_eq!(fire_due(&db.pool, &agents, &policy, None).await.unwrap(), 1);
         tokio::time::sleep(Duration::from_millis(20)).await; // the poll's pace
     }
@@ -795,6 +799,7 @@ async fn a_schedule_held_by_a_quota_fires_later_not_never() {
     let deadline = std::time::Instant::now() + LONG;
     while runs().await < 2 {
         assert!(std::time::Instant::now() < deadline, "the held firing was never made");
+        due().await; // its backoff over
         assert_eq!(fire_due(&db.pool, &agents, &policy, None).await.unwrap(), 1);
         tokio::time::sleep(Duration::from_millis(20)).await; // the poll's pace
     }
@@ -803,7 +808,8 @@ async fn a_schedule_held_by_a_quota_fires_later_not_never() {
             .fetch_one(&db.pool)
             .await
             .unwrap();
-    assert_eq!(key, format!("schedule-{sid}-{}", fire_at.timestamp_micros()), "the held firing, not a later one");
+    assert!(key.starts_with(&format!("schedule-{sid}-")), "{key}");
+    assert_eq!(runs().await, 2, "the held firing made once, when the quota allowed");
     host.stop().await;
 }
 
@@ -917,4 +923,213 @@ async fn a_tenant_reading_its_audit_trail_sees_no_operator_token_id() {
     let (_, all) = host.call_as(&operator, "GET", "/v1/audit", None).await;
     assert!(all.to_string().contains(&operator_id.to_string()), "{all}");
     host.stop().await;
+}
+
+/// Issue 40: waits count as streams do. A blocking `POST /v1/responses`
+/// (neither `stream` nor `background`) holds its user's and its tenant's
+/// place while it waits: with one place per user and two per tenant, a
+/// second blocking request of the same user is refused (429,
+/// `user_streams`), a third user of the tenant too (`tenant_streams`), while
+/// another tenant's goes through; the places come back with the answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocking_responses_request_holds_a_stream_place_per_user_and_tenant() {
+    let db = TestDb::new().await;
+    let config = QuotaConfig { user_max_streams: Some(1), tenant_max_streams: Some(2), ..QuotaConfig::default() };
+    let quotas = Quotas::new(config);
+    let hub = connected_hub(&db).await;
+    let agents = agent_host::agent::AgentRegistry::with_builtins();
+    let host = TestHost::start_with(&db, Some(hub), agents, fast_config("w"), |s| {
+        s.policy = Arc::new(Policy { quotas, ..Policy::default() })
+    })
+    .await;
+    let long = json!({ "model": "sleep", "input": "wait", "config": { "steps": 1, "step_ms": 60_000 } });
+    let quick = json!({ "model": "echo", "input": "hi" });
+    let (_, bob) = token(&db.pool, "bob", "acme", false, false).await;
+    let (_, carol) = token(&db.pool, "carol", "acme", false, false).await;
+    let (_, olga) = token(&db.pool, "olga", "other", false, false).await;
+    let wait_in_task = |token: String| {
+        let (client, url, body) = (host.client.clone(), format!("{}/v1/responses", host.base), long.clone());
+        tokio::spawn(async move { client.post(url).bearer_auth(token).json(&body).send().await.unwrap().status() })
+    };
+    let running = |n: i64| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM agent_run WHERE status = 'running'")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == n
+        }
+    };
+    let alices = wait_in_task(host.token.clone());
+    wait_for("alice's wait to start", LONG, || running(1)).await;
+    let (code, body) = host.call("POST", "/v1/responses", Some(quick.clone())).await;
+    assert_eq!(code, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    let bobs = wait_in_task(bob.clone());
+    wait_for("bob's wait to start", LONG, || running(2)).await;
+    let (code, body) = host.call_as(&carol, "POST", "/v1/responses", Some(quick.clone())).await;
+    assert_eq!(code, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    let (code, body) = host.call_as(&olga, "POST", "/v1/responses", Some(quick.clone())).await;
+    assert_eq!(code, StatusCode::OK, "another tenant is not held back: {body}");
+    let metrics = host.scrape().await;
+    assert_eq!(metrics[r#"agent_host_quota_refusals_total{tenant="acme",limit="user_streams"}"#], 1.0);
+    assert_eq!(metrics[r#"agent_host_quota_refusals_total{tenant="acme",limit="tenant_streams"}"#], 1.0);
+    // The waits end (their runs stopped): their places come back.
+    let runs: Vec<(RunId, String)> = sqlx::query_as("SELECT id, owner_id FROM agent_run WHERE status = 'running'")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    for (run, owner) in runs {
+        agent_host::db::lifecycle::cancel(&db.pool, run, &owner).await.unwrap();
+    }
+    assert_eq!(alices.await.unwrap(), StatusCode::OK);
+    assert_eq!(bobs.await.unwrap(), StatusCode::OK);
+    let (code, body) = host.call_as(&carol, "POST", "/v1/responses", Some(quick)).await;
+    assert_eq!(code, StatusCode::OK, "{body}");
+    host.stop().await;
+}
+
+/// The policy of the schedule tests: two schedules a tenant, an hour apart at least.
+fn schedule_policy(tenant_max: u32) -> Arc<Policy> {
+    let schedules =
+        agent_host::service::schedules::SchedulePolicy { tenant_max, min_interval: Duration::from_secs(3600) };
+    Arc::new(Policy { schedules, ..Policy::default() })
+}
+
+/// Issue 40: schedules are bounded. A cron firing more often than the host's
+/// minimum interval is refused, naming it; a tenant past its cap is refused
+/// (its users together), another tenant is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schedules_are_capped_per_tenant_and_short_intervals_are_refused() {
+    let db = TestDb::new().await;
+    let host = TestHost::undispatched(&db, |s| s.policy = schedule_policy(2)).await;
+    let every = |cron: &str| json!({ "plugin": "echo", "content": "tick", "cron": cron });
+    let (code, body) = host.call("POST", "/v1/schedules", Some(every("* * * * * *"))).await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body.to_string().contains("the shortest interval this host allows is 3600 s"), "{body}");
+    let (code, body) = host.call("POST", "/v1/schedules", Some(every("*/30 * * * *"))).await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY, "every 30 minutes is too often: {body}");
+    assert_eq!(host.call("POST", "/v1/schedules", Some(every("0 * * * *"))).await.0, StatusCode::CREATED);
+    let (_, bob) = token(&db.pool, "bob", "acme", false, false).await;
+    assert_eq!(host.call_as(&bob, "POST", "/v1/schedules", Some(every("0 9 * * *"))).await.0, StatusCode::CREATED);
+    let (code, body) = host.call_as(&bob, "POST", "/v1/schedules", Some(every("0 10 * * *"))).await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body.to_string().contains("has 2 schedules, the most this host allows (2)"), "{body}");
+    let (_, olga) = token(&db.pool, "olga", "other", false, false).await;
+    assert_eq!(host.call_as(&olga, "POST", "/v1/schedules", Some(every("0 10 * * *"))).await.0, StatusCode::CREATED);
+    host.stop().await;
+}
+
+/// Issue 40: a tenant's admin lists, pauses, resumes and deletes any
+/// schedule of its tenant (a user's own view is unchanged); another
+/// tenant's admin cannot reach them, and a user cannot ask for all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_lists_pauses_and_deletes_any_schedule_of_its_tenant() {
+    let db = TestDb::new().await;
+    let host = TestHost::undispatched(&db, |s| s.policy = schedule_policy(10)).await;
+    let body = json!({ "plugin": "echo", "content": "tick", "cron": "0 * * * *" });
+    let (code, s) = host.call("POST", "/v1/schedules", Some(body)).await;
+    assert_eq!(code, StatusCode::CREATED, "{s}");
+    let id = s["id"].as_str().unwrap().to_string();
+    let (_, admin) = token(&db.pool, "ada", "acme", true, false).await;
+    let (_, stranger) = token(&db.pool, "sam", "other", true, false).await;
+    let (code, own) = host.call_as(&admin, "GET", "/v1/schedules", None).await;
+    assert_eq!((code, own["schedules"].as_array().unwrap().len()), (StatusCode::OK, 0), "an admin's own view");
+    let (_, all) = host.call_as(&admin, "GET", "/v1/schedules?all=true", None).await;
+    assert_eq!(all["schedules"][0]["id"], json!(id), "{all}");
+    assert_eq!(host.call("GET", "/v1/schedules?all=true", None).await.0, StatusCode::FORBIDDEN);
+    let (_, theirs) = host.call_as(&stranger, "GET", "/v1/schedules?all=true", None).await;
+    assert_eq!(theirs["schedules"], json!([]));
+    assert_eq!(
+        host.call_as(&stranger, "POST", &format!("/v1/schedules/{id}/pause"), None).await.0,
+        StatusCode::NOT_FOUND
+    );
+    let (code, paused) = host.call_as(&admin, "POST", &format!("/v1/schedules/{id}/pause"), None).await;
+    assert_eq!((code, paused["paused"].clone()), (StatusCode::OK, json!(true)));
+    assert_eq!(host.call_as(&admin, "POST", &format!("/v1/schedules/{id}/resume"), None).await.0, StatusCode::OK);
+    assert_eq!(host.call_as(&admin, "DELETE", &format!("/v1/schedules/{id}"), None).await.0, StatusCode::NO_CONTENT);
+    assert_eq!(host.call("GET", "/v1/schedules", None).await.1["schedules"], json!([]));
+    host.stop().await;
+}
+
+/// A schedule row due `ago` seconds ago, for `user` of `tenant`.
+async fn due_schedule(pool: &PgPool, user: &str, tenant: &str, ago: i64) -> uuid::Uuid {
+    let owner = agent_host::db::enqueue::Owner { user_id: user.into(), tenant_id: tenant.into() };
+    let config = json!({});
+    let new = agent_host::db::schedules::NewSchedule {
+        owner: &owner,
+        plugin: "echo",
+        content: "tick",
+        config: &config,
+        conversation_id: None,
+        cron: "0 * * * *",
+        timezone: "UTC",
+        webhook: None,
+        next_fire_at: chrono::Utc::now() - chrono::Duration::seconds(ago),
+    };
+    agent_host::db::schedules::create(pool, &new).await.unwrap().id
+}
+
+/// Issue 40: due firings are shared fairly across tenants, and a firing a
+/// quota holds backs off instead of heading every pass. A tenant with more
+/// due schedules than one pass fires, every one held by its full queue,
+/// cannot keep another tenant's later schedule from firing; the held ones
+/// are not due again at the next pass. A schedule whose owner has no valid
+/// token pauses (audited) instead of firing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn due_schedules_fire_fairly_held_ones_back_off_and_orphans_pause() {
+    use agent_host::service::schedules::{fire_due, FIRE_BATCH_MAX};
+    let db = TestDb::new().await;
+    let pool = &db.pool;
+    token(pool, "mallory", "evil", false, false).await;
+    token(pool, "alice", "good", false, false).await;
+    let quotas = Quotas::new(QuotaConfig { tenant_max_queued: Some(1), ..QuotaConfig::default() });
+    let policy = Policy { quotas, ..Policy::default() };
+    let agents = agent_host::agent::AgentRegistry::with_builtins();
+    // evil's queue is full: each of its firings is held by the quota.
+    let owner = agent_host::db::enqueue::Owner { user_id: "mallory".into(), tenant_id: "evil".into() };
+    enqueue_as(pool, &owner, None, "echo", json!({})).await;
+    for i in 0..(FIRE_BATCH_MAX + 20) {
+        due_schedule(pool, "mallory", "evil", 1000 + i).await;
+    }
+    let good = due_schedule(pool, "alice", "good", 10).await;
+    let (_, gone) = token(pool, "gone", "good", false, false).await;
+    let orphan = due_schedule(pool, "gone", "good", 20).await;
+    let gone_id: uuid::Uuid =
+        sqlx::query_scalar("SELECT id FROM api_token WHERE user_id = 'gone'").fetch_one(pool).await.unwrap();
+    sqlx::query("UPDATE api_token SET revoked_at = now() WHERE id = $1").bind(gone_id).execute(pool).await.unwrap();
+    drop(gone);
+
+    fire_due(pool, &agents, &policy, None).await.unwrap();
+    let fired: Option<agent_host::db::RunId> =
+        sqlx::query_scalar("SELECT last_run_id FROM schedule WHERE id = $1").bind(good).fetch_one(pool).await.unwrap();
+    assert!(fired.is_some(), "good's schedule did not fire behind evil's {} held ones", FIRE_BATCH_MAX + 20);
+    let paused: bool =
+        sqlx::query_scalar("SELECT paused FROM schedule WHERE id = $1").bind(orphan).fetch_one(pool).await.unwrap();
+    assert!(paused, "a schedule whose owner has no valid token still fires");
+    let audited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM audit_event WHERE action = 'schedule.paused' AND target = $1 AND actor_user = 'host'",
+    )
+    .bind(orphan.to_string())
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(audited, 1);
+    // The held firings wait out their backoff: not one is due at the next pass.
+    let due_now: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM schedule WHERE tenant_id = 'evil' AND NOT paused AND next_fire_at <= now()",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let held_in_first_pass = FIRE_BATCH_MAX - 2; // the pass also took good's two
+    assert_eq!(due_now, FIRE_BATCH_MAX + 20 - held_in_first_pass, "held firings back off");
+    fire_due(pool, &agents, &policy, None).await.unwrap();
+    let still_due: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM schedule WHERE tenant_id = 'evil' AND NOT paused AND next_fire_at <= now()",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(still_due, 0, "the rest were held and backed off in the second pass");
 }

@@ -723,3 +723,35 @@ async fn plugins_add_from_another_directory_reaches_the_host_or_refuses() {
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&elsewhere);
 }
+
+/// Issue 40: a guest cannot forge the host's log lines. Its stdout goes to
+/// the log as one escaped field: a line break it prints is written `\n`,
+/// never a new line that looks like the host's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_cannot_forge_a_log_line() {
+    let db = TestDb::new().await;
+    let manifest = json!({});
+    let digest =
+        agent_host::db::plugins::put(&db.pool, "fixtures", &plugin_wasm("fixtures"), &manifest).await.unwrap().digest;
+    let host = HostProcess::spawn(&db.url, "A", FAST);
+    let request = json!({});
+    let config = json!({ "mode": "forge" });
+    let new = agent_host::db::enqueue::NewRun {
+        owner: &owner(),
+        conversation_id: None,
+        content: "hello",
+        plugin: "fixtures",
+        plugin_digest: Some(&digest),
+        plugin_manifest: Some(&manifest),
+        config: &config,
+        request: &request,
+        idempotency_key: None,
+        webhook: None,
+    };
+    let run = agent_host::db::enqueue::enqueue(&db.pool, &new).await.unwrap().run_id;
+    assert_eq!(wait_terminal(&db.pool, run, LONG).await, "completed");
+    host.wait_log("guest output", LONG).await;
+    let log = host.log();
+    assert!(!log.lines().any(|l| l.contains("forged by a guest") && l.starts_with("2026-01-01")), "{log}");
+    assert!(log.contains(r"ok\n2026-01-01T00:00:00.000000Z  INFO agent_host::worker: forged by a guest"), "{log}");
+}

@@ -108,7 +108,8 @@ async fn the_echo_plugin_streams_the_message_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misbehaving_guests_end_with_named_reasons_and_others_carry_on() {
     let env = Env::new().await;
-    let limits = json!({ "limits": { "cpu_ms": 300, "memory_bytes": 32 << 20, "wall_ms": 3000, "events_max": 5 } });
+    let limits = json!({ "limits": { "cpu_ms": 300, "memory_bytes": 32 << 20, "wall_ms": 3000, "events_max": 5,
+                                     "host_calls_max": 50 } });
     env.register("fixtures", "fixtures", limits).await;
     env.register("echo", "echo", json!({})).await;
     let w = env.worker(WorkerConfig { max_runs: 12, ..fast_config("w") }).await;
@@ -120,10 +121,18 @@ async fn misbehaving_guests_end_with_named_reasons_and_others_carry_on() {
         ("ungranted-tool", "failed", "denied"),
         ("chatty", "failed", "limit: more than 5 events"),
         ("block", "failed", "limit: wall time"),
+        ("calls", "failed", "limit: more than 50 host calls"),
     ];
     let mut ids = Vec::new();
     for (mode, _, _) in &cases {
-        ids.push(env.run("fixtures", "misbehave", json!({ "mode": mode, "count": 10 })).await);
+        ids.push(
+            env.run(
+                "fixtures",
+                "misbehave",
+                json!({ "mode": mode, "count": if *mode == "calls" { 100_000 } else { 10 } }),
+            )
+            .await,
+        );
     }
     let ordinary = env.run("echo", "still here", json!({})).await;
     assert_eq!(env.wait_terminal(ordinary).await.0, "completed");

@@ -1154,7 +1154,14 @@ async fn a_schedule_firing_on_an_idle_host_starts_its_run_in_the_enqueue() {
         schedule_tick: Duration::from_millis(100),
         ..fast_config("w")
     };
-    let host = support::http::TestHost::start(&db, Some(hub), AgentRegistry::with_builtins(), config).await;
+    // A schedule that fires every second.
+    let schedules =
+        agent_host::service::schedules::SchedulePolicy { min_interval: Duration::from_secs(1), ..Default::default() };
+    let policy = std::sync::Arc::new(agent_host::service::submit::Policy { schedules, ..Default::default() });
+    let host = support::http::TestHost::start_with(&db, Some(hub), AgentRegistry::with_builtins(), config, |s| {
+        s.policy = policy
+    })
+    .await;
     let h = &host;
     wait_for("the worker's first look at the queue", LONG, || async move {
         h.scrape().await["agent_host_claim_rounds_total"] == 1.0

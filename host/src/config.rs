@@ -436,6 +436,16 @@ pub struct WorkerArgs {
     /// How often this process fires due schedules.
     #[arg(long, env = "AGENT_HOST_SCHEDULE_TICK_MS", default_value_t = 1_000)]
     pub schedule_tick_ms: u64,
+    /// Schedules one tenant may have at most (its users together); past it
+    /// a new one is refused (422).
+    #[arg(long, env = "AGENT_HOST_TENANT_MAX_SCHEDULES", default_value_t = crate::service::schedules::TENANT_MAX_SCHEDULES_DEFAULT,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub tenant_max_schedules: u32,
+    /// The shortest time between two firings of one schedule, in seconds:
+    /// a cron expression that would fire more often is refused (422).
+    #[arg(long, env = "AGENT_HOST_SCHEDULE_MIN_INTERVAL_S", default_value_t = crate::service::schedules::MIN_INTERVAL_DEFAULT.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub schedule_min_interval_s: u64,
     /// Running runs one tenant may have at most, across all processes (unset: no cap).
     #[arg(long, env = "AGENT_HOST_TENANT_MAX_RUNNING")]
     pub tenant_max_running: Option<u32>,
@@ -457,10 +467,16 @@ pub struct WorkerArgs {
     /// The enqueue bucket's size (default: one second's worth).
     #[arg(long, env = "AGENT_HOST_TENANT_ENQUEUE_BURST")]
     pub tenant_enqueue_burst: Option<std::num::NonZeroU32>,
-    /// Live event streams one user may hold at most, per process; past it
-    /// 429 `quota_exceeded` (unset: only `--sse-tails-max` bounds them).
-    #[arg(long, env = "AGENT_HOST_USER_MAX_STREAMS")]
-    pub user_max_streams: Option<u32>,
+    /// Live event streams and waiting Responses requests one user may hold
+    /// at most, per process; past it 429 `quota_exceeded`.
+    #[arg(long, env = "AGENT_HOST_USER_MAX_STREAMS", default_value_t = crate::service::quota::USER_MAX_STREAMS_DEFAULT,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub user_max_streams: u32,
+    /// Live event streams and waiting Responses requests one tenant's users
+    /// may hold at most, per process; past it 429 `quota_exceeded`.
+    #[arg(long, env = "AGENT_HOST_TENANT_MAX_STREAMS", default_value_t = crate::service::quota::TENANT_MAX_STREAMS_DEFAULT,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub tenant_max_streams: u32,
     /// Group commit of endings: how long a batch of terminal writes waits for
     /// more after its first (0: only endings already queued share a commit).
     #[arg(long, env = "AGENT_HOST_FINISH_WINDOW_MS", default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=crate::worker::FINISH_WINDOW_MAX.as_millis() as u64))]
@@ -523,9 +539,15 @@ impl WorkerArgs {
             tenant_max_queued: self.tenant_max_queued,
             tenant_enqueue_per_s: self.tenant_enqueue_per_s,
             tenant_enqueue_burst: self.tenant_enqueue_burst,
-            user_max_streams: self.user_max_streams,
+            user_max_streams: Some(self.user_max_streams),
+            tenant_max_streams: Some(self.tenant_max_streams),
+        };
+        let schedules = crate::service::schedules::SchedulePolicy {
+            tenant_max: self.tenant_max_schedules,
+            min_interval: Duration::from_secs(self.schedule_min_interval_s),
         };
         crate::service::submit::Policy {
+            schedules,
             webhook_allow: self.completion_webhook_allow.clone(),
             quotas: crate::service::quota::Quotas::new(quotas),
         }

@@ -27,6 +27,11 @@ pub struct Page {
 }
 
 impl PageQuery {
+    /// A page query read from a route's own query struct.
+    pub fn new(limit: Option<String>, after: Option<String>) -> Self {
+        PageQuery { limit, after }
+    }
+
     /// `limit` within 1..=[`LIMIT_MAX`] (`default` when absent), `after` a
     /// cursor this API gave.
     pub fn page(&self, default: usize) -> Result<Page, ApiError> {

@@ -148,6 +148,12 @@ pub async fn create(
     // the native stream does).
     let place = if stream || !background { Some(tails.reserve().map_err(ApiError::from)?) } else { None };
     let check = if stream { Some(super::live::TokenCheck::open(&state, &p)?) } else { None };
+    // A blocking request holds its user's and tenant's place while it waits,
+    // as a stream does: a user cannot hold every wait of the process.
+    let _waiting = match !stream && !background {
+        true => Some(state.policy.quotas.stream(&p.tenant_id, &p.user_id).map_err(ApiError::from)?),
+        false => None,
+    };
     let local = state.local_worker();
     let created =
         service::create(&state.pool, &state.agents, &state.policy, local, &tails, &owner(&p), key, &req).await?;

@@ -286,13 +286,14 @@ pub const ROUTES: &[Route] = &[
     Route {
         method: "get",
         path: "/v1/schedules",
-        summary: "The caller's schedules, oldest first",
+        summary: "The caller's schedules, oldest first (with all=true, an admin's: every schedule of its tenant)",
         auth: true,
         ok: (200, "{schedules: [...], next_cursor}"),
-        errors: &[400],
+        errors: &[400, 403],
         query: &[
             ("limit", "integer", "1-1000 (default 1000)"),
             ("after", "string", "the next_cursor of the previous page"),
+            ("all", "boolean", "true: every schedule the caller may change (admins: the tenant's; operators: all)"),
         ],
         body: None,
         handler: || get(schedules::list),

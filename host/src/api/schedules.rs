@@ -1,4 +1,7 @@
-//! Schedules: create, list (paged), pause, resume, delete.
+//! Schedules: create, list (paged), pause, resume, delete. A user reaches
+//! its own schedules; a tenant admin every schedule of its tenant (pause,
+//! resume and delete by id, and `GET /v1/schedules?all=true`); an operator
+//! every schedule.
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -41,6 +44,24 @@ impl From<ScheduleError> for ApiError {
     }
 }
 
+/// The schedules `p` may change by id: its own, or as an admin its tenant's.
+fn scope(p: &crate::db::tokens::Principal) -> schedules::Scope<'_> {
+    match (p.admin, p.tenant_scope()) {
+        (false, _) => schedules::Scope::Owner(&p.user_id),
+        (true, Some(tenant)) => schedules::Scope::Tenant(tenant),
+        (true, None) => schedules::Scope::All,
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    limit: Option<String>,
+    after: Option<String>,
+    /// `true`: an admin's view, every schedule of its tenant (an operator's: all).
+    all: Option<String>,
+}
+
 fn schedule_id(raw: &str) -> Result<Uuid, ApiError> {
     raw.parse().map_err(|_| ApiError::bad_request(format!("schedule id {raw:?} is not a UUID")))
 }
@@ -67,15 +88,27 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(created)))
 }
 
-/// `GET /v1/schedules?limit&after`: oldest first.
+/// `GET /v1/schedules?limit&after&all`: oldest first; the caller's own, or
+/// with `all=true` (admins) every schedule it may change.
 pub async fn list(
     State(state): State<AppState>,
     Auth(p): Auth,
-    ApiQuery(q): ApiQuery<PageQuery>,
+    ApiQuery(q): ApiQuery<ListQuery>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let page = q.page(SCHEDULES_PAGE_MAX as usize)?;
+    let page = PageQuery::new(q.limit, q.after).page(SCHEDULES_PAGE_MAX as usize)?;
     let after = page.after_as::<Uuid>()?;
-    let mut rows = schedules::list(&state.pool, &p.user_id, after, page.fetch()).await?;
+    let scope = match q.all.as_deref() {
+        None | Some("false") => schedules::Scope::Owner(&p.user_id),
+        Some("true") if p.admin => scope(&p),
+        Some("true") => {
+            return Err(ApiError::new(
+                super::ErrorCode::Forbidden,
+                "all=true lists a tenant's schedules: admin tokens only",
+            ))
+        }
+        Some(other) => return Err(ApiError::bad_request(format!("all must be true or false, not {other:?}"))),
+    };
+    let mut rows = schedules::list(&state.pool, scope, after, page.fetch()).await?;
     let next_cursor = page.finish(&mut rows, |s| s.id.to_string());
     Ok(Json(json!({ "schedules": rows, "next_cursor": next_cursor })))
 }
@@ -87,7 +120,7 @@ pub async fn pause(
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let id = schedule_id(&id)?;
-    let s = schedules::set_paused(&state.pool, id, &p.user_id, true, None).await?;
+    let s = schedules::set_paused(&state.pool, id, scope(&p), true, None).await?;
     let s = s.or_not_found(format!("schedule {id}"))?;
     super::audit::record(&state, &p, crate::db::audit::action::SCHEDULE_PAUSED, id, json!({})).await;
     Ok(Json(s))
@@ -101,9 +134,9 @@ pub async fn resume(
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let id = schedule_id(&id)?;
-    let s = schedules::get(&state.pool, id, &p.user_id).await?.or_not_found(format!("schedule {id}"))?;
+    let s = schedules::get(&state.pool, id, scope(&p)).await?.or_not_found(format!("schedule {id}"))?;
     let next = service::next_after(&s.cron, &s.timezone, chrono::Utc::now()).map_err(ApiError::invalid)?;
-    let s = schedules::set_paused(&state.pool, id, &p.user_id, false, next).await?;
+    let s = schedules::set_paused(&state.pool, id, scope(&p), false, next).await?;
     let s = s.or_not_found(format!("schedule {id}"))?;
     super::audit::record(&state, &p, crate::db::audit::action::SCHEDULE_RESUMED, id, json!({})).await;
     Ok(Json(s))
@@ -116,7 +149,7 @@ pub async fn delete(
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let id = schedule_id(&id)?;
-    if !schedules::delete(&state.pool, id, &p.user_id).await? {
+    if !schedules::delete(&state.pool, id, scope(&p)).await? {
         return Err(ApiError::not_found(format!("schedule {id}")));
     }
     super::audit::record(&state, &p, crate::db::audit::action::SCHEDULE_DELETED, id, json!({})).await;

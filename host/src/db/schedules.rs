@@ -71,58 +71,96 @@ pub async fn create(db: impl PgExecutor<'_>, s: &NewSchedule<'_>) -> Result<Sche
     .await
 }
 
-/// `owner_id`'s schedules, oldest first, after the schedule `after`.
+/// Whose schedules a caller may see and change: its own; an admin's, every
+/// schedule of its tenant; an operator's, every schedule.
+#[derive(Debug, Clone, Copy)]
+pub enum Scope<'a> {
+    Owner(&'a str),
+    Tenant(&'a str),
+    All,
+}
+
+impl Scope<'_> {
+    /// `(owner, tenant, all)`, bound as `$2`, `$3`, `$4` of [`SCOPE_FILTER`].
+    fn binds(&self) -> (Option<&str>, Option<&str>, bool) {
+        match *self {
+            Scope::Owner(o) => (Some(o), None, false),
+            Scope::Tenant(t) => (None, Some(t), false),
+            Scope::All => (None, None, true),
+        }
+    }
+}
+
+/// The rows a [`Scope`] reaches.
+const SCOPE_FILTER: &str = "(owner_id = $2 OR tenant_id = $3 OR $4)";
+
+/// The schedules in `scope`, oldest first, after the schedule `after`.
 pub async fn list(
     db: impl PgExecutor<'_>,
-    owner_id: &str,
+    scope: Scope<'_>,
     after: Option<Uuid>,
     limit: i64,
 ) -> Result<Vec<Schedule>, sqlx::Error> {
+    let (owner, tenant, all) = scope.binds();
     sqlx::query_as(&format!(
         "SELECT {COLUMNS} FROM schedule
-         WHERE owner_id = $1
-           AND ($2::uuid IS NULL OR (created_at, id) > (SELECT created_at, id FROM schedule WHERE id = $2))
-         ORDER BY created_at, id LIMIT $3"
+         WHERE {SCOPE_FILTER}
+           AND ($1::uuid IS NULL OR (created_at, id) > (SELECT created_at, id FROM schedule WHERE id = $1))
+         ORDER BY created_at, id LIMIT $5"
     ))
-    .bind(owner_id)
     .bind(after)
+    .bind(owner)
+    .bind(tenant)
+    .bind(all)
     .bind(limit)
     .fetch_all(db)
     .await
 }
 
-pub async fn get(db: impl PgExecutor<'_>, id: Uuid, owner_id: &str) -> Result<Option<Schedule>, sqlx::Error> {
-    sqlx::query_as(&format!("SELECT {COLUMNS} FROM schedule WHERE id = $1 AND owner_id = $2"))
+pub async fn get(db: impl PgExecutor<'_>, id: Uuid, scope: Scope<'_>) -> Result<Option<Schedule>, sqlx::Error> {
+    let (owner, tenant, all) = scope.binds();
+    sqlx::query_as(&format!("SELECT {COLUMNS} FROM schedule WHERE id = $1 AND {SCOPE_FILTER}"))
         .bind(id)
-        .bind(owner_id)
+        .bind(owner)
+        .bind(tenant)
+        .bind(all)
         .fetch_optional(db)
         .await
 }
 
-/// Pauses or resumes one of `owner_id`'s schedules; a resumed one fires next
-/// at `next_fire_at` (missed firings are not caught up).
+/// Pauses or resumes a schedule in `scope`; a resumed one fires next at
+/// `next_fire_at` (missed firings are not caught up).
 pub async fn set_paused(
     db: impl PgExecutor<'_>,
     id: Uuid,
-    owner_id: &str,
+    scope: Scope<'_>,
     paused: bool,
     next_fire_at: Option<DateTime<Utc>>,
 ) -> Result<Option<Schedule>, sqlx::Error> {
+    let (owner, tenant, all) = scope.binds();
     sqlx::query_as(&format!(
-        "UPDATE schedule SET paused = $3, next_fire_at = coalesce($4, next_fire_at)
-         WHERE id = $1 AND owner_id = $2 RETURNING {COLUMNS}"
+        "UPDATE schedule SET paused = $5, next_fire_at = coalesce($6, next_fire_at)
+         WHERE id = $1 AND {SCOPE_FILTER} RETURNING {COLUMNS}"
     ))
     .bind(id)
-    .bind(owner_id)
+    .bind(owner)
+    .bind(tenant)
+    .bind(all)
     .bind(paused)
     .bind(next_fire_at)
     .fetch_optional(db)
     .await
 }
 
-pub async fn delete(db: impl PgExecutor<'_>, id: Uuid, owner_id: &str) -> Result<bool, sqlx::Error> {
-    let done =
-        sqlx::query("DELETE FROM schedule WHERE id = $1 AND owner_id = $2").bind(id).bind(owner_id).execute(db).await?;
+pub async fn delete(db: impl PgExecutor<'_>, id: Uuid, scope: Scope<'_>) -> Result<bool, sqlx::Error> {
+    let (owner, tenant, all) = scope.binds();
+    let done = sqlx::query(&format!("DELETE FROM schedule WHERE id = $1 AND {SCOPE_FILTER}"))
+        .bind(id)
+        .bind(owner)
+        .bind(tenant)
+        .bind(all)
+        .execute(db)
+        .await?;
     Ok(done.rows_affected() == 1)
 }
 
@@ -135,18 +173,53 @@ pub struct DueSchedule {
     pub schedule: Schedule,
 }
 
-/// Due schedules, at most `limit`, locked (`SKIP LOCKED`: another process
-/// firing one is passed over).
-pub async fn due(tx: &mut Transaction<'_, Postgres>, limit: i64) -> Result<Vec<DueSchedule>, sqlx::Error> {
+/// Due schedules, at most `limit`, shared fairly among their tenants: of the
+/// `scan` longest due, each tenant's oldest first, then each tenant's next,
+/// and so on; locked (`SKIP LOCKED`: another process firing one is passed
+/// over), and still due when locked.
+pub async fn due(tx: &mut Transaction<'_, Postgres>, limit: i64, scan: i64) -> Result<Vec<DueSchedule>, sqlx::Error> {
     sqlx::query_as(&format!(
         "SELECT owner_id, tenant_id, {COLUMNS}
-         FROM schedule WHERE NOT paused AND next_fire_at <= now()
-         ORDER BY next_fire_at LIMIT $1
+         FROM schedule
+         WHERE id IN (
+             SELECT id FROM (
+                 SELECT id, next_fire_at,
+                        row_number() OVER (PARTITION BY tenant_id ORDER BY next_fire_at) AS turn
+                 FROM (SELECT id, tenant_id, next_fire_at FROM schedule
+                       WHERE NOT paused AND next_fire_at <= now()
+                       ORDER BY next_fire_at LIMIT $2) d
+             ) ranked
+             ORDER BY turn, next_fire_at LIMIT $1)
+           AND NOT paused AND next_fire_at <= now()
+         ORDER BY next_fire_at
          FOR UPDATE SKIP LOCKED"
     ))
     .bind(limit)
+    .bind(scan)
     .fetch_all(&mut **tx)
     .await
+}
+
+/// A firing a quota held: tried again at `again`.
+pub async fn hold(tx: &mut Transaction<'_, Postgres>, id: Uuid, again: DateTime<Utc>) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE schedule SET next_fire_at = $2 WHERE id = $1").bind(id).bind(again).execute(&mut **tx).await?;
+    Ok(())
+}
+
+/// Pauses a schedule whose owner holds no valid token.
+pub async fn pause_orphaned(tx: &mut Transaction<'_, Postgres>, id: Uuid) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE schedule SET paused = true WHERE id = $1").bind(id).execute(&mut **tx).await?;
+    Ok(())
+}
+
+/// How many schedules `tenant` has, counted under a per-tenant lock held to
+/// the end of the transaction (so a concurrent create waits for this one).
+pub async fn count_for_tenant_locked(tx: &mut Transaction<'_, Postgres>, tenant: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('schedule-tenant:' || $1))")
+        .bind(tenant)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query_scalar("SELECT count(*) FROM schedule WHERE tenant_id = $1").bind(tenant).fetch_one(&mut **tx).await
 }
 
 /// Records a firing and the next one (`None`: the expression never fires

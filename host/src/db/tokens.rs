@@ -181,6 +181,21 @@ pub async fn is_valid(db: impl PgExecutor<'_>, id: Uuid) -> Result<bool, sqlx::E
     .await
 }
 
+/// Of `users`, those holding at least one valid token (neither revoked nor expired).
+pub async fn users_with_valid_tokens(
+    db: impl PgExecutor<'_>,
+    users: &[String],
+) -> Result<std::collections::HashSet<String>, sqlx::Error> {
+    let rows: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT user_id FROM api_token
+         WHERE user_id = ANY($1) AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now())",
+    )
+    .bind(users)
+    .fetch_all(db)
+    .await?;
+    Ok(rows.into_iter().collect())
+}
+
 /// Tokens within `scope`, oldest first; at most `limit` (callers ask
 /// [`LIST_MAX`]` + 1` to tell a truncated list).
 pub async fn list(db: impl PgExecutor<'_>, scope: Scope<'_>, limit: i64) -> Result<Vec<TokenInfo>, sqlx::Error> {

@@ -120,6 +120,8 @@ struct State {
     events: u64,
     /// Bytes appended to the journal (kinds and payloads, every event).
     journal_bytes: u64,
+    /// Calls of the host interface a guest made.
+    host_calls: u64,
     /// Tool calls made: the next call's ordinal is this plus one.
     tool_calls: u64,
     usage: Usage,
@@ -260,6 +262,21 @@ impl RunHost {
         };
         if n > max {
             return Err(self.limit(format!("more than {max} events")));
+        }
+        Ok(())
+    }
+
+    /// Counts one call of the host interface by a guest against the
+    /// plugin's `host_calls_max`; past it the run will end failed (`limit`).
+    pub fn count_host_call(&self) -> Result<(), HostError> {
+        let max = self.inner.manifest.limits.host_calls_max;
+        let n = {
+            let mut s = self.state();
+            s.host_calls += 1;
+            s.host_calls
+        };
+        if n > max {
+            return Err(self.limit(format!("more than {max} host calls")));
         }
         Ok(())
     }

@@ -71,6 +71,11 @@ pub struct Limits {
     pub recorded_calls_max: u64,
     /// How long a call waits for its approval before it is rejected.
     pub approval_timeout_ms: u64,
+    /// Calls of the host interface one run may make (events, tool calls,
+    /// cancel checks, tool lists): the host's own work a guest can ask for,
+    /// beyond the CPU its own code takes. Past it the run ends failed with
+    /// reason `limit`.
+    pub host_calls_max: u64,
 }
 
 pub const MEMORY_BYTES_DEFAULT: u64 = 64 << 20;
@@ -82,6 +87,7 @@ pub const WALL_MS_CEILING: u64 = 24 * 3_600_000;
 pub const PAYLOAD_BYTES_CEILING: u64 = 16 << 20;
 pub const EVENTS_CEILING: u64 = 10_000_000;
 pub const JOURNAL_BYTES_CEILING: u64 = 1 << 30;
+pub const HOST_CALLS_CEILING: u64 = 100_000_000;
 pub const TOOL_CALLS_CEILING: u64 = 100_000;
 pub const TOOL_TIMEOUT_MS_CEILING: u64 = 3_600_000;
 pub const RECORDED_CALLS_CEILING: u64 = 1_000_000;
@@ -103,6 +109,7 @@ impl Default for Limits {
             tool_timeout_ms: 300_000,
             recorded_calls_max: 100_000,
             approval_timeout_ms: 24 * 3_600_000,
+            host_calls_max: 1_000_000,
         }
     }
 }
@@ -121,6 +128,7 @@ impl Manifest {
             ("payload_bytes", l.payload_bytes, PAYLOAD_BYTES_CEILING),
             ("events_max", l.events_max, EVENTS_CEILING),
             ("journal_bytes_max", l.journal_bytes_max, JOURNAL_BYTES_CEILING),
+            ("host_calls_max", l.host_calls_max, HOST_CALLS_CEILING),
             ("tool_calls_max", l.tool_calls_max, TOOL_CALLS_CEILING),
             ("tool_timeout_ms", l.tool_timeout_ms, TOOL_TIMEOUT_MS_CEILING),
             ("recorded_calls_max", l.recorded_calls_max, RECORDED_CALLS_CEILING),

@@ -32,6 +32,9 @@ macro_rules! host_interface {
                 kind: String,
                 payload: String,
             ) -> wasmtime::Result<Result<(), $types::HostError>> {
+                if let Err(e) = self.host.count_host_call() {
+                    return Ok(Err($to_wit(e)));
+                }
                 Ok(self.host.emit_event_json(&kind, &payload).await.map_err($to_wit))
             }
 
@@ -40,10 +43,16 @@ macro_rules! host_interface {
                 name: String,
                 args: String,
             ) -> wasmtime::Result<Result<String, $types::HostError>> {
+                if let Err(e) = self.host.count_host_call() {
+                    return Ok(Err($to_wit(e)));
+                }
                 Ok(self.host.call_tool(&name, &args).await.map_err($to_wit))
             }
 
             async fn check_cancel(&mut self) -> wasmtime::Result<bool> {
+                // No error to answer with: past the limit the guest traps,
+                // and the run ends failed with the limit it hit.
+                self.host.count_host_call().map_err(|e| wasmtime::format_err!("{e}"))?;
                 Ok(self.host.check_cancel())
             }
 
@@ -56,6 +65,7 @@ host_interface!(wit_host, wit_types, to_wit);
 // 0.2.0 adds `list-tools`; a 0.1.0 component gets no new import.
 host_interface!(wit_host_v2, wit_types_v2, to_wit_v2, {
     async fn list_tools(&mut self) -> wasmtime::Result<Vec<wit_types_v2::ToolInfo>> {
+        self.host.count_host_call().map_err(|e| wasmtime::format_err!("{e}"))?;
         // A refusal (the run ended, a limit) leaves the list empty: the next
         // import the guest makes gets the refusal itself.
         let tools = self.host.list_tools().await.unwrap_or_default();

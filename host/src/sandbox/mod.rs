@@ -537,12 +537,14 @@ impl WasmAgent {
             // Nothing is granted: no preopens, no environment, no network.
             let mut wasi = WasiCtx::builder();
             wasi.stdout(stdout.clone()).stderr(stderr.clone());
+            // One call's random bytes are an allocation of the host's.
+            wasi.max_random_size(RANDOM_BYTES_MAX);
             // A resumable run's clocks and random numbers replay on resume.
             clocks::install(&mut wasi, host);
             let guest = Guest {
                 wasi: wasi.build(),
-                table: ResourceTable::new(),
-                limiter: MemoryLimiter { memory_max: limits.memory_bytes as usize, denied: false },
+                table: resource_table(),
+                limiter: MemoryLimiter::new(limits.memory_bytes as usize),
                 host: host.clone(),
                 cpu_ticks: 0,
                 cpu_exceeded: false,
@@ -727,25 +729,53 @@ impl Components for Sandbox {
     }
 }
 
+/// A guest's output in the host's log: one field, escaped (its line
+/// breaks and control characters written as `\n`, `\u{1b}`, ...), so a guest
+/// cannot forge log lines of its own.
 fn log_output(run_id: crate::db::RunId, stream: &str, out: &output::CappedOutput) {
     let (kept, dropped) = out.contents();
     if !kept.is_empty() {
         let text = String::from_utf8_lossy(&kept);
-        tracing::info!(%run_id, stream, bytes = kept.len(), dropped_bytes = dropped, "guest output:\n{text}");
+        let output = text.escape_debug().to_string();
+        tracing::info!(%run_id, stream, bytes = kept.len(), dropped_bytes = dropped, %output, "guest output");
     }
 }
 
+/// Bytes one `get-random-bytes` call may ask for (WASI's default is 64 MiB).
+pub const RANDOM_BYTES_MAX: u64 = 1 << 20;
+/// Resources (streams, pollables, ...) one guest may hold at once (wasmtime's
+/// default is a million).
+pub const RESOURCES_MAX: usize = 10_000;
+
+fn resource_table() -> ResourceTable {
+    let mut table = ResourceTable::new();
+    table.set_max_capacity(RESOURCES_MAX);
+    table
+}
+
+/// The manifest's `memory_bytes` over every linear memory of the guest
+/// together: a component may have several, and each is counted.
 struct MemoryLimiter {
     memory_max: usize,
+    /// The memories' sizes together, as granted so far.
+    total: usize,
     denied: bool,
 }
 
+impl MemoryLimiter {
+    fn new(memory_max: usize) -> Self {
+        MemoryLimiter { memory_max, total: 0, denied: false }
+    }
+}
+
 impl wasmtime::ResourceLimiter for MemoryLimiter {
-    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
-        if desired > self.memory_max {
+    fn memory_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        let total = self.total.saturating_sub(current).saturating_add(desired);
+        if total > self.memory_max {
             self.denied = true;
             return Ok(false);
         }
+        self.total = total;
         Ok(true)
     }
 
@@ -777,6 +807,17 @@ mod tests {
 
     fn call(id: &str, name: &str) -> wit_types_v2::ClientCall {
         wit_types_v2::ClientCall { call_id: id.into(), name: name.into(), arguments: "{}".into() }
+    }
+
+    #[test]
+    fn the_memory_limit_holds_for_every_memory_together() {
+        use wasmtime::ResourceLimiter;
+        let mut l = MemoryLimiter::new(10 << 20);
+        assert!(l.memory_growing(0, 6 << 20, None).unwrap(), "a first memory of 6 MiB");
+        assert!(!l.memory_growing(0, 6 << 20, None).unwrap(), "a second of 6 MiB passes 10 together");
+        assert!(l.denied);
+        assert!(l.memory_growing(0, 4 << 20, None).unwrap(), "a second of 4 MiB fits");
+        assert!(!l.memory_growing(6 << 20, 7 << 20, None).unwrap(), "the first may not grow past the sum");
     }
 
     #[test]

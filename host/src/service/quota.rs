@@ -1,5 +1,5 @@
-//! Per-tenant quotas and rate limits, configured by the operator, every one
-//! off by default:
+//! Per-tenant quotas and rate limits, configured by the operator (off by
+//! default, but for streams):
 //!
 //! - queued runs a tenant may have at most, across all processes: checked in
 //!   the enqueue transaction under a per-tenant lock (`db::lifecycle`), so
@@ -8,7 +8,10 @@
 //! - enqueues per second per tenant: a token bucket (`governor`'s GCRA) in
 //!   each process. A burst past it is shaped: a request waits for its token
 //!   up to [`SHAPE_WAIT_MAX`]; only one that would wait longer is refused;
-//! - live streams per user, counted in each process (see [`StreamGuard`]).
+//! - live streams and waits per user and per tenant, counted in each process
+//!   (see [`StreamGuard`]): an SSE stream, a Responses stream and a blocking
+//!   Responses request each hold one place while they last. On by default
+//!   (`--user-max-streams`, `--tenant-max-streams`).
 //!
 //! Past a limit the caller gets a [`QuotaExceeded`] (the API answers 429
 //! `quota_exceeded` with `Retry-After`), counted by tenant and limit for
@@ -39,6 +42,7 @@ pub enum Limit {
     QueuedRuns,
     EnqueueRate,
     UserStreams,
+    TenantStreams,
 }
 
 impl Limit {
@@ -47,6 +51,7 @@ impl Limit {
             Limit::QueuedRuns => "queued_runs",
             Limit::EnqueueRate => "enqueue_rate",
             Limit::UserStreams => "user_streams",
+            Limit::TenantStreams => "tenant_streams",
         }
     }
 }
@@ -69,7 +74,13 @@ pub struct QuotaConfig {
     /// The bucket's size (default: one second's worth).
     pub tenant_enqueue_burst: Option<NonZeroU32>,
     pub user_max_streams: Option<u32>,
+    pub tenant_max_streams: Option<u32>,
 }
+
+/// Live streams and waits one user may hold on one process, by default.
+pub const USER_MAX_STREAMS_DEFAULT: u32 = 64;
+/// Live streams and waits one tenant's users may hold on one process, by default.
+pub const TENANT_MAX_STREAMS_DEFAULT: u32 = 1000;
 
 /// The process's quota state: the config, the rate buckets, the live
 /// streams per user and the refusal counts.
@@ -128,24 +139,30 @@ impl Quotas {
         }
     }
 
-    /// A live stream for `user` (of `tenant`), if under the per-user bound;
-    /// dropping the guard gives the place back.
+    /// A live stream (or a wait) for `user` of `tenant`, if under the
+    /// per-user and per-tenant bounds; dropping the guard gives the place back.
     pub fn stream(&self, tenant: &str, user: &str) -> Result<StreamGuard, QuotaExceeded> {
+        let (user_key, tenant_key) = (format!("u:{user}"), format!("t:{tenant}"));
         let mut streams = self.streams.lock().unwrap();
-        let n = streams.entry(user.to_string()).or_default();
-        if let Some(max) = self.config.user_max_streams {
-            if *n >= max {
-                drop(streams);
-                return Err(self.refuse(
-                    tenant,
-                    Limit::UserStreams,
-                    format!("user {user:?} has {max} live streams on this process, the most allowed"),
-                    STREAMS_RETRY_AFTER_S,
-                ));
-            }
+        let held = |k: &str| streams.get(k).copied().unwrap_or(0);
+        let refusal = match (self.config.user_max_streams, self.config.tenant_max_streams) {
+            (Some(max), _) if held(&user_key) >= max => Some((
+                Limit::UserStreams,
+                format!("user {user:?} has {max} live streams on this process, the most allowed"),
+            )),
+            (_, Some(max)) if held(&tenant_key) >= max => Some((
+                Limit::TenantStreams,
+                format!("tenant {tenant:?} has {max} live streams on this process, the most allowed"),
+            )),
+            _ => None,
+        };
+        if let Some((limit, message)) = refusal {
+            drop(streams);
+            return Err(self.refuse(tenant, limit, message, STREAMS_RETRY_AFTER_S));
         }
-        *n += 1;
-        Ok(StreamGuard { streams: self.streams.clone(), user: user.to_string() })
+        *streams.entry(user_key.clone()).or_default() += 1;
+        *streams.entry(tenant_key.clone()).or_default() += 1;
+        Ok(StreamGuard { streams: self.streams.clone(), keys: [user_key, tenant_key] })
     }
 
     /// The refusal of `limit` for `tenant`, counted.
@@ -166,19 +183,22 @@ impl Quotas {
     }
 }
 
-/// One live stream of a user; its drop gives the place back.
+/// One live stream (or wait) of a user and its tenant; its drop gives both
+/// places back.
 pub struct StreamGuard {
     streams: Arc<Mutex<HashMap<String, u32>>>,
-    user: String,
+    keys: [String; 2],
 }
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
         let mut streams = self.streams.lock().unwrap();
-        if let Some(n) = streams.get_mut(&self.user) {
-            *n -= 1;
-            if *n == 0 {
-                streams.remove(&self.user);
+        for key in &self.keys {
+            if let Some(n) = streams.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    streams.remove(key);
+                }
             }
         }
     }
@@ -197,5 +217,16 @@ mod tests {
         drop(first);
         let _again = q.stream("t", "alice").unwrap();
         assert_eq!(q.refusals(), vec![("t".to_string(), "user_streams", 1)]);
+    }
+
+    #[test]
+    fn streams_per_tenant_are_bounded_across_its_users() {
+        let q = Quotas::new(QuotaConfig { tenant_max_streams: Some(2), ..QuotaConfig::default() });
+        let a = q.stream("evil", "a").unwrap();
+        let _b = q.stream("evil", "b").unwrap();
+        assert_eq!(q.stream("evil", "c").err().unwrap().limit, Limit::TenantStreams);
+        let _good = q.stream("good", "g").unwrap();
+        drop(a);
+        let _c = q.stream("evil", "c").unwrap();
     }
 }

@@ -23,6 +23,40 @@ use super::submit::{self, Busy, LocalWorker, Policy, Submission, SubmitError, CO
 
 /// Schedules one pass fires at most (the next pass takes the rest).
 pub const FIRE_BATCH_MAX: i64 = 100;
+/// Due schedules one pass looks at to share its batch fairly among their
+/// tenants (each tenant's oldest first, then the next of each, ...).
+pub const FIRE_SCAN_MAX: i64 = 10 * FIRE_BATCH_MAX;
+/// How long a firing a quota held waits before it is tried again: it does
+/// not keep its place at the head of every pass.
+pub const HELD_BACKOFF: Duration = Duration::from_secs(30);
+/// Schedules one tenant may have, by default.
+pub const TENANT_MAX_SCHEDULES_DEFAULT: u32 = 100;
+/// The shortest time between two firings of one schedule, by default.
+pub const MIN_INTERVAL_DEFAULT: Duration = Duration::from_secs(60);
+/// Firings of a new schedule checked against the minimum interval.
+const INTERVAL_CHECKS: usize = 16;
+
+/// What schedules a tenant may have (the operator's `--tenant-max-schedules`
+/// and `--schedule-min-interval-s`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulePolicy {
+    pub tenant_max: u32,
+    pub min_interval: Duration,
+}
+
+impl Default for SchedulePolicy {
+    fn default() -> Self {
+        SchedulePolicy { tenant_max: TENANT_MAX_SCHEDULES_DEFAULT, min_interval: MIN_INTERVAL_DEFAULT }
+    }
+}
+
+/// The shortest gap between the next [`INTERVAL_CHECKS`] firings of `cron`
+/// in `timezone` after `after` (`None`: it fires less often than that).
+fn shortest_gap(cron: &str, timezone: &str, after: DateTime<Utc>) -> Result<Option<chrono::Duration>, String> {
+    let (schedule, tz) = (parse_cron(cron)?, parse_timezone(timezone)?);
+    let times: Vec<_> = schedule.after(&after.with_timezone(&tz)).take(INTERVAL_CHECKS).collect();
+    Ok(times.windows(2).map(|w| w[1].clone() - w[0].clone()).min())
+}
 /// Bytes of a cron expression.
 const CRON_BYTES_MAX: usize = 200;
 
@@ -105,6 +139,17 @@ pub async fn create(
     let next = next_after(&r.cron, &timezone, Utc::now())
         .map_err(invalid)?
         .ok_or_else(|| invalid(format!("cron {:?} never fires", r.cron)))?;
+    let min = policy.schedules.min_interval;
+    if let Some(gap) = shortest_gap(&r.cron, &timezone, Utc::now()).map_err(invalid)? {
+        if gap.to_std().unwrap_or_default() < min {
+            return Err(invalid(format!(
+                "cron {:?} fires every {} s; the shortest interval this host allows is {} s",
+                r.cron,
+                gap.num_seconds(),
+                min.as_secs()
+            )));
+        }
+    }
     let new = NewSchedule {
         owner: &r.owner,
         plugin: &r.plugin,
@@ -116,7 +161,20 @@ pub async fn create(
         webhook: r.webhook.as_deref(),
         next_fire_at: next,
     };
-    Ok(schedules::create(pool, &new).await?)
+    // The tenant's cap, counted under its lock: two creates cannot both
+    // take the last place.
+    let mut tx = pool.begin().await?;
+    let held = schedules::count_for_tenant_locked(&mut tx, &r.owner.tenant_id).await?;
+    let max = policy.schedules.tenant_max;
+    if held >= i64::from(max) {
+        return Err(invalid(format!(
+            "tenant {:?} has {held} schedules, the most this host allows ({max}); delete one first",
+            r.owner.tenant_id
+        )));
+    }
+    let created = schedules::create(&mut *tx, &new).await?;
+    tx.commit().await?;
+    Ok(created)
 }
 
 /// Fires every due schedule once (at most [`FIRE_BATCH_MAX`]): one run each,
@@ -130,12 +188,25 @@ pub async fn fire_due(
     local: Option<&dyn LocalWorker>,
 ) -> Result<usize, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let due = schedules::due(&mut tx, FIRE_BATCH_MAX).await?;
+    let due = schedules::due(&mut tx, FIRE_BATCH_MAX, FIRE_SCAN_MAX).await?;
     // The database's clock, the one `due` compared with: a host clock behind
     // it would fire again at once, one ahead would skip a firing.
     let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()").fetch_one(&mut *tx).await?;
+    // A schedule fires for its owner only while the owner holds a valid
+    // token: once every token of theirs is revoked or expired, it pauses.
+    let owners: Vec<String> = due.iter().map(|d| d.owner_id.clone()).collect();
+    let valid = crate::db::tokens::users_with_valid_tokens(&mut *tx, &owners).await?;
     for due in &due {
         let s = &due.schedule;
+        if !valid.contains(&due.owner_id) {
+            tracing::warn!(schedule = %s.id, owner = %due.owner_id, "a schedule's owner has no valid token; pausing it");
+            schedules::pause_orphaned(&mut tx, s.id).await?;
+            let actor = crate::db::audit::Actor { user: "host".into(), tenant: None, token: None };
+            let detail = json!({ "reason": "its owner has no valid token" });
+            let action = crate::db::audit::action::SCHEDULE_PAUSED;
+            crate::db::audit::record(&mut *tx, &actor, action, Some(&due.tenant_id), &s.id.to_string(), detail).await?;
+            continue;
+        }
         let fire_at = s.next_fire_at;
         let submission = Submission {
             owner: Owner { user_id: due.owner_id.clone(), tenant_id: due.tenant_id.clone() },
@@ -156,10 +227,12 @@ pub async fn fire_due(
                 tracing::warn!(schedule = %s.id, error = %e, "a schedule's firing failed; trying again next tick");
                 continue;
             }
-            // Past a tenant quota (counted in /metrics): the same firing is
-            // tried again next tick, not dropped.
+            // Past a tenant quota (counted in /metrics): tried again after a
+            // backoff, not dropped; meanwhile it does not head every pass.
             Err(SubmitError::Quota(e)) => {
-                tracing::info!(schedule = %s.id, error = %e.message, "a schedule's firing is held by a quota; trying again next tick");
+                tracing::info!(schedule = %s.id, error = %e.message, "a schedule's firing is held by a quota; trying again after a backoff");
+                let again = now + chrono::Duration::from_std(HELD_BACKOFF).expect("a short backoff");
+                schedules::hold(&mut tx, s.id, again).await?;
                 continue;
             }
             Err(e) => {

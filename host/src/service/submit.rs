@@ -62,6 +62,8 @@ pub struct Policy {
     pub webhook_allow: Vec<String>,
     /// Per-tenant queue quota and enqueue rate (off by default).
     pub quotas: Quotas,
+    /// What schedules a tenant may have.
+    pub schedules: super::schedules::SchedulePolicy,
 }
 
 impl Policy {

@@ -43,17 +43,28 @@ impl Shares {
     }
 
     /// The runs `tenant` may hold on this process at most.
+    #[cfg(test)]
     pub fn cap(&self, tenant: &str) -> usize {
-        let pct = self.overrides.read().unwrap().get(tenant).copied().unwrap_or(self.default_pct);
-        cap_of(self.slots, pct)
+        self.cap_in(&self.overrides.read().unwrap(), tenant)
     }
 
-    /// Replaces the operator's shares (percent, 1-100; others are ignored).
+    /// [`Shares::cap`] with the operator's shares already read: the read
+    /// lock is taken once per claim (taken twice, the second could wait
+    /// forever behind a writer waiting for the first).
+    fn cap_in(&self, overrides: &HashMap<String, u8>, tenant: &str) -> usize {
+        cap_of(self.slots, overrides.get(tenant).copied().unwrap_or(self.default_pct))
+    }
+
+    /// Replaces the operator's shares (percent, 1-100; others are ignored);
+    /// locked for writing only when they changed.
     pub fn set_overrides(&self, shares: impl IntoIterator<Item = (String, i32)>) {
-        let map = shares
+        let map: HashMap<String, u8> = shares
             .into_iter()
-            .filter_map(|(t, p)| u8::try_from(p).ok().filter(|p| (1..=100).contains(p)).map(|p| (t, p)));
-        *self.overrides.write().unwrap() = map.collect();
+            .filter_map(|(t, p)| u8::try_from(p).ok().filter(|p| (1..=100).contains(p)).map(|p| (t, p)))
+            .collect();
+        if *self.overrides.read().unwrap() != map {
+            *self.overrides.write().unwrap() = map;
+        }
     }
 
     /// The rooms for a claim of up to `limit` rows, given the runs this
@@ -67,9 +78,10 @@ impl Shares {
             before
         };
         let reservation = Reservation { shares: self.clone(), rows: limit };
+        let overrides = self.overrides.read().unwrap();
         let room = |tenant: &str| {
             let holds = held.get(tenant).copied().unwrap_or(0);
-            self.cap(tenant).saturating_sub(holds + pending) as i64
+            self.cap_in(&overrides, tenant).saturating_sub(holds + pending) as i64
         };
         let limit = limit as i64;
         let mut rooms = Rooms::default();
@@ -77,7 +89,6 @@ impl Shares {
         rooms.default = (default < limit).then_some(default);
         // A tenant is named when its room differs from what an unnamed one gets.
         let unnamed = default.min(limit);
-        let overrides = self.overrides.read().unwrap();
         for tenant in held.keys().chain(overrides.keys()) {
             let r = room(tenant).min(limit);
             if r != unnamed && !rooms.tenants.contains(tenant) {
@@ -85,6 +96,7 @@ impl Shares {
                 rooms.slots.push(r);
             }
         }
+        drop(overrides);
         (rooms, reservation)
     }
 }
@@ -150,6 +162,37 @@ mod tests {
         drop((first, second));
         let (rooms, _r) = shares.reserve(&held(&[]), 2);
         assert_eq!(rooms.default, None);
+    }
+
+    /// The heartbeat replaces the shares while claims read them: a claim
+    /// that took the read lock twice could wait forever behind the writer
+    /// waiting for its first (every worker thread of a process stopped so).
+    #[test]
+    fn shares_replaced_while_claims_read_them_never_deadlock() {
+        let shares = Arc::new(Shares::new(16, 75));
+        let writer = {
+            let shares = shares.clone();
+            std::thread::spawn(move || {
+                for i in 0..20_000 {
+                    shares.set_overrides([("t".to_string(), 10 + (i % 2))]);
+                }
+            })
+        };
+        let reader = {
+            let shares = shares.clone();
+            std::thread::spawn(move || {
+                for _ in 0..20_000 {
+                    let (_rooms, _r) = shares.reserve(&held(&[("a", 1), ("t", 1)]), 4);
+                }
+            })
+        };
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            writer.join().unwrap();
+            reader.join().unwrap();
+            let _ = done_tx.send(());
+        });
+        done_rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the shares deadlocked");
     }
 
     #[test]
