@@ -45,12 +45,32 @@ pub struct Secrets {
     /// environment: what redaction looks for (URL pieces such as hosts and
     /// ports are not secrets and are left alone).
     values: Vec<String>,
+    /// Every form of every value ([`forms`]), longest first.
+    forms: Vec<String>,
 }
 
 impl fmt::Debug for Secrets {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Secrets").field("named", &self.named.keys().collect::<Vec<_>>()).finish()
     }
+}
+
+/// The forms a secret may take in a text: as is, escaped inside a JSON
+/// string (once, and twice: JSON carried inside a JSON string),
+/// percent-encoded (in a URL or a form) and in base64 (standard and URL
+/// alphabets, as a Basic credential or a token carries it).
+fn forms(v: &str) -> Vec<String> {
+    use base64::Engine;
+    let once = serde_json::to_string(v).unwrap_or_default();
+    let once = once.trim_matches('"').to_string();
+    let twice = serde_json::to_string(&once).unwrap_or_default().trim_matches('"').to_string();
+    let percent = percent_encoding::utf8_percent_encode(v, percent_encoding::NON_ALPHANUMERIC).to_string();
+    let b64 = base64::engine::general_purpose::STANDARD_NO_PAD.encode(v);
+    let b64url = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v);
+    let mut all = vec![v.to_string(), once, twice, percent, b64, b64url];
+    all.dedup();
+    all.retain(|f| !f.is_empty());
+    all
 }
 
 /// A secret shorter than this is refused at start: redacting it would cut
@@ -67,18 +87,13 @@ impl Secrets {
         self.named.contains_key(name)
     }
 
-    /// `text` (an error or a log line, not JSON) with every secret value (as
-    /// is, and as escaped inside a JSON string) replaced by `<redacted>`.
+    /// `text` (an error or a log line, not JSON) with every secret value (in
+    /// each of its [`forms`]) replaced by `<redacted>`.
     pub fn redact(&self, text: &str) -> String {
         let mut out = text.to_string();
-        for v in &self.values {
-            if out.contains(v.as_str()) {
-                out = out.replace(v.as_str(), "<redacted>");
-            }
-            let escaped = serde_json::to_string(v).unwrap_or_default();
-            let escaped = escaped.trim_matches('"');
-            if escaped != v && out.contains(escaped) {
-                out = out.replace(escaped, "<redacted>");
+        for form in &self.forms {
+            if out.contains(form.as_str()) {
+                out = out.replace(form.as_str(), "<redacted>");
             }
         }
         out
@@ -91,10 +106,7 @@ impl Secrets {
         if self.values.is_empty() {
             return value;
         }
-        let cut = |s: String| match self.values.iter().any(|v| s.contains(v.as_str())) {
-            true => self.values.iter().fold(s, |s, v| s.replace(v.as_str(), "<redacted>")),
-            false => s,
-        };
+        let cut = |s: String| self.redact(&s);
         match value {
             Value::String(s) => Value::String(cut(s)),
             Value::Array(items) => Value::Array(items.into_iter().map(|v| self.redact_value(v)).collect()),
@@ -112,6 +124,9 @@ impl Secrets {
     pub fn add_value(&mut self, value: &str) {
         if !self.values.iter().any(|v| v == value) {
             self.values.push(value.to_string());
+            self.forms.extend(forms(value));
+            self.forms.sort_by_key(|f| std::cmp::Reverse(f.len()));
+            self.forms.dedup();
         }
     }
 
@@ -119,5 +134,32 @@ impl Secrets {
     pub fn insert(&mut self, name: &str, value: &str) {
         self.named.insert(name.to_string(), value.to_string());
         self.add_value(value);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    /// Issue 40: a secret is cut in every form a text may carry it in.
+    #[test]
+    fn a_secret_is_redacted_in_each_of_its_forms() {
+        use base64::Engine;
+        let mut s = Secrets::default();
+        let secret = "sk-live/abc\"def+ghi";
+        s.add_value(secret);
+        let once = serde_json::to_string(secret).unwrap();
+        let twice = serde_json::to_string(&once).unwrap();
+        let percent = percent_encoding::utf8_percent_encode(secret, percent_encoding::NON_ALPHANUMERIC).to_string();
+        let b64 = base64::engine::general_purpose::STANDARD_NO_PAD.encode(secret);
+        for text in [secret.to_string(), once, twice, percent, b64] {
+            let said = format!("before {text} after");
+            let cut = s.redact(&said);
+            assert!(cut.contains("<redacted>") && !cut.contains("ghi"), "{said} -> {cut}");
+        }
+        let answer = json!({ "nested": [format!("key={secret}")], format!("{secret}"): 1 });
+        assert!(!s.redact_value(answer).to_string().contains("ghi"));
     }
 }

@@ -143,6 +143,19 @@ impl HttpRule {
     }
 }
 
+/// The path a rule's patterns are matched against: `raw` (as the URL
+/// carries it, dot segments already removed) percent-decoded, so an encoded
+/// `..%2F` is seen as the `../` the receiving server may take it for.
+/// `None` when the decoded path still climbs (a `.` or `..` segment), holds
+/// a backslash or a control character, or is not UTF-8: such a path is
+/// refused whatever the patterns say.
+fn decoded_path(raw: &str) -> Option<String> {
+    let decoded = percent_encoding::percent_decode_str(raw).decode_utf8().ok()?.into_owned();
+    let climbs = decoded.split('/').any(|seg| seg == "." || seg == "..");
+    let odd = decoded.chars().any(|c| c == '\\' || c.is_control());
+    (!climbs && !odd).then_some(decoded)
+}
+
 /// Whether `path` matches `pattern`, where `*` matches any run of characters.
 fn path_matches(pattern: &str, path: &str) -> bool {
     let mut parts = pattern.split('*');
@@ -234,12 +247,13 @@ impl Rules {
     fn find(&self, method: &Method, url: &Url) -> Option<&Rule> {
         let host = url.host_str()?.trim_matches(['[', ']']).to_ascii_lowercase();
         let port = url.port_or_known_default()?;
+        let path = decoded_path(url.path())?;
         self.0.iter().find(|r| {
             r.scheme == url.scheme()
                 && r.host == host
                 && r.port == port
                 && r.methods.contains(method)
-                && r.paths.iter().any(|p| path_matches(p, url.path()))
+                && r.paths.iter().any(|p| path_matches(p, &path))
         })
     }
 
@@ -561,6 +575,36 @@ mod tests {
         {
             assert!(blocked(ip.parse().unwrap()).is_none(), "{ip}");
         }
+    }
+
+    /// Issue 40: path rules are matched on the decoded, normalised path: an
+    /// encoded `..%2F` cannot climb out of `/v1/*` on the receiving server.
+    #[test]
+    fn path_rules_see_the_decoded_path() {
+        let rule = HttpRule {
+            url: "https://api.example".into(),
+            methods: default_methods(),
+            paths: vec!["/v1/*".into()],
+            secrets: vec![],
+            allow_ranges: vec![],
+            timeout_ms: 1,
+            max_response_bytes: 1,
+        };
+        let rules = Rules(vec![rule.compile(&Secrets::default()).unwrap()]);
+        let allowed = |u: &str| rules.find(&Method::GET, &Url::parse(u).unwrap()).is_some();
+        assert!(allowed("https://api.example/v1/items"));
+        assert!(allowed("https://api.example/v1/caf%C3%A9"), "an encoded letter is that letter");
+        assert!(!allowed("https://api.example/v1/../admin"), "the URL parser removes plain dot segments");
+        for climbing in [
+            "https://api.example/v1/..%2Fadmin",
+            "https://api.example/v1/%2E%2E/admin",
+            "https://api.example/v1/%2e%2e%2fadmin",
+            "https://api.example/v1/x%5C..%5Cadmin",
+            "https://api.example/v1/%00",
+        ] {
+            assert!(!allowed(climbing), "{climbing}");
+        }
+        assert!(!allowed("https://api.example/v2%2F..%2Fv1/items"), "decoded, it is not under /v1/");
     }
 
     #[test]

@@ -190,6 +190,11 @@ impl ToolRegistry {
             registry.insert(HTTP_TOOL, Arc::new(http::Http::new(&file.http, &file.secrets)?));
         }
         registry.secrets = file.secrets.clone();
+        // The model's API key is a secret too: cut from whatever a guest,
+        // the journal or a log would see.
+        if let Some(key) = llm.api_key.as_deref().filter(|k| k.len() >= checks::SECRET_BYTES_MIN) {
+            registry.secrets.add_value(key);
+        }
         Ok(registry)
     }
 
@@ -632,6 +637,21 @@ pub(crate) mod tests {
         let e = r.invoke(call("parrot", json!({})), &sink, std::future::ready(())).await.unwrap_err();
         assert_eq!(e, HostError::Cancelled);
         assert_eq!(sink.finished()["outcome"], "cancelled");
+    }
+
+    /// Issue 40: the model's API key is redacted like every other secret.
+    #[test]
+    fn the_model_api_key_is_a_secret() {
+        let llm = LlmConfig {
+            base_url: Some("http://127.0.0.1:1/v1".into()),
+            api_key: Some("sk-the-model-key-123".into()),
+            model: "m".into(),
+            timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(1),
+        };
+        let r = ToolRegistry::from_tools(&llm, &ToolsConfig::default()).unwrap();
+        let said = r.secrets.redact("the upstream said: bad key sk-the-model-key-123");
+        assert_eq!(said, "the upstream said: bad key <redacted>");
     }
 
     #[test]
