@@ -70,7 +70,7 @@ fn registry(text: &str, env: &[(&str, &str)]) -> ToolRegistry {
 }
 
 async fn fetch(r: &ToolRegistry, args: Value) -> Result<Value, HostError> {
-    let c = ToolCall { run_id: RunId::new(), call_index: 1, name: "http", args, timeout_max: None };
+    let c = ToolCall { run_id: RunId::new(), call_index: 1, name: "http", args, timeout_max: None, tenant: None };
     r.invoke(c, &Sink::default(), std::future::pending()).await.map(|a| serde_json::from_str(&a).unwrap())
 }
 

@@ -45,7 +45,7 @@ fn registry(servers: Vec<McpConfig>) -> ToolRegistry {
 
 async fn call(r: &ToolRegistry, name: &str, args: Value) -> (Result<Value, HostError>, Value) {
     let sink = Sink::default();
-    let c = ToolCall { run_id: RunId::new(), call_index: 1, name, args, timeout_max: None };
+    let c = ToolCall { run_id: RunId::new(), call_index: 1, name, args, timeout_max: None, tenant: None };
     let answer = r.invoke(c, &sink, std::future::pending()).await;
     (answer.map(|a| serde_json::from_str(&a).unwrap()), sink.finished())
 }
@@ -489,6 +489,7 @@ async fn a_stop_sends_notifications_cancelled_under_2025_11_25() {
         name: "ev.trigger-long-running-operation",
         args,
         timeout_max: None,
+        tenant: None,
     };
     let call_id = || {
         let wire = wire.lock().unwrap();

@@ -82,6 +82,7 @@ fn webhook(name: &str, url: String, timeout_ms: u64) -> WebhookConfig {
         description: None,
         idempotent: false,
         approval: None,
+        tenants: None,
     }
 }
 
@@ -330,4 +331,68 @@ async fn chat_against_a_streaming_chat_completions_endpoint() {
     let journal = journal_payloads(&env.db.pool, run).await;
     assert!(!format!("{journal:?}").contains("sk-model-secret"), "credentials never reach the journal");
     env.host.stop().await;
+}
+
+/// Issue 40: grants are the operator's to give. A tenant admin's upload
+/// whose manifest grants a tool the operator does not grant its tenant (the
+/// tools file's `tenants`, none by default) is refused naming it; a tenant
+/// plugin stored with such a grant before (the operator narrowed it since)
+/// is refused at the call; a published plugin, the operator's own, is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_plugin_may_use_only_the_tools_the_operator_grants_its_tenant() {
+    let db = TestDb::new().await;
+    let text = r#"
+        [[webhook]]
+        name = "crm"
+        url = "http://127.0.0.1:1/crm"
+        tenants = ["acme"]
+        [[webhook]]
+        name = "ops"
+        url = "http://127.0.0.1:1/ops"
+    "#;
+    let lookup = |_: &str| None;
+    let file = agent_host::tools::parse_tools_file_with(text, &lookup).unwrap();
+    let tools = ToolRegistry::from_tools(&LlmConfig::default(), &file).unwrap();
+    let cache = std::env::temp_dir().join(format!("agent-host-cache-{}", std::process::id()));
+    let sandbox = Sandbox::new(db.pool.clone(), Some(cache)).unwrap();
+    let agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(tools);
+    let host = TestHost::start(&db, Some(Hub::start(db.url.clone())), agents, fast_config("w")).await;
+    let admin = agent_host::db::tokens::create(&db.pool, "ada", "acme", true).await.unwrap();
+    let wasm = plugin_wasm("fixtures");
+    let upload = |manifest: Value| {
+        let (ct, body) = support::http::multipart(&[
+            ("name", b"mine".as_slice()),
+            ("component", wasm.as_slice()),
+            ("manifest", manifest.to_string().as_bytes()),
+        ]);
+        host.client
+            .post(format!("{}/v1/plugins", host.base))
+            .bearer_auth(&admin)
+            .header("content-type", ct)
+            .body(body)
+            .send()
+    };
+    let refused = upload(json!({ "tools": ["llm", "ops", "crm"] })).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let body: Value = refused.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.contains("does not grant tenant \"acme\": ops"), "{message}");
+    let accepted = upload(json!({ "tools": ["llm", "crm"] })).await.unwrap();
+    assert_eq!(accepted.status(), StatusCode::CREATED);
+
+    // Stored before the operator narrowed its grant: refused at the call.
+    let actor = agent_host::db::audit::Actor::cli();
+    let manifest = json!({ "tools": ["ops"] });
+    plugins::put_as(&db.pool, &actor, Some("acme"), "legacy", &wasm, &manifest).await.unwrap();
+    let run = host.post_run("legacy", "go", json!({ "mode": "durable", "tool": "ops", "steps": 1 })).await;
+    let view = host.ended(&db.pool, run).await;
+    assert_eq!(view["status"], "failed", "{view}");
+    assert!(view["error"].as_str().unwrap().contains("not granted to tenant \"acme\" by the operator"), "{view}");
+    // The operator's published plugin reaches the tool (which is down here).
+    plugins::put(&db.pool, "published", &wasm, &manifest).await.unwrap();
+    let run = host.post_run("published", "go", json!({ "mode": "durable", "tool": "ops", "steps": 1 })).await;
+    let view = host.ended(&db.pool, run).await;
+    let error = view["error"].as_str().unwrap_or_default();
+    assert!(!error.contains("by the operator") && !error.contains("denied"), "{view}");
+    host.stop().await;
 }

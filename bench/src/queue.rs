@@ -449,6 +449,8 @@ pub fn spawn_serve(url: &str, db_args: &DbArgs) -> anyhow::Result<std::process::
         .arg(&db_args.cache_dir)
         .args(["serve", "--listen", "127.0.0.1:0", "--worker-id", "bench-victim", "--lease-ms", "1000"])
         .args(["--heartbeat-ms", "200", "--reap-grace-ms", "300"])
+        // Its runs are the built-in `sleep` agent's.
+        .arg("--builtin-agents")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())

@@ -356,6 +356,18 @@ pub struct ToolArgs {
     /// and `[secrets]`; `${env:NAME}` takes a value from the environment.
     #[arg(long, env = "AGENT_HOST_TOOLS_FILE")]
     pub tools_file: Option<PathBuf>,
+    /// What a tools-file entry naming no `tenants` grants the tenants' own
+    /// plugins: `none` (only the operator's published plugins may use it)
+    /// or `all` (every tenant's).
+    #[arg(long, env = "AGENT_HOST_TENANT_TOOLS", value_enum, default_value_t = TenantTools::None)]
+    pub tenant_tools: TenantTools,
+}
+
+/// `--tenant-tools`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TenantTools {
+    None,
+    All,
 }
 
 impl ToolArgs {
@@ -368,10 +380,11 @@ impl ToolArgs {
             timeout: Duration::from_millis(self.llm_timeout_ms),
             idle_timeout: Duration::from_millis(self.llm_idle_timeout_ms),
         };
-        let file = match &self.tools_file {
+        let mut file: crate::tools::ToolsConfig = match &self.tools_file {
             Some(path) => crate::tools::load_tools_file(path).map_err(anyhow::Error::msg)?,
             None => Default::default(),
         };
+        file.tenants_default_all = self.tenant_tools == TenantTools::All;
         crate::tools::ToolRegistry::from_tools(&llm, &file).map_err(anyhow::Error::msg)
     }
 }

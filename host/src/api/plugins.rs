@@ -76,6 +76,19 @@ pub async fn upload(
         return Err(ApiError::forbidden("publishing a plugin to every tenant needs an operator token"));
     }
     let tenant = (!published).then_some(p.tenant_id.as_str());
+    // A tenant's own plugin may be granted only what the operator grants
+    // its tenant (the tools file's `tenants`); calls are checked again.
+    if let Some(t) = tenant {
+        let tools = state.agents.tools();
+        let asked: Vec<&str> = manifest["tools"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+        let refused: Vec<&str> = asked.into_iter().filter(|g| !tools.admits(g, t)).collect();
+        if !refused.is_empty() {
+            return Err(ApiError::invalid(format!(
+                "the manifest grants tools the operator does not grant tenant {t:?}: {}",
+                refused.join(", ")
+            )));
+        }
+    }
     let actor = Actor::from(&p);
     let row = registry::register(&state.pool, &sandbox, &actor, tenant, &name, component.into(), &manifest).await?;
     let body = json!({ "name": row.name, "digest": row.digest, "language": row.language, "manifest": row.manifest, "tenant_id": row.tenant_id,

@@ -170,6 +170,16 @@ pub async fn resolve(db: impl PgExecutor<'_>, tenant: &str, name: &str) -> Resul
     .await
 }
 
+/// Whether a published plugin (the operator's, `tenant_id` null) points at
+/// `digest` now. A digest no published name points at any more counts as
+/// its tenant's own: held to the tenant's grants, never to fewer.
+pub async fn is_published_digest(db: impl PgExecutor<'_>, digest: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM plugin WHERE digest = $1 AND tenant_id IS NULL)")
+        .bind(digest)
+        .fetch_one(db)
+        .await
+}
+
 /// Plugins in byte order of their names (`COLLATE "C"`, so callers can
 /// merge them with other names), at most `limit`, after the name `after`
 /// when given: what `tenant` may run (one per name, its own before a

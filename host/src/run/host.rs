@@ -82,6 +82,10 @@ pub struct RunHostParts {
     /// Tools whose calls the run's client asked to wait for approval (its
     /// config's `require_approval`: more than the manifest, never less).
     pub require_approval: Vec<String>,
+    /// The tenant whose own plugin this is (`None`: a published plugin or a
+    /// built-in agent): its calls are held to the operator's grants for
+    /// that tenant too, not only to its manifest's.
+    pub plugin_tenant: Option<String>,
 }
 
 /// The imports of one run. Cheap to clone (a guest's store holds a clone);
@@ -102,6 +106,7 @@ struct Inner {
     manifest: Manifest,
     recording: Option<Recording>,
     require_approval: Vec<String>,
+    plugin_tenant: Option<String>,
     /// Fired when the run must end now with its failure (a replay diverged,
     /// a call's outcome is unknown).
     abort: CancellationToken,
@@ -151,6 +156,7 @@ impl RunHost {
                 manifest: parts.manifest,
                 recording: parts.recording,
                 require_approval: parts.require_approval,
+                plugin_tenant: parts.plugin_tenant,
                 abort: CancellationToken::new(),
                 suspension_settled: CancellationToken::new(),
                 state: Mutex::new(State::default()),
@@ -416,6 +422,13 @@ impl RunHost {
         if !self.inner.manifest.grants(name) {
             return Err(HostError::Denied(format!("tool {name:?} is not granted to this plugin")));
         }
+        if let Some(tenant) = &self.inner.plugin_tenant {
+            if !self.inner.tools.admits(name, tenant) {
+                return Err(HostError::Denied(format!(
+                    "tool {name:?} is not granted to tenant {tenant:?} by the operator"
+                )));
+            }
+        }
         let ordinal = {
             let mut s = self.state();
             s.tool_calls += 1;
@@ -513,6 +526,7 @@ impl RunHost {
             name,
             args,
             timeout_max: Some(Duration::from_millis(limits.tool_timeout_ms)),
+            tenant: self.inner.plugin_tenant.as_deref(),
         };
         let answer = self.inner.tools.invoke(call, self, self.cancelled()).await;
         // Durable before the agent sees it (the call's events are journaled:
@@ -526,18 +540,28 @@ impl RunHost {
         Ok(text)
     }
 
+    /// The manifest's grants the operator lets this plugin's tenant use
+    /// (all of them for a published plugin).
+    fn granted(&self) -> Vec<String> {
+        let grants = self.inner.manifest.tools.iter();
+        match &self.inner.plugin_tenant {
+            None => grants.cloned().collect(),
+            Some(t) => grants.filter(|g| self.inner.tools.admits(g, t)).cloned().collect(),
+        }
+    }
+
     /// `list-tools`: the granted tools this host has, with descriptions and
     /// input schemas (an MCP server down now is left out). A resumable run
     /// records the answer, so a resumed one sees what the first saw.
     pub async fn list_tools(&self) -> Result<Vec<ToolInfo>, HostError> {
         self.ended()?;
         let Some(rec) = &self.inner.recording else {
-            return Ok(self.inner.tools.list(&self.inner.manifest.tools).await);
+            return Ok(self.inner.tools.list(&self.granted()).await);
         };
         // On replay the log answers; the servers are not asked.
         let live = match rec.replaying() {
             true => Vec::new(),
-            false => self.inner.tools.list(&self.inner.manifest.tools).await,
+            false => self.inner.tools.list(&self.granted()).await,
         };
         let to_text = |tools: &[ToolInfo]| {
             let list: Vec<Value> = tools

@@ -55,6 +55,36 @@ impl fmt::Debug for Secrets {
     }
 }
 
+/// The tenants whose own plugins may use an operator's tool (a webhook, an
+/// MCP server, an `http` rule): a tool entry's `tenants`, or the host's
+/// `--tenant-tools` default where it names none. Published plugins (the
+/// operator's own) are not held to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TenantScope {
+    All,
+    Only(Vec<String>),
+}
+
+impl TenantScope {
+    /// The scope an entry's `tenants` gives (`["*"]`: every tenant), or the
+    /// default when it gives none.
+    pub fn of(tenants: &Option<Vec<String>>, default_all: bool) -> Self {
+        match tenants {
+            Some(list) if list.iter().any(|t| t == "*") => TenantScope::All,
+            Some(list) => TenantScope::Only(list.clone()),
+            None if default_all => TenantScope::All,
+            None => TenantScope::Only(Vec::new()),
+        }
+    }
+
+    pub fn admits(&self, tenant: &str) -> bool {
+        match self {
+            TenantScope::All => true,
+            TenantScope::Only(list) => list.iter().any(|t| t == tenant),
+        }
+    }
+}
+
 /// The forms a secret may take in a text: as is, escaped inside a JSON
 /// string (once, and twice: JSON carried inside a JSON string),
 /// percent-encoded (in a URL or a form) and in base64 (standard and URL

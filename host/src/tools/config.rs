@@ -103,6 +103,11 @@ pub struct WebhookConfig {
     /// plugin's manifest says (`"never"`, the default: as the manifest says).
     #[serde(default)]
     pub approval: Option<crate::run::manifest::Approval>,
+    /// The tenants whose own plugins may use it (`["*"]`: every tenant);
+    /// unset: as `--tenant-tools` says (none by default). Published plugins
+    /// (the operator's) may use every tool.
+    #[serde(default)]
+    pub tenants: Option<Vec<String>>,
 }
 
 fn webhook_timeout_ms_default() -> u64 {
@@ -125,6 +130,7 @@ impl fmt::Debug for WebhookConfig {
             .field("description", &self.description)
             .field("idempotent", &self.idempotent)
             .field("approval", &self.approval)
+            .field("tenants", &self.tenants)
             .finish()
     }
 }
@@ -185,6 +191,9 @@ pub struct ToolsConfig {
     pub mcp: Vec<super::mcp::McpConfig>,
     pub http: Vec<super::http::HttpRule>,
     pub secrets: Secrets,
+    /// What an entry naming no `tenants` admits of the tenants' own plugins:
+    /// every tenant (true) or none (`--tenant-tools`, none by default).
+    pub tenants_default_all: bool,
 }
 
 impl fmt::Debug for ToolsConfig {
@@ -311,7 +320,7 @@ pub fn parse_tools_file_with(text: &str, env: &dyn Fn(&str) -> Option<String>) -
     for (i, rule) in file.http.iter().enumerate() {
         rule.check(&secrets).map_err(|e| format!("http rule #{} ({:?}): {e}", i + 1, rule.url))?;
     }
-    Ok(ToolsConfig { webhooks: file.webhook, mcp: file.mcp, http: file.http, secrets })
+    Ok(ToolsConfig { webhooks: file.webhook, mcp: file.mcp, http: file.http, secrets, tenants_default_all: false })
 }
 
 #[cfg(test)]

@@ -58,6 +58,11 @@ pub struct HttpRule {
     pub timeout_ms: u64,
     #[serde(default = "bytes_default")]
     pub max_response_bytes: u64,
+    /// The tenants whose own plugins may call this destination (`["*"]`: every tenant);
+    /// unset: as `--tenant-tools` says (none by default). Published plugins
+    /// (the operator's) may use every tool.
+    #[serde(default)]
+    pub tenants: Option<Vec<String>>,
 }
 
 fn default_methods() -> Vec<String> {
@@ -91,14 +96,18 @@ struct Rule {
     allow: Vec<IpNet>,
     timeout: Duration,
     max_bytes: usize,
+    /// The tenants whose plugins may call this destination.
+    tenants: super::checks::TenantScope,
 }
 
 impl HttpRule {
     pub(crate) fn check(&self, secrets: &Secrets) -> Result<(), String> {
-        self.compile(secrets).map(|_| ())
+        self.compile(secrets, false).map(|_| ())
     }
 
-    fn compile(&self, secrets: &Secrets) -> Result<Rule, String> {
+    /// The rule ready to match; `tenants_default_all`: what a rule naming no
+    /// `tenants` admits (`--tenant-tools`).
+    fn compile(&self, secrets: &Secrets, tenants_default_all: bool) -> Result<Rule, String> {
         super::checks::check_http_url(&self.url)?;
         let url = Url::parse(&self.url).map_err(|e| e.to_string())?;
         if !(url.path() == "/" || url.path().is_empty()) || url.query().is_some() || !url.username().is_empty() {
@@ -139,6 +148,7 @@ impl HttpRule {
             allow,
             timeout: Duration::from_millis(self.timeout_ms),
             max_bytes: usize::try_from(self.max_response_bytes).unwrap_or(usize::MAX),
+            tenants: super::checks::TenantScope::of(&self.tenants, tenants_default_all),
         })
     }
 }
@@ -244,7 +254,9 @@ fn blocked(ip: IpAddr) -> Option<&'static str> {
 struct Rules(Vec<Rule>);
 
 impl Rules {
-    fn find(&self, method: &Method, url: &Url) -> Option<&Rule> {
+    /// The rule allowing `method` on `url` for a plugin of `tenant` (`None`:
+    /// a published plugin, which every rule admits).
+    fn find(&self, method: &Method, url: &Url, tenant: Option<&str>) -> Option<&Rule> {
         let host = url.host_str()?.trim_matches(['[', ']']).to_ascii_lowercase();
         let port = url.port_or_known_default()?;
         let path = decoded_path(url.path())?;
@@ -254,6 +266,7 @@ impl Rules {
                 && r.port == port
                 && r.methods.contains(method)
                 && r.paths.iter().any(|p| path_matches(p, &path))
+                && tenant.is_none_or(|t| r.tenants.admits(t))
         })
     }
 
@@ -324,8 +337,8 @@ fn denied(m: String) -> HostError {
 }
 
 impl Http {
-    pub fn new(rules: &[HttpRule], secrets: &Secrets) -> Result<Http, String> {
-        let rules = rules.iter().map(|r| r.compile(secrets)).collect::<Result<Vec<_>, _>>()?;
+    pub fn new(rules: &[HttpRule], secrets: &Secrets, tenants_default_all: bool) -> Result<Http, String> {
+        let rules = rules.iter().map(|r| r.compile(secrets, tenants_default_all)).collect::<Result<Vec<_>, _>>()?;
         let timeout = rules.iter().map(|r| r.timeout).max().unwrap_or(Duration::from_millis(TIMEOUT_MS_DEFAULT));
         let rules = Arc::new(Rules(rules));
         let client = reqwest::Client::builder()
@@ -337,9 +350,10 @@ impl Http {
         Ok(Http { rules, client, secrets: secrets.clone(), timeout })
     }
 
-    /// The rule that allows `method` on `url`, after the address checks.
-    async fn allow(&self, method: &Method, url: &Url) -> Result<&Rule, HostError> {
-        let rule = self.rules.find(method, url).ok_or_else(|| {
+    /// The rule that allows `method` on `url` for `tenant`'s plugin, after
+    /// the address checks.
+    async fn allow(&self, method: &Method, url: &Url, tenant: Option<&str>) -> Result<&Rule, HostError> {
+        let rule = self.rules.find(method, url, tenant).ok_or_else(|| {
             let host = url.host_str().unwrap_or_default();
             let port = url.port_or_known_default().unwrap_or_default();
             denied(format!("no rule allows {method} {}://{host}:{port}{}", url.scheme(), url.path()))
@@ -391,7 +405,7 @@ impl Http {
         Ok(headers)
     }
 
-    async fn fetch(&self, args: Args) -> Result<Value, HostError> {
+    async fn fetch(&self, args: Args, tenant: Option<&str>) -> Result<Value, HostError> {
         let mut method = Method::from_bytes(args.method.to_ascii_uppercase().as_bytes())
             .map_err(|_| HostError::Invalid(format!("http: method {:?} is not valid", args.method)))?;
         let mut url = Url::parse(&args.url).map_err(|e| HostError::Invalid(format!("http: url: {e}")))?;
@@ -400,7 +414,7 @@ impl Http {
         }
         let mut body = args.body;
         for hop in 0..=REDIRECTS_MAX {
-            let rule = self.allow(&method, &url).await?.clone();
+            let rule = self.allow(&method, &url, tenant).await?.clone();
             let headers = self.headers(&args.headers, &rule)?;
             let mut request = self.client.request(method.clone(), url.clone()).headers(headers);
             if let Some(b) = &body {
@@ -497,7 +511,7 @@ impl Tool for Http {
     async fn call(&self, call: &ToolCall<'_>, _sink: &dyn EventSink) -> Result<Value, HostError> {
         let args: Args = serde_json::from_value(call.args.clone())
             .map_err(|e| HostError::Invalid(format!("http takes {{method, url, headers?, body?}}: {e}")))?;
-        self.fetch(args).await
+        self.fetch(args, call.tenant).await
     }
 
     fn timeout(&self) -> Duration {
@@ -589,9 +603,10 @@ mod tests {
             allow_ranges: vec![],
             timeout_ms: 1,
             max_response_bytes: 1,
+            tenants: None,
         };
-        let rules = Rules(vec![rule.compile(&Secrets::default()).unwrap()]);
-        let allowed = |u: &str| rules.find(&Method::GET, &Url::parse(u).unwrap()).is_some();
+        let rules = Rules(vec![rule.compile(&Secrets::default(), false).unwrap()]);
+        let allowed = |u: &str| rules.find(&Method::GET, &Url::parse(u).unwrap(), None).is_some();
         assert!(allowed("https://api.example/v1/items"));
         assert!(allowed("https://api.example/v1/caf%C3%A9"), "an encoded letter is that letter");
         assert!(!allowed("https://api.example/v1/../admin"), "the URL parser removes plain dot segments");
@@ -617,6 +632,7 @@ mod tests {
             allow_ranges: vec![],
             timeout_ms: 1,
             max_response_bytes: 1,
+            tenants: None,
         };
         assert!(r.check(&Secrets::default()).unwrap_err().contains("only scheme://host[:port]"));
     }

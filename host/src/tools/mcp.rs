@@ -88,6 +88,11 @@ pub struct McpConfig {
     pub list_ttl_ms: u64,
     #[serde(default)]
     pub approval: McpApproval,
+    /// The tenants whose own plugins may use it (`["*"]`: every tenant);
+    /// unset: as `--tenant-tools` says (none by default). Published plugins
+    /// (the operator's) may use every tool.
+    #[serde(default)]
+    pub tenants: Option<Vec<String>>,
 }
 
 fn timeout_default() -> u64 {
@@ -110,6 +115,7 @@ impl fmt::Debug for McpConfig {
             .field("timeout_ms", &self.timeout_ms)
             .field("allowed_tools", &self.allowed_tools)
             .field("trusted", &self.trusted)
+            .field("tenants", &self.tenants)
             .finish()
     }
 }

@@ -26,7 +26,7 @@ use crate::db::events::{TOOL_CALL_FINISHED, TOOL_CALL_STARTED};
 use crate::db::RunId;
 use crate::error::HostError;
 
-pub use checks::Secrets;
+pub use checks::{Secrets, TenantScope};
 pub use config::{load_tools_file, parse_tools_file_with, LlmConfig, ToolsConfig, WebhookConfig};
 pub use http::HttpRule;
 pub use llm::{valid_tool_name, TOOL_NAME_BYTES_MAX};
@@ -78,6 +78,11 @@ pub struct ToolCall<'a> {
     /// The caller's cap on this call (a plugin's `tool_timeout_ms`), below
     /// the tool's own timeout.
     pub timeout_max: Option<Duration>,
+    /// The tenant whose own plugin makes the call (`None`: a published
+    /// plugin or a built-in agent, held to no tenant's grants): a tool with
+    /// parts of its own per tenant (the `http` tool's rules) admits only
+    /// those of this tenant.
+    pub tenant: Option<&'a str>,
 }
 
 #[async_trait]
@@ -141,6 +146,13 @@ pub struct ToolRegistry {
     /// What the tools file took from the environment: cut out of every
     /// answer and error a tool gives.
     secrets: Secrets,
+    /// The tenants whose own plugins may use each operator tool (webhooks
+    /// and MCP servers, by name); tools not named here (the model, the wait,
+    /// a demo's) are every tenant's. The `http` tool is admitted when any of
+    /// its rules admits the tenant, and each call is held to those rules.
+    scopes: HashMap<String, TenantScope>,
+    /// The `http` rules' scopes, for the tool's admission.
+    http_scopes: Vec<TenantScope>,
 }
 
 impl ToolRegistry {
@@ -170,6 +182,7 @@ impl ToolRegistry {
                 return Err(format!("webhook {:?}: the name is taken", w.name));
             }
             registry.insert(&w.name, Arc::new(webhook::Webhook::new(w, headers, client.clone())));
+            registry.scopes.insert(w.name.clone(), TenantScope::of(&w.tenants, file.tenants_default_all));
         }
         if !file.mcp.is_empty() {
             // The MCP client's TLS takes the process's provider (ring, as the
@@ -182,12 +195,15 @@ impl ToolRegistry {
                 return Err(format!("mcp {:?}: the name is taken", m.name));
             }
             registry.mcp.insert(m.name.clone(), server);
+            registry.scopes.insert(m.name.clone(), TenantScope::of(&m.tenants, file.tenants_default_all));
         }
         if !file.http.is_empty() {
             if registry.tools.contains_key(HTTP_TOOL) {
                 return Err(format!("the name {HTTP_TOOL:?} is the host's http tool"));
             }
-            registry.insert(HTTP_TOOL, Arc::new(http::Http::new(&file.http, &file.secrets)?));
+            registry.insert(HTTP_TOOL, Arc::new(http::Http::new(&file.http, &file.secrets, file.tenants_default_all)?));
+            registry.http_scopes =
+                file.http.iter().map(|r| TenantScope::of(&r.tenants, file.tenants_default_all)).collect();
         }
         registry.secrets = file.secrets.clone();
         // The model's API key is a secret too: cut from whatever a guest,
@@ -196,6 +212,21 @@ impl ToolRegistry {
             registry.secrets.add_value(key);
         }
         Ok(registry)
+    }
+
+    /// Whether a plugin of `tenant` (one of its own, not a published one)
+    /// may use the tool a manifest grants as `grant`: a webhook or an MCP
+    /// server (`<server>.<tool>` or `<server>.*`) whose `tenants` admit it,
+    /// the `http` tool when a rule admits it, and the host's own tools.
+    pub fn admits(&self, grant: &str, tenant: &str) -> bool {
+        if grant == HTTP_TOOL && self.tools.contains_key(HTTP_TOOL) {
+            return self.http_scopes.iter().any(|s| s.admits(tenant));
+        }
+        let key = match self.scopes.contains_key(grant) {
+            true => grant,
+            false => grant.split_once('.').map_or(grant, |(server, _)| server),
+        };
+        self.scopes.get(key).is_none_or(|s| s.admits(tenant))
     }
 
     pub fn insert(&mut self, name: &str, tool: Arc<dyn Tool>) {
@@ -499,7 +530,7 @@ pub(crate) mod test_support {
     }
 
     pub fn call(name: &str, args: Value) -> ToolCall<'_> {
-        ToolCall { run_id: RunId::new(), call_index: 7, name, args, timeout_max: None }
+        ToolCall { run_id: RunId::new(), call_index: 7, name, args, timeout_max: None, tenant: None }
     }
 }
 
@@ -639,6 +670,51 @@ pub(crate) mod tests {
         assert_eq!(sink.finished()["outcome"], "cancelled");
     }
 
+    /// Issue 40: the operator's tools are the operator's to give. A tenant's
+    /// own plugin may use a webhook, an MCP server or an `http` rule only
+    /// when its `tenants` admit the tenant (or the host's default does);
+    /// the host's own tools are every tenant's.
+    #[test]
+    fn operator_tools_admit_only_the_tenants_they_name() {
+        let text = r#"
+            [[webhook]]
+            name = "crm"
+            url = "http://127.0.0.1:1/crm"
+            tenants = ["acme"]
+            [[webhook]]
+            name = "ops"
+            url = "http://127.0.0.1:1/ops"
+            [[mcp]]
+            name = "py"
+            url = "http://127.0.0.1:1/mcp"
+            tenants = ["*"]
+            [[http]]
+            url = "https://api.example"
+            tenants = ["acme"]
+        "#;
+        let lookup = |_: &str| None;
+        let llm = LlmConfig { model: "m".into(), ..LlmConfig::default() };
+        let mut file = parse_tools_file_with(text, &lookup).unwrap();
+        let r = ToolRegistry::from_tools(&llm, &file).unwrap();
+        for (grant, tenant, admitted) in [
+            ("crm", "acme", true),
+            ("crm", "evil", false),
+            ("ops", "acme", false),
+            ("py.echo", "evil", true),
+            ("py.*", "evil", true),
+            ("http", "acme", true),
+            ("http", "evil", false),
+            (LLM_TOOL, "evil", true),
+            (WAIT_TOOL, "evil", true),
+        ] {
+            assert_eq!(r.admits(grant, tenant), admitted, "{grant} for {tenant}");
+        }
+        file.tenants_default_all = true;
+        let r = ToolRegistry::from_tools(&llm, &file).unwrap();
+        assert!(r.admits("ops", "evil"), "--tenant-tools all");
+        assert!(!r.admits("crm", "evil"), "a named list still holds");
+    }
+
     /// Issue 40: the model's API key is redacted like every other secret.
     #[test]
     fn the_model_api_key_is_a_secret() {
@@ -672,6 +748,7 @@ pub(crate) mod tests {
             description: None,
             idempotent: false,
             approval: None,
+            tenants: None,
         };
         let r = ToolRegistry::from_config(&llm, &[hook("a"), hook("b")]).unwrap();
         assert_eq!(r.names(), ["a", "b", "llm", "wait"]);

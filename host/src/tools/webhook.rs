@@ -170,6 +170,7 @@ mod tests {
                 description: None,
                 idempotent: false,
                 approval: None,
+                tenants: None,
             })
             .collect();
         (receiver, registry(&hooks))
@@ -280,6 +281,7 @@ mod tests {
             description: None,
             idempotent: false,
             approval: None,
+            tenants: None,
         };
         let r = registry(&[hook]);
         let e = invoke(&r, &Collect::default(), "gone").await.unwrap_err();

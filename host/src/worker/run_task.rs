@@ -182,6 +182,16 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         lost.clone(),
         shared.journal_stats.clone(),
     );
+    // A plugin of the run's tenant (not one the operator published) is
+    // held to the operator's grants for that tenant at every call.
+    let plugin_tenant = match plugin_tenant(&shared, &row).await {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::error!(error = %e, "reading the plugin's owner failed");
+            let e = AgentError::failed(FailReason::Host, "the plugin's owner could not be read");
+            return start_failed(&shared, &row, e).await;
+        }
+    };
     let host = RunHost::new(RunHostParts {
         run_id: row.id,
         journal,
@@ -190,6 +200,7 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         manifest,
         recording,
         require_approval: require_approval(&row.config),
+        plugin_tenant,
     });
     if let Some((attempt, calls)) = host.resumed() {
         shared.stats.resumed.fetch_add(1, Ordering::Relaxed);
@@ -478,6 +489,15 @@ fn release(shared: &Shared, run: db::RunId, token: db::ClaimToken) -> Option<Hel
         Some(h) if h.token == token => held.remove(&run),
         _ => None,
     }
+}
+
+/// The tenant whose own plugin the run executes: its tenant, unless the
+/// digest it is pinned to is one the operator published (or it runs a
+/// built-in agent, which the operator offers).
+async fn plugin_tenant(shared: &Shared, row: &ClaimedRun) -> Result<Option<String>, sqlx::Error> {
+    let Some(digest) = row.plugin_digest.as_deref() else { return Ok(None) };
+    let published = db::plugins::is_published_digest(&shared.pool, digest).await?;
+    Ok((!published).then(|| row.tenant_id.clone()))
 }
 
 /// Whether the run's pinned manifest says it is resumable.
