@@ -226,3 +226,12 @@ fn regex_lite_links(text: &str) -> Vec<String> {
     }
     out
 }
+
+/// `completions` prints a shell's completion script for every command.
+#[test]
+fn completions_print_a_script_for_the_shell() {
+    let out = Command::new(env!("CARGO_BIN_EXE_agent-host")).args(["completions", "bash"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let script = String::from_utf8_lossy(&out.stdout);
+    assert!(script.contains("_agent__host()") && script.contains("tenants"), "{}", &script[..script.len().min(400)]);
+}

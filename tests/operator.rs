@@ -1040,11 +1040,16 @@ async fn an_admin_lists_pauses_and_deletes_any_schedule_of_its_tenant() {
     assert_eq!(host.call("GET", "/v1/schedules?all=true", None).await.0, StatusCode::FORBIDDEN);
     let (_, theirs) = host.call_as(&stranger, "GET", "/v1/schedules?all=true", None).await;
     assert_eq!(theirs["schedules"], json!([]));
-    assert_eq!(
-        host.call_as(&stranger, "POST", &format!("/v1/schedules/{id}/pause"), None).await.0,
-        StatusCode::NOT_FOUND
-    );
-    let (code, paused) = host.call_as(&admin, "POST", &format!("/v1/schedules/{id}/pause"), None).await;
+    let pause = format!("/v1/schedules/{id}/pause");
+    assert_eq!(host.call_as(&stranger, "POST", &pause, None).await.0, StatusCode::NOT_FOUND);
+    let (code, one) = host.call_as(&admin, "GET", &format!("/v1/schedules/{id}"), None).await;
+    assert_eq!((code, one["id"].clone()), (StatusCode::OK, json!(id)), "GET of one schedule");
+    assert_eq!(host.call_as(&stranger, "GET", &format!("/v1/schedules/{id}"), None).await.0, StatusCode::NOT_FOUND);
+    // A known path with another method answers the JSON error shape.
+    let (code, body) = host.call("PUT", &format!("/v1/schedules/{id}"), None).await;
+    assert_eq!(code, StatusCode::METHOD_NOT_ALLOWED, "{body}");
+    assert_eq!(body["error"]["code"], json!("method_not_allowed"), "{body}");
+    let (code, paused) = host.call_as(&admin, "POST", &pause, None).await;
     assert_eq!((code, paused["paused"].clone()), (StatusCode::OK, json!(true)));
     assert_eq!(host.call_as(&admin, "POST", &format!("/v1/schedules/{id}/resume"), None).await.0, StatusCode::OK);
     assert_eq!(host.call_as(&admin, "DELETE", &format!("/v1/schedules/{id}"), None).await.0, StatusCode::NO_CONTENT);

@@ -755,3 +755,124 @@ async fn a_guest_cannot_forge_a_log_line() {
     assert!(!log.lines().any(|l| l.contains("forged by a guest") && l.starts_with("2026-01-01")), "{log}");
     assert!(log.contains(r"ok\n2026-01-01T00:00:00.000000Z  INFO agent_host::worker: forged by a guest"), "{log}");
 }
+
+/// Issue 40's hostile-tenant suite, with real processes (two hosts, one
+/// database, the host's defaults but for four slots a process): tenant
+/// `evil` attacks on every front at once while tenant `good` runs a steady
+/// trickle of turns. Each attack is refused with a clear 4xx or contained:
+/// endless runs hold at most their share of each process's slots, a
+/// per-second schedule and the 101st schedule are refused, the 65th live
+/// stream of one user is refused, an upload granting the operator's tool is
+/// refused. Nothing of `good` is lost, and its pickup under attack stays
+/// within two seconds (beside the same trickle unattacked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hostile_tenant_suite_on_two_hosts() {
+    let db = TestDb::new().await;
+    let dir = std::env::temp_dir().join(format!("agent-host-hostile-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tools = dir.join("tools.toml");
+    std::fs::write(&tools, "[[webhook]]\nname = \"ops\"\nurl = \"http://127.0.0.1:1/ops\"\nheaders = { Authorization = \"Bearer operator-credential\" }\n").unwrap();
+    let tools_arg = tools.to_string_lossy().into_owned();
+    let args = [FAST, &["--max-runs", "4", "--tools-file", &tools_arg]].concat();
+    let a = HostProcess::spawn_sharing(&db.url, "A", &args);
+    let b = HostProcess::spawn_sharing(&db.url, "B", &args);
+    let create = |user: &'static str, tenant: &'static str, admin: bool| {
+        let pool = db.pool.clone();
+        async move { agent_host::db::tokens::create(&pool, user, tenant, admin).await.unwrap() }
+    };
+    let (evil, evil_admin, good) = (
+        create("mallory", "evil", false).await,
+        create("eve", "evil", true).await,
+        create("alice", "good", false).await,
+    );
+    let http = reqwest::Client::new();
+    let calm = trickle(&db, &[&a, &b], &good, 6).await;
+
+    // Slots: more endless runs than both processes have slots.
+    let endless = json!({ "steps": 100_000, "step_ms": 3_600_000 });
+    let mut flood = Vec::new();
+    for i in 0..12 {
+        flood.push(post_run([&a, &b][i % 2], &evil, "sleep", endless.clone()).await);
+    }
+    // Schedules: too often, then past the tenant's cap.
+    let schedule = |cron: &str| json!({ "plugin": "echo", "content": "tick", "cron": cron });
+    let post = |host: &HostProcess, token: &str, path: &str, body: serde_json::Value| {
+        http.post(format!("http://{}{path}", host.addr)).bearer_auth(token.to_string()).json(&body).send()
+    };
+    let every_second = post(&a, &evil, "/v1/schedules", schedule("* * * * * *")).await.unwrap();
+    assert_eq!(every_second.status(), 422, "a per-second schedule");
+    for i in 0..100 {
+        let cron = format!("{} {} * * *", i % 60, i / 60);
+        let created = post([&a, &b][i % 2], &evil, "/v1/schedules", schedule(&cron)).await.unwrap();
+        assert_eq!(created.status(), 201, "schedule {i}");
+    }
+    let over = post(&b, &evil, "/v1/schedules", schedule("59 23 * * *")).await.unwrap();
+    assert_eq!(over.status(), 422, "the 101st schedule");
+    // Streams: one user's 64 live streams on a process, then a 429.
+    let url = format!("http://{}/v1/runs/{}/events", a.addr, flood[0]);
+    let mut streams = Vec::new();
+    for _ in 0..64 {
+        streams.push(support::sse::SseClient::connect(&url, &evil, None).await);
+    }
+    let refused = http.get(&url).bearer_auth(&evil).header("Accept", "text/event-stream").send().await.unwrap();
+    assert_eq!(refused.status(), 429, "the 65th stream");
+    // Grants: an upload granting the operator's webhook.
+    let wasm = plugin_wasm("fixtures");
+    let manifest = json!({ "tools": ["ops"] }).to_string();
+    let (ct, body) = support::http::multipart(&[
+        ("name", b"exfil".as_slice()),
+        ("component", wasm.as_slice()),
+        ("manifest", manifest.as_bytes()),
+    ]);
+    let upload = http
+        .post(format!("http://{}/v1/plugins", b.addr))
+        .bearer_auth(&evil_admin)
+        .header("content-type", ct)
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(upload.status(), 422, "an upload granting the operator's tool");
+
+    // good, meanwhile.
+    let evil_running = || {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM agent_run WHERE tenant_id = 'evil' AND status = 'running'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    wait_for("evil to hold its share of both processes", LONG, || async { evil_running().await == 6 }).await;
+    let attacked = trickle(&db, &[&a, &b], &good, 6).await;
+    eprintln!(
+        "hostile suite: good's pickup median and worst, unattacked {:.0} / {:.0} ms, under attack {:.0} / {:.0} ms",
+        calm[calm.len() / 2] * 1e3,
+        calm[calm.len() - 1] * 1e3,
+        attacked[attacked.len() / 2] * 1e3,
+        attacked[attacked.len() - 1] * 1e3
+    );
+    assert!(attacked[attacked.len() - 1] < 2.0, "good's pickup under attack: {attacked:?}");
+    assert_eq!(evil_running().await, 6, "evil passed its share");
+    let lost: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE tenant_id = 'good' AND status <> 'completed'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(lost, 0, "every turn of good completed");
+
+    drop(streams);
+    for run in &flood {
+        let answer =
+            http.post(format!("http://{}/v1/runs/{run}/cancel", a.addr)).bearer_auth(&evil).send().await.unwrap();
+        assert!(answer.status().is_success(), "{}", answer.status());
+    }
+    for run in flood {
+        assert_eq!(wait_terminal(&db.pool, run, LONG).await, "cancelled");
+    }
+    drop((a, b));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -26,7 +26,8 @@ pub use agent_host::run::journal::FLUSH_DEFAULT as JOURNAL_FLUSH_DEFAULT;
 pub use agent_host::run::manifest::TOOL_CALLS_CEILING;
 pub use agent_host::sandbox::{Manifest, Sandbox, INSTANCES_MAX};
 pub use agent_host::server::{connect_and_migrate, open_database, serve};
-pub use agent_host::service::submit::LocalWorker;
+pub use agent_host::service::quota::{QuotaConfig, Quotas, TENANT_MAX_STREAMS_DEFAULT, USER_MAX_STREAMS_DEFAULT};
+pub use agent_host::service::submit::{LocalWorker, Policy};
 pub use agent_host::stream::decode::SseDecoder;
 pub use agent_host::tools::{EventSink, Tool, ToolCall, ToolRegistry};
 pub use agent_host::worker::{Worker, WorkerConfig, WorkerObserver};
@@ -159,6 +160,63 @@ pub async fn journal_rows(pool: &PgPool, run: RunId, kind: &str, limit: i64) -> 
 /// Whether the run's journal has a row of `kind` (among its first `limit`).
 pub async fn has_event(pool: &PgPool, run: RunId, kind: &str, limit: i64) -> Result<bool, sqlx::Error> {
     Ok(journal::events_after(pool, run, 0, limit).await?.iter().any(|e| e.kind == kind))
+}
+
+/// Enqueues one run of `user` of `tenant` (a conversation of its own).
+pub async fn enqueue_for(
+    pool: &PgPool,
+    user: &str,
+    tenant: &str,
+    plugin: &str,
+    config: &Value,
+) -> anyhow::Result<Enqueued> {
+    let owner = enqueue::Owner { user_id: user.into(), tenant_id: tenant.into() };
+    Ok(enqueue::enqueue(pool, &new_run(&owner, "hello", plugin, config)).await?)
+}
+
+/// A token of `user` of `tenant`.
+pub async fn token_for(pool: &PgPool, user: &str, tenant: &str) -> Result<String, db::tokens::CreateError> {
+    db::tokens::create(pool, user, tenant, false).await
+}
+
+/// A schedule of `user` of `tenant` running `plugin` hourly, its first firing due now.
+pub async fn due_schedule(pool: &PgPool, user: &str, tenant: &str, plugin: &str, config: &Value) -> anyhow::Result<()> {
+    let owner = enqueue::Owner { user_id: user.into(), tenant_id: tenant.into() };
+    let new = db::schedules::NewSchedule {
+        owner: &owner,
+        plugin,
+        content: "tick",
+        config,
+        conversation_id: None,
+        cron: "0 * * * *",
+        timezone: "UTC",
+        webhook: None,
+        next_fire_at: sqlx::types::chrono::Utc::now(),
+    };
+    db::schedules::create(pool, &new).await?;
+    Ok(())
+}
+
+/// Enqueue to start of a run, by the database's clock, once it started.
+pub async fn pickup_s(pool: &PgPool, run: RunId) -> Result<Option<f64>, sqlx::Error> {
+    sqlx::query_scalar("SELECT extract(epoch FROM started_at - created_at)::float8 FROM agent_run WHERE id = $1")
+        .bind(run)
+        .fetch_one(pool)
+        .await
+}
+
+/// Every run of `tenant` not yet ended, stopped (its owner's stop).
+pub async fn stop_tenant(pool: &PgPool, tenant: &str) -> Result<(), sqlx::Error> {
+    let runs: Vec<(RunId, String)> = sqlx::query_as(
+        "SELECT id, owner_id FROM agent_run WHERE tenant_id = $1 AND status IN ('queued', 'running', 'waiting')",
+    )
+    .bind(tenant)
+    .fetch_all(pool)
+    .await?;
+    for (run, owner) in runs {
+        lifecycle::cancel(pool, run, &owner).await?;
+    }
+    Ok(())
 }
 
 /// An API token of the benchmark's owner.

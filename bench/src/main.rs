@@ -16,6 +16,7 @@ mod durable;
 mod figures;
 mod graphile;
 mod guests;
+mod hostile;
 mod library;
 mod queue;
 mod sandbox;
@@ -123,6 +124,10 @@ pub struct BenchArgs {
     /// Only the guests' figures (Python and JavaScript beside Rust).
     #[arg(long)]
     pub guests_only: bool,
+    /// Only the hostile tenant's figures: a trickle's pickup and completion
+    /// with and without a tenant flooding slots, schedules and streams.
+    #[arg(long)]
+    pub hostile_only: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -216,6 +221,11 @@ async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow
         pool.close().await;
         return Ok(());
     }
+    if args.hostile_only {
+        hostile::hostile(&pool, &url, args).await?;
+        pool.close().await;
+        return Ok(());
+    }
     if args.drain_only {
         queue::drains(&pool, &url, args).await?;
         pool.close().await;
@@ -238,6 +248,7 @@ async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow
         return Ok(());
     }
     stream::stream_latency(&pool, &url).await?;
+    hostile::hostile(&pool, &url, args).await?;
     queue::sigkill_to_failed(&pool, &url, db_args, args).await?;
     durable::durable(&pool, &url, db_args, args).await?;
     approvals::approvals(&pool, &url, db_args, args).await?;

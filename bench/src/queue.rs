@@ -48,7 +48,17 @@ impl Agent for Pickup {
 pub async fn serve_api(
     pool: &PgPool,
 ) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<std::io::Result<()>>)> {
-    let app = library::router(AppState::new(pool.clone(), AgentRegistry::with_builtins(), None));
+    serve_api_with(pool, library::Quotas::default()).await
+}
+
+/// [`serve_api`] under the given quotas.
+pub async fn serve_api_with(
+    pool: &PgPool,
+    quotas: library::Quotas,
+) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<std::io::Result<()>>)> {
+    let mut state = AppState::new(pool.clone(), AgentRegistry::with_builtins(), None);
+    state.policy = std::sync::Arc::new(library::Policy { quotas, ..Default::default() });
+    let app = library::router(state);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     Ok((addr, tokio::spawn(async move { axum::serve(listener, app).await })))

@@ -62,6 +62,12 @@ pub enum Command {
     /// Operator settings per tenant.
     #[command(subcommand)]
     Tenants(TenantsCommand),
+    /// Print a shell completion script (e.g. `agent-host completions bash >
+    /// /etc/bash_completion.d/agent-host`).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// The benchmark moved to its own binary; this only says where.
     #[command(hide = true)]
     Bench {

@@ -37,6 +37,10 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Tokens(command) => server::tokens(&cli.db, command).await,
         Command::Tenants(command) => server::tenants(&cli.db, command).await,
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "agent-host", &mut std::io::stdout());
+            Ok(())
+        }
         Command::Audit { tenant, after, limit } => server::audit(&cli.db, tenant.as_deref(), after, limit).await,
         Command::Bench { .. } => Cli::command().error(clap::error::ErrorKind::InvalidSubcommand, BENCH_MOVED).exit(),
         Command::Plugins(PluginsCommand::Add { name, file, manifest, tenant }) => {

@@ -26,6 +26,8 @@ pub enum ErrorCode {
     Forbidden,
     /// 404: unknown, or someone else's.
     NotFound,
+    /// 405: a known path, another method.
+    MethodNotAllowed,
     /// 409: conflicts with the current state.
     Conflict,
     /// 409: an idempotency key already used for another request.
@@ -55,6 +57,7 @@ impl ErrorCode {
         ErrorCode::Unauthenticated,
         ErrorCode::Forbidden,
         ErrorCode::NotFound,
+        ErrorCode::MethodNotAllowed,
         ErrorCode::Conflict,
         ErrorCode::IdempotencyKeyReused,
         ErrorCode::ConversationBusy,
@@ -74,6 +77,7 @@ impl ErrorCode {
             ErrorCode::Unauthenticated => "unauthenticated",
             ErrorCode::Forbidden => "forbidden",
             ErrorCode::NotFound => "not_found",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
             ErrorCode::Conflict => "conflict",
             ErrorCode::IdempotencyKeyReused => "idempotency_key_reused",
             ErrorCode::ConversationBusy => "conversation_busy",
@@ -93,6 +97,7 @@ impl ErrorCode {
             ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
             ErrorCode::Forbidden => StatusCode::FORBIDDEN,
             ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::Conflict | ErrorCode::IdempotencyKeyReused | ErrorCode::ConversationBusy => StatusCode::CONFLICT,
             ErrorCode::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,

@@ -102,6 +102,10 @@ pub fn router(state: AppState) -> Router {
         .iter()
         .fold(Router::new(), |router, r| router.route(r.path, (r.handler)()))
         .fallback(|| async { ApiError::not_found("route") })
+        // A known path with another method: the JSON error shape too.
+        .method_not_allowed_fallback(|method: axum::http::Method, uri: axum::http::Uri| async move {
+            ApiError::new(ErrorCode::MethodNotAllowed, format!("{method} is not served on {}", uri.path()))
+        })
         .layer(axum::extract::DefaultBodyLimit::max(BODY_BYTES_MAX))
         .with_state(state)
 }

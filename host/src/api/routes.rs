@@ -321,6 +321,17 @@ pub const ROUTES: &[Route] = &[
         handler: || post(schedules::resume),
     },
     Route {
+        method: "get",
+        path: "/v1/schedules/{id}",
+        summary: "One schedule the caller may change (its own; an admin's: its tenant's)",
+        auth: true,
+        ok: (200, "the schedule"),
+        errors: &[400, 404],
+        query: &[],
+        body: None,
+        handler: || get(schedules::get_one),
+    },
+    Route {
         method: "delete",
         path: "/v1/schedules/{id}",
         summary: "Delete a schedule (runs it started are not touched)",

@@ -113,6 +113,17 @@ pub async fn list(
     Ok(Json(json!({ "schedules": rows, "next_cursor": next_cursor })))
 }
 
+/// `GET /v1/schedules/{id}`.
+pub async fn get_one(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id = schedule_id(&id)?;
+    let s = schedules::get(&state.pool, id, scope(&p)).await?.or_not_found(format!("schedule {id}"))?;
+    Ok(Json(s))
+}
+
 /// `POST /v1/schedules/{id}/pause`.
 pub async fn pause(
     State(state): State<AppState>,
