@@ -235,3 +235,23 @@ fn completions_print_a_script_for_the_shell() {
     let script = String::from_utf8_lossy(&out.stdout);
     assert!(script.contains("_agent__host()") && script.contains("tenants"), "{}", &script[..script.len().min(400)]);
 }
+
+/// Issue 39: the command line's reference page cannot go stale: it is
+/// generated from the clap definitions, and the committed page must be what
+/// the code generates (`AGENT_HOST_BLESS=1` writes it again).
+#[test]
+fn the_cli_reference_page_is_what_the_code_generates() {
+    let page = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/src/reference/cli.md");
+    let generated = agent_host::cli_doc::cli_reference();
+    if std::env::var_os("AGENT_HOST_BLESS").is_some() {
+        std::fs::write(&page, &generated).unwrap();
+    }
+    let undocumented: Vec<&str> = generated.lines().filter(|l| l.starts_with("| `") && l.ends_with("|  |")).collect();
+    assert!(undocumented.is_empty(), "arguments without a doc comment:\n{}", undocumented.join("\n"));
+    let committed = std::fs::read_to_string(&page).unwrap_or_default();
+    assert!(
+        committed == generated,
+        "docs/src/reference/cli.md differs from what the clap definitions generate: run \
+         `AGENT_HOST_BLESS=1 cargo test --test config` and commit the page"
+    );
+}

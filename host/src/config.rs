@@ -65,6 +65,7 @@ pub enum Command {
     /// Print a shell completion script (e.g. `agent-host completions bash >
     /// /etc/bash_completion.d/agent-host`).
     Completions {
+        /// The shell the script is for.
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
@@ -136,6 +137,7 @@ pub enum RunsCommand {
     Create {
         /// The user's message.
         content: String,
+        /// The plugin (agent) that runs the turn.
         #[arg(long)]
         plugin: String,
         /// Continue this conversation (default: a new one).
@@ -150,15 +152,20 @@ pub enum RunsCommand {
     },
     /// Print a run's stream from a cursor, live until it ends.
     Tail {
+        /// The run's id.
         id: String,
         /// Events after this seq (default 0: everything).
         #[arg(long, default_value_t = 0)]
         from: i64,
     },
     /// Ask a run to stop.
-    Cancel { id: String },
+    Cancel {
+        /// The run's id.
+        id: String,
+    },
     /// Approve a waiting run's tool call (with other arguments: --args).
     Approve {
+        /// The waiting run's id.
         id: String,
         /// The call's number (`call_id` in `approvals list`).
         call: u32,
@@ -168,8 +175,11 @@ pub enum RunsCommand {
     },
     /// Reject a waiting run's tool call: the agent gets `denied` with the reason.
     Reject {
+        /// The waiting run's id.
         id: String,
+        /// The call's number (`call_id` in `approvals list`).
         call: u32,
+        /// Why, as the agent hears it.
         #[arg(long)]
         reason: Option<String>,
     },
@@ -181,7 +191,9 @@ pub enum SchedulesCommand {
     List,
     /// Run PLUGIN with CONTENT on a cron expression.
     Create {
+        /// The user's message each firing posts.
         content: String,
+        /// The plugin (agent) each firing runs.
         #[arg(long)]
         plugin: String,
         /// `min hour day month weekday`, or with seconds first.
@@ -197,13 +209,19 @@ pub enum SchedulesCommand {
         #[arg(long)]
         conversation: Option<String>,
     },
+    /// Stop firing it (until resumed).
     Pause {
+        /// The schedule's id.
         id: String,
     },
+    /// Fire it again, next at its next time after now.
     Resume {
+        /// The schedule's id.
         id: String,
     },
+    /// Delete it (runs it started are not touched).
     Delete {
+        /// The schedule's id.
         id: String,
     },
 }
@@ -217,13 +235,17 @@ pub enum ApprovalsCommand {
 #[derive(Debug, Subcommand)]
 pub enum ConversationsCommand {
     /// Stop every queued and running turn; prints the drafts handed back.
-    Stop { id: String },
+    Stop {
+        /// The conversation's id.
+        id: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
 pub enum PluginsCommand {
     /// Validate a component and point NAME at it (with its manifest).
     Add {
+        /// The name runs ask for (a-z, 0-9, _ and -, starting with a letter).
         name: String,
         /// The component (.wasm) built for the agent-host:plugin world.
         file: PathBuf,
@@ -238,6 +260,7 @@ pub enum PluginsCommand {
     /// List plugins: name, digest, size, manifest (published ones, or what
     /// a tenant may run).
     List {
+        /// What this tenant may run (default: the published plugins).
         #[arg(long)]
         tenant: Option<String>,
     },
@@ -247,8 +270,10 @@ pub enum PluginsCommand {
 pub enum TokensCommand {
     /// Create a token and print it (it is shown only once).
     Create {
+        /// The user the token acts as (runs and conversations belong to it).
         #[arg(long)]
         user: String,
+        /// The user's tenant: the unit of fairness, quotas and plugins.
         #[arg(long)]
         tenant: String,
         /// May upload the tenant's plugins, manage its tokens, read its audit trail.
@@ -270,7 +295,10 @@ pub enum TokensCommand {
         tenant: Option<String>,
     },
     /// Revoke a token by its id: every process refuses it at once.
-    Revoke { id: uuid::Uuid },
+    Revoke {
+        /// The token's id (`tokens list`), never its secret.
+        id: uuid::Uuid,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -279,9 +307,12 @@ pub enum TenantsCommand {
     /// 1-100), or --clear it back to --tenant-slot-share-pct. Every process
     /// reads it on its next heartbeat.
     Share {
+        /// The tenant's id (as its tokens carry it).
         tenant: String,
+        /// Its share of each process's slots, in percent (1-100).
         #[arg(required_unless_present = "clear", value_parser = clap::value_parser!(u8).range(1..=100))]
         pct: Option<u8>,
+        /// Forget the tenant's own share: it takes --tenant-slot-share-pct again.
         #[arg(long, conflicts_with = "pct")]
         clear: bool,
     },
@@ -350,6 +381,7 @@ pub struct ToolArgs {
     /// Sent as `Authorization: Bearer` to the endpoint.
     #[arg(long, env = "AGENT_HOST_LLM_API_KEY", hide_env_values = true)]
     pub llm_api_key: Option<String>,
+    /// The model name sent to the endpoint when a plugin names none.
     #[arg(long, env = "AGENT_HOST_LLM_MODEL", default_value = "gpt-4o-mini")]
     pub llm_model: String,
     /// One whole model call, retries before the first token included.

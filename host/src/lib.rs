@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod cli_doc;
 pub mod client;
 pub mod config;
 pub mod db;
