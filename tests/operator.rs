@@ -275,6 +275,21 @@ async fn quotas_refuse_with_429_and_write_nothing_and_rates_shape_bursts() {
     assert_eq!(host.call_as(&other, "POST", "/v1/runs", Some(run.clone())).await.0, StatusCode::ACCEPTED);
     let metrics = host.scrape().await;
     assert_eq!(metrics[r#"agent_host_quota_refusals_total{tenant="acme",limit="queued_runs"}"#], 1.0);
+    // Issue 40: a scrape without an operator's token names no tenant.
+    let public = host.client.get(format!("{}/metrics", host.base)).send().await.unwrap().text().await.unwrap();
+    assert!(public.contains(r#"agent_host_quota_refusals_total{tenant="*",limit="queued_runs"} 1"#), "{public}");
+    assert!(!public.contains("acme"), "{public}");
+    let as_user = host
+        .client
+        .get(format!("{}/metrics", host.base))
+        .bearer_auth(&host.token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!as_user.contains("acme"), "a tenant's user sees no tenant ids either");
     // Concurrent enqueues cannot both take the last place (the count is
     // taken under a per-tenant lock in the enqueue transaction).
     let (_, racer) = token(&db.pool, "rita", "race", false, false).await;
@@ -854,7 +869,8 @@ async fn a_tenant_admin_cannot_touch_an_operator_token() {
     assert!(!ids.contains(&op_id.to_string().as_str()), "{ids:?}");
     let revoke = format!("/v1/tokens/{op_id}/revoke");
     assert_eq!(host.call_as(&admin, "POST", &revoke, None).await.0, StatusCode::NOT_FOUND);
-    assert_eq!(host.call_as(&op, "GET", "/v1/tokens", None).await.1["tokens"].as_array().unwrap().len(), 3);
+    // Every tenant's: alice's, the admin's, its own and the test host's operator (for /metrics).
+    assert_eq!(host.call_as(&op, "GET", "/v1/tokens", None).await.1["tokens"].as_array().unwrap().len(), 4);
     assert_eq!(host.call_as(&op, "GET", "/v1/conversations", None).await.0, StatusCode::OK, "still valid");
     assert_eq!(host.call_as(&op, "POST", &revoke, None).await.0, StatusCode::OK, "an operator revokes its own");
     host.stop().await;

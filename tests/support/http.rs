@@ -18,6 +18,8 @@ use super::{fast_config, TestDb};
 pub struct TestHost {
     pub base: String,
     pub token: String,
+    /// An operator's token: `/metrics` shows tenant ids to operators alone.
+    pub operator_token: String,
     pub client: reqwest::Client,
     worker: Option<Worker>,
     server: tokio::task::JoinHandle<()>,
@@ -77,7 +79,15 @@ impl TestHost {
             axum::serve(listener, api::router(state)).await.unwrap();
         });
         let token = tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
-        TestHost { base, token, client: reqwest::Client::new(), worker: Some(worker), server }
+        let operator = tokens::NewToken {
+            user_id: "test-host-operator",
+            tenant_id: "test-host-ops",
+            admin: true,
+            operator: true,
+            ..Default::default()
+        };
+        let operator_token = tokens::create_with(&db.pool, &operator).await.unwrap().1;
+        TestHost { base, token, operator_token, client: reqwest::Client::new(), worker: Some(worker), server }
     }
 
     /// A request with `token`; the answer's status and JSON body (Null if none).
@@ -135,7 +145,8 @@ impl TestHost {
 
     /// [`TestHost::scrape`] with the answer's headers.
     pub async fn scrape_with_headers(&self) -> (axum::http::HeaderMap, std::collections::HashMap<String, f64>) {
-        let res = self.client.get(format!("{}/metrics", self.base)).send().await.unwrap();
+        let res =
+            self.client.get(format!("{}/metrics", self.base)).bearer_auth(&self.operator_token).send().await.unwrap();
         assert_eq!(res.status(), StatusCode::OK);
         let headers = res.headers().clone();
         let text = res.text().await.unwrap();

@@ -12,7 +12,14 @@ use crate::metrics::{label_value, Exposition};
 
 use super::{ApiError, AppState};
 
-pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
+/// `auth`: a scrape with an operator's token sees the quota refusals by
+/// tenant; any other sees them summed by limit (`tenant="*"`), so a
+/// public scrape names no tenant.
+pub async fn metrics(
+    State(state): State<AppState>,
+    auth: Result<super::Auth, ApiError>,
+) -> Result<impl IntoResponse, ApiError> {
+    let by_tenant = matches!(&auth, Ok(super::Auth(p)) if p.operator);
     let (queued, running, waiting, oldest): (i64, i64, i64, f64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM agent_run WHERE status = 'queued'),
                 (SELECT count(*) FROM agent_run WHERE status = 'running'),
@@ -33,13 +40,15 @@ pub async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
         pending as f64,
     );
     e.gauge("agent_host_oldest_queued_age_seconds", "Age of the oldest queued run.", oldest);
-    let refusals: Vec<(String, f64)> = state
-        .policy
-        .quotas
-        .refusals()
-        .into_iter()
-        .map(|(tenant, limit, n)| (format!("tenant=\"{}\",limit=\"{limit}\"", label_value(&tenant)), n as f64))
-        .collect();
+    let mut refusals: Vec<(String, f64)> = Vec::new();
+    for (tenant, limit, n) in state.policy.quotas.refusals() {
+        let tenant = if by_tenant { label_value(&tenant) } else { "*".to_string() };
+        let labels = format!("tenant=\"{tenant}\",limit=\"{limit}\"");
+        match refusals.iter_mut().find(|(l, _)| *l == labels) {
+            Some((_, total)) => *total += n as f64,
+            None => refusals.push((labels, n as f64)),
+        }
+    }
     e.labelled(
         "agent_host_quota_refusals_total",
         "counter",
