@@ -446,6 +446,30 @@ async fn trickle(db: &TestDb, hosts: &[&HostProcess], token: &str, n: usize) -> 
     pickups
 }
 
+/// Runs of tenant `evil` in `status`.
+async fn evil_runs(db: &TestDb, status: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE tenant_id = 'evil' AND status = $1")
+        .bind(status)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// Prints `good`'s pickups (sorted) unattacked and under attack, and checks
+/// the worst under attack stays within two seconds: woken by its enqueue,
+/// and the poll tick (0.5 s) bounds a lost wake.
+fn report_pickups(what: &str, calm: &[f64], attacked: &[f64]) {
+    let (mid, worst) = (|v: &[f64]| v[v.len() / 2] * 1e3, |v: &[f64]| v[v.len() - 1] * 1e3);
+    eprintln!(
+        "{what}: good's pickup median and worst, unattacked {:.0} / {:.0} ms, under attack {:.0} / {:.0} ms",
+        mid(calm),
+        worst(calm),
+        mid(attacked),
+        worst(attacked)
+    );
+    assert!(attacked[attacked.len() - 1] < 2.0, "good waited for a slot under attack: {attacked:?}");
+}
+
 /// Issue 40, the first attack, with real processes at the default share:
 /// tenant `evil` posts more runs that never end than two processes have
 /// slots. Each process keeps a quarter of its slots from any one tenant, so
@@ -469,28 +493,10 @@ async fn a_tenant_flooding_every_process_with_endless_runs_leaves_room_for_anoth
     for i in 0..12 {
         flood.push(post_run([&a, &b][i % 2], &evil, "sleep", endless.clone()).await);
     }
-    let count = |status: &'static str| {
-        let pool = db.pool.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM agent_run WHERE tenant_id = 'evil' AND status = $1")
-                .bind(status)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }
-    };
-    wait_for("evil to hold 3 slots of each process", LONG, || async { count("running").await == 6 }).await;
+    wait_for("evil to hold 3 slots of each process", LONG, || async { evil_runs(&db, "running").await == 6 }).await;
 
     let attacked = trickle(&db, &[&a, &b], &good, 6).await;
-    eprintln!(
-        "good's pickup, median and worst: unattacked {:.0} / {:.0} ms, under attack {:.0} / {:.0} ms",
-        calm[calm.len() / 2] * 1e3,
-        calm[calm.len() - 1] * 1e3,
-        attacked[attacked.len() / 2] * 1e3,
-        attacked[attacked.len() - 1] * 1e3
-    );
-    // Woken by its enqueue; the poll tick (0.5 s) bounds a lost wake.
-    assert!(attacked[attacked.len() - 1] < 2.0, "good waited for a slot under attack: {attacked:?}");
+    report_pickups("slot flood", &calm, &attacked);
     let by_worker: Vec<(String, i64)> = sqlx::query_as(
         "SELECT worker_id, count(*) FROM agent_run WHERE tenant_id = 'evil' AND status = 'running'
          GROUP BY worker_id ORDER BY worker_id",
@@ -499,7 +505,7 @@ async fn a_tenant_flooding_every_process_with_endless_runs_leaves_room_for_anoth
     .await
     .unwrap();
     assert_eq!(by_worker, vec![("A".to_string(), 3), ("B".to_string(), 3)], "evil passed its share of a process");
-    assert_eq!(count("queued").await, 6, "the rest of the flood waits in the queue");
+    assert_eq!(evil_runs(&db, "queued").await, 6, "the rest of the flood waits in the queue");
 
     for run in &flood {
         let answer = reqwest::Client::new()
@@ -521,16 +527,7 @@ async fn a_tenant_flooding_every_process_with_endless_runs_leaves_room_for_anoth
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn built_in_agents_are_off_unless_the_operator_offers_them() {
     let db = TestDb::new().await;
-    let mut host = tokio::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-        .args(["--database-url", &db.url, "serve", "--listen", "127.0.0.1:0"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(host.stdout.take().unwrap()));
-    let line = tokio::time::timeout(LONG, lines.next_line()).await.unwrap().unwrap().unwrap();
-    let addr = line.strip_prefix("agent-host listening on http://").expect(&line).to_string();
+    let (mut host, addr) = serve_child(&["--database-url".as_ref(), db.url.as_ref()]).await;
     let token = agent_host::db::tokens::create(&db.pool, "mallory", "evil", false).await.unwrap();
     let answer = reqwest::Client::new()
         .post(format!("http://{addr}/v1/runs"))
@@ -598,9 +595,14 @@ fn cluster_port(dir: &std::path::Path) -> u16 {
 
 /// Starts `serve` on the private cluster in `dir`; the host and its address.
 async fn serve_private(dir: &std::path::Path) -> (tokio::process::Child, String) {
+    serve_child(&["--data-dir".as_ref(), dir.as_os_str()]).await
+}
+
+/// Starts `agent-host <global> serve` at the host's defaults (no built-in
+/// agents); the host and its address, once it listens.
+async fn serve_child(global: &[&std::ffi::OsStr]) -> (tokio::process::Child, String) {
     let mut host = tokio::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-        .arg("--data-dir")
-        .arg(dir)
+        .args(global)
         .args(["serve", "--listen", "127.0.0.1:0"])
         .env_remove("DATABASE_URL")
         .stdout(std::process::Stdio::piped())
@@ -835,28 +837,10 @@ async fn the_hostile_tenant_suite_on_two_hosts() {
     assert_eq!(upload.status(), 422, "an upload granting the operator's tool");
 
     // good, meanwhile.
-    let evil_running = || {
-        let pool = db.pool.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM agent_run WHERE tenant_id = 'evil' AND status = 'running'",
-            )
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
-    wait_for("evil to hold its share of both processes", LONG, || async { evil_running().await == 6 }).await;
+    wait_for("evil to hold its share of both processes", LONG, || async { evil_runs(&db, "running").await == 6 }).await;
     let attacked = trickle(&db, &[&a, &b], &good, 6).await;
-    eprintln!(
-        "hostile suite: good's pickup median and worst, unattacked {:.0} / {:.0} ms, under attack {:.0} / {:.0} ms",
-        calm[calm.len() / 2] * 1e3,
-        calm[calm.len() - 1] * 1e3,
-        attacked[attacked.len() / 2] * 1e3,
-        attacked[attacked.len() - 1] * 1e3
-    );
-    assert!(attacked[attacked.len() - 1] < 2.0, "good's pickup under attack: {attacked:?}");
-    assert_eq!(evil_running().await, 6, "evil passed its share");
+    report_pickups("hostile suite", &calm, &attacked);
+    assert_eq!(evil_runs(&db, "running").await, 6, "evil passed its share");
     let lost: i64 =
         sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE tenant_id = 'good' AND status <> 'completed'")
             .fetch_one(&db.pool)

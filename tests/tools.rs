@@ -380,16 +380,18 @@ async fn a_tenant_plugin_may_use_only_the_tools_the_operator_grants_its_tenant()
     let accepted = upload(json!({ "tools": ["llm", "crm"] })).await.unwrap();
     assert_eq!(accepted.status(), StatusCode::CREATED);
 
-    // Stored before the operator narrowed its grant: refused at the call.
+    // Stored before the operator narrowed its grant: refused at the call,
+    // though the operator published the very same bytes (a tenant's own
+    // name is the tenant's, whatever its digest).
     let actor = agent_host::db::audit::Actor::cli();
     let manifest = json!({ "tools": ["ops"] });
+    plugins::put(&db.pool, "published", &wasm, &manifest).await.unwrap();
     plugins::put_as(&db.pool, &actor, Some("acme"), "legacy", &wasm, &manifest).await.unwrap();
     let run = host.post_run("legacy", "go", json!({ "mode": "durable", "tool": "ops", "steps": 1 })).await;
     let view = host.ended(&db.pool, run).await;
     assert_eq!(view["status"], "failed", "{view}");
     assert!(view["error"].as_str().unwrap().contains("not granted to tenant \"acme\" by the operator"), "{view}");
     // The operator's published plugin reaches the tool (which is down here).
-    plugins::put(&db.pool, "published", &wasm, &manifest).await.unwrap();
     let run = host.post_run("published", "go", json!({ "mode": "durable", "tool": "ops", "steps": 1 })).await;
     let view = host.ended(&db.pool, run).await;
     let error = view["error"].as_str().unwrap_or_default();

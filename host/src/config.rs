@@ -501,8 +501,9 @@ pub struct WorkerArgs {
     #[arg(long, env = "AGENT_HOST_TENANT_MAX_RUNNING")]
     pub tenant_max_running: Option<u32>,
     /// The share of this process's run slots one tenant may hold, in
-    /// percent (rounded up, at least one slot): the rest stay free for the
-    /// other tenants, so no tenant holds every slot. A tenant's own share is
+    /// percent (rounded up, at least one slot; below 100, never every slot
+    /// of a process with two or more): the rest stay free for the other
+    /// tenants, so no tenant holds every slot. A tenant's own share is
     /// set with `agent-host tenants share` (read on each heartbeat).
     #[arg(long, env = "AGENT_HOST_TENANT_SLOT_SHARE_PCT", default_value_t = crate::worker::TENANT_SLOT_SHARE_PCT_DEFAULT,
           value_parser = clap::value_parser!(u8).range(1..=100))]

@@ -158,10 +158,15 @@ impl Cluster {
             if opts.ephemeral {
                 initdb.arg("--no-sync");
             }
+            // The password is kept before the cluster that asks for it exists:
+            // a host that dies between the two leaves a cluster it can open.
+            write_private(&password_file, &password).map_err(io(&password_file))?;
             let made = cluster.run(initdb, "initdb");
             let _ = std::fs::remove_file(&pwfile);
+            if made.is_err() {
+                let _ = std::fs::remove_file(&password_file);
+            }
             made?;
-            write_private(&password_file, &password).map_err(io(&password_file))?;
             let hba = cluster.pgdata.join("pg_hba.conf");
             std::fs::write(&hba, HBA).map_err(io(&hba))?;
             let mut conf = String::from(
@@ -283,6 +288,9 @@ impl Cluster {
         let io = |e: std::io::Error| sqlx::Error::Io(e);
         let mut conn = sqlx::PgConnection::connect(&self.url("postgres")).await?;
         let password = new_password();
+        // Never in the server's log, whatever its settings say.
+        sqlx::query("SET log_statement = 'none'").execute(&mut conn).await?;
+        sqlx::query("SET log_min_error_statement = 'panic'").execute(&mut conn).await?;
         // A hex string: nothing in it needs quoting.
         sqlx::query(&format!("ALTER ROLE postgres PASSWORD '{password}'")).execute(&mut conn).await?;
         write_private(&self.password_file, &password).map_err(io)?;

@@ -429,7 +429,8 @@ pub async fn claim_batch(pool: &PgPool, claim: &Claim<'_>) -> Result<Batch, sqlx
 
 /// [`claim_batch`] on a given connection (the dispatcher's own).
 pub async fn claim_batch_on(conn: &mut PgConnection, claim: &Claim<'_>) -> Result<Batch, sqlx::Error> {
-    let (rows, conflicts) = past_conflicts(conn, |except| claim_sql(claim, except), |q| q).await?;
+    let shape = !claim.rooms.bind(claim.limit);
+    let (rows, conflicts) = past_conflicts(conn, shape, |except| claim_sql(claim, except), |q| q).await?;
     let rows = rows.unwrap_or_default();
     Ok(Batch { runs: claimed_in(&rows)?, conflicts, dry: dry_in(&rows)? })
 }
@@ -445,13 +446,16 @@ pub async fn claim_batch_on(conn: &mut PgConnection, claim: &Claim<'_>) -> Resul
 /// could still find the rows the failed one locked, and skip them.
 async fn past_conflicts(
     conn: &mut PgConnection,
+    // Whether the statement is one of the worker's few shapes, kept
+    // prepared: not when it names conversations or tenants' rooms of its own.
+    shape: bool,
     sql: impl Fn(&[uuid::Uuid]) -> Arc<str>,
     bind: impl for<'q> Fn(PgQuery<'q>) -> PgQuery<'q>,
 ) -> Result<(Option<Vec<PgRow>>, u32), sqlx::Error> {
     let mut except = Vec::new();
     loop {
         let text = sql(&except);
-        match bind(sqlx::query(&text).persistent(except.is_empty())).fetch_all(&mut *conn).await {
+        match bind(sqlx::query(&text).persistent(shape && except.is_empty())).fetch_all(&mut *conn).await {
             Ok(rows) => return Ok((Some(rows), except.len() as u32)),
             Err(e) if is_running_conflict(&e) => {
                 let conflicts = except.len() as u32 + 1;
@@ -666,9 +670,14 @@ pub async fn finish_and_claim(
     endings: &[Ending],
     claim: &Claim<'_>,
 ) -> Result<Turnover, sqlx::Error> {
-    let (rows, conflicts) =
-        past_conflicts(conn, |except| write_claim_in(&TURNOVER_SQL, claim, except), |q| bind_endings(q, endings))
-            .await?;
+    let shape = !claim.rooms.bind(claim.limit);
+    let (rows, conflicts) = past_conflicts(
+        conn,
+        shape,
+        |except| write_claim_in(&TURNOVER_SQL, claim, except),
+        |q| bind_endings(q, endings),
+    )
+    .await?;
     let Some(rows) = rows else {
         // Out of conflicts: the endings alone.
         return Ok(Turnover {

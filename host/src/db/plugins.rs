@@ -170,14 +170,26 @@ pub async fn resolve(db: impl PgExecutor<'_>, tenant: &str, name: &str) -> Resul
     .await
 }
 
-/// Whether a published plugin (the operator's, `tenant_id` null) points at
-/// `digest` now. A digest no published name points at any more counts as
-/// its tenant's own: held to the tenant's grants, never to fewer.
-pub async fn is_published_digest(db: impl PgExecutor<'_>, digest: &str) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM plugin WHERE digest = $1 AND tenant_id IS NULL)")
-        .bind(digest)
-        .fetch_one(db)
-        .await
+/// Whether `name`, as `tenant` resolves it (its own plugin first, then a
+/// published one), is a published plugin (the operator's, `tenant_id`
+/// null) pointing at `digest` now. Anything else (the tenant's own, or a
+/// name re-pointed since) counts as the tenant's: held to its grants, never
+/// to fewer.
+pub async fn is_published_as(
+    db: impl PgExecutor<'_>,
+    name: &str,
+    digest: &str,
+    tenant: &str,
+) -> Result<bool, sqlx::Error> {
+    let first: Option<(Option<String>, String)> = sqlx::query_as(
+        "SELECT tenant_id, digest FROM plugin WHERE name = $1 AND (tenant_id = $2 OR tenant_id IS NULL)
+         ORDER BY tenant_id IS NULL LIMIT 1",
+    )
+    .bind(name)
+    .bind(tenant)
+    .fetch_optional(db)
+    .await?;
+    Ok(matches!(first, Some((None, d)) if d == digest))
 }
 
 /// Plugins in byte order of their names (`COLLATE "C"`, so callers can

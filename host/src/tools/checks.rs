@@ -90,16 +90,37 @@ impl TenantScope {
 /// percent-encoded (in a URL or a form) and in base64 (standard and URL
 /// alphabets, as a Basic credential or a token carries it).
 fn forms(v: &str) -> Vec<String> {
-    use base64::Engine;
     let once = serde_json::to_string(v).unwrap_or_default();
     let once = once.trim_matches('"').to_string();
     let twice = serde_json::to_string(&once).unwrap_or_default().trim_matches('"').to_string();
+    // Every character but letters and digits, and what URL encoders leave
+    // alone in a component (`-._~`).
+    const COMPONENT: &percent_encoding::AsciiSet =
+        &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
     let percent = percent_encoding::utf8_percent_encode(v, percent_encoding::NON_ALPHANUMERIC).to_string();
-    let b64 = base64::engine::general_purpose::STANDARD_NO_PAD.encode(v);
-    let b64url = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v);
-    let mut all = vec![v.to_string(), once, twice, percent, b64, b64url];
+    let component = percent_encoding::utf8_percent_encode(v, COMPONENT).to_string();
+    let mut all = vec![v.to_string(), once, twice, percent, component];
+    // In base64 the secret's characters depend on where it starts among the
+    // text's bytes (`user:secret` in a Basic credential): encoded after 0, 1
+    // and 2 bytes of filler, the part that never depends on the filler or on
+    // what follows is what any such encoding of it holds.
+    for engine in [&base64::engine::general_purpose::STANDARD_NO_PAD, &base64::engine::general_purpose::URL_SAFE_NO_PAD]
+    {
+        for lead in 0..3usize {
+            let mut bytes = vec![0u8; lead];
+            bytes.extend_from_slice(v.as_bytes());
+            let encoded = base64::Engine::encode(engine, &bytes);
+            // Characters fixed by the filler (ceil(lead * 4 / 3)) and the
+            // last, incomplete group, which depends on what follows.
+            let skip = (lead * 4).div_ceil(3);
+            let whole = (bytes.len() / 3) * 4;
+            if whole > skip + 4 {
+                all.push(encoded[skip..whole].to_string());
+            }
+        }
+    }
     all.dedup();
-    all.retain(|f| !f.is_empty());
+    all.retain(|f| f.len() >= 4);
     all
 }
 
@@ -184,7 +205,9 @@ mod tests {
         let twice = serde_json::to_string(&once).unwrap();
         let percent = percent_encoding::utf8_percent_encode(secret, percent_encoding::NON_ALPHANUMERIC).to_string();
         let b64 = base64::engine::general_purpose::STANDARD_NO_PAD.encode(secret);
-        for text in [secret.to_string(), once, twice, percent, b64] {
+        let basic = base64::engine::general_purpose::STANDARD.encode(format!("user:{secret}"));
+        let basic2 = base64::engine::general_purpose::STANDARD.encode(format!("us:{secret}:x"));
+        for text in [secret.to_string(), once, twice, percent, b64, basic, basic2] {
             let said = format!("before {text} after");
             let cut = s.redact(&said);
             assert!(cut.contains("<redacted>") && !cut.contains("ghi"), "{said} -> {cut}");

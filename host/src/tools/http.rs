@@ -161,8 +161,13 @@ impl HttpRule {
 /// refused whatever the patterns say.
 fn decoded_path(raw: &str) -> Option<String> {
     let decoded = percent_encoding::percent_decode_str(raw).decode_utf8().ok()?.into_owned();
-    let climbs = decoded.split('/').any(|seg| seg == "." || seg == "..");
-    let odd = decoded.chars().any(|c| c == '\\' || c.is_control());
+    // A segment's path parameters (`..;/`, as some servers read it) do not
+    // hide a dot segment.
+    let climbs =
+        decoded.split('/').map(|seg| seg.split(';').next().unwrap_or_default()).any(|seg| seg == "." || seg == "..");
+    // A `%` left after decoding is an encoding of an encoding: a server that
+    // decodes twice would see what this check did not.
+    let odd = decoded.chars().any(|c| c == '\\' || c == '%' || c.is_control());
     (!climbs && !odd).then_some(decoded)
 }
 
@@ -616,6 +621,8 @@ mod tests {
             "https://api.example/v1/%2e%2e%2fadmin",
             "https://api.example/v1/x%5C..%5Cadmin",
             "https://api.example/v1/%00",
+            "https://api.example/v1/..;/admin",
+            "https://api.example/v1/%252e%252e%252fadmin",
         ] {
             assert!(!allowed(climbing), "{climbing}");
         }

@@ -372,9 +372,11 @@ impl Shared {
     }
 
     /// Rooms for a claim of up to `limit` rows, reserved until the
-    /// reservation is dropped (after its runs are held).
+    /// reservation is dropped (after its runs are held). The rows are
+    /// reserved before the held runs are counted: a claim that starts its
+    /// runs meanwhile is then counted twice (stricter), never not at all.
     fn reserve(&self, limit: usize) -> (crate::db::lifecycle::Rooms, shares::Reservation) {
-        self.shares.reserve(&self.held_by_tenant(), limit)
+        self.shares.reserve(limit, || self.held_by_tenant())
     }
 
     fn hub_connected(&self) -> bool {

@@ -492,11 +492,13 @@ fn release(shared: &Shared, run: db::RunId, token: db::ClaimToken) -> Option<Hel
 }
 
 /// The tenant whose own plugin the run executes: its tenant, unless the
-/// digest it is pinned to is one the operator published (or it runs a
-/// built-in agent, which the operator offers).
+/// name it asked for resolves, as the enqueue resolved it (the tenant's own
+/// first), to a plugin the operator published with the pinned digest (or
+/// it runs a built-in agent, which the operator offers). The same bytes
+/// uploaded under a tenant's own name are that tenant's.
 async fn plugin_tenant(shared: &Shared, row: &ClaimedRun) -> Result<Option<String>, sqlx::Error> {
     let Some(digest) = row.plugin_digest.as_deref() else { return Ok(None) };
-    let published = db::plugins::is_published_digest(&shared.pool, digest).await?;
+    let published = db::plugins::is_published_as(&shared.pool, &row.plugin, digest, &row.tenant_id).await?;
     Ok((!published).then(|| row.tenant_id.clone()))
 }
 

@@ -6,7 +6,8 @@
 //! arriving next would wait for one of them to end. So each process keeps
 //! part of its slots back from any one tenant: a tenant may hold at most its
 //! share of the process's slots (`--tenant-slot-share-pct`, 75 by default,
-//! rounded up, at least one; the operator sets a share per tenant with
+//! rounded up, at least one, and below 100% one fewer than all at most; the
+//! operator sets a share per tenant with
 //! `agent-host tenants share`). Every process keeps the rest free for the
 //! others, so a tenant arriving while another holds all it may gets a slot
 //! at the next claim (a wake: milliseconds; at worst the poll tick).
@@ -70,7 +71,11 @@ impl Shares {
     /// The rooms for a claim of up to `limit` rows, given the runs this
     /// process holds by tenant, and a reservation of those rows that lasts
     /// until it is dropped (after the claimed runs are held).
-    pub fn reserve(self: &Arc<Self>, held: &HashMap<String, usize>, limit: usize) -> (Rooms, Reservation) {
+    pub fn reserve(
+        self: &Arc<Self>,
+        limit: usize,
+        held: impl FnOnce() -> HashMap<String, usize>,
+    ) -> (Rooms, Reservation) {
         let pending = {
             let mut p = self.pending.lock().unwrap();
             let before = *p;
@@ -78,6 +83,8 @@ impl Shares {
             before
         };
         let reservation = Reservation { shares: self.clone(), rows: limit };
+        // Counted after the reservation (see `Shared::reserve`).
+        let held = &held();
         let overrides = self.overrides.read().unwrap();
         let room = |tenant: &str| {
             let holds = held.get(tenant).copied().unwrap_or(0);
@@ -101,9 +108,14 @@ impl Shares {
     }
 }
 
-/// `pct` percent of `slots`, rounded up, at least one.
+/// `pct` percent of `slots`, rounded up, at least one; below 100%, one slot
+/// fewer than all at most (a process of 2 or 3 slots keeps one back too).
 fn cap_of(slots: usize, pct: u8) -> usize {
-    (slots * usize::from(pct)).div_ceil(100).max(1)
+    let cap = (slots * usize::from(pct)).div_ceil(100).max(1);
+    match slots > 1 && pct < 100 {
+        true => cap.min(slots - 1),
+        false => cap,
+    }
 }
 
 /// Rows a claim in flight may still take; given back when dropped.
@@ -132,7 +144,9 @@ mod tests {
     fn the_share_rounds_up_and_is_never_zero() {
         assert_eq!(cap_of(16, 75), 12);
         assert_eq!(cap_of(4, 75), 3);
-        assert_eq!(cap_of(2, 75), 2);
+        assert_eq!(cap_of(2, 75), 1, "a share below 100% keeps a slot back");
+        assert_eq!(cap_of(3, 99), 2);
+        assert_eq!(cap_of(2, 100), 2);
         assert_eq!(cap_of(1, 1), 1);
         assert_eq!(cap_of(16, 100), 16);
     }
@@ -140,14 +154,14 @@ mod tests {
     #[test]
     fn a_claim_far_from_every_share_binds_nothing() {
         let shares = Arc::new(Shares::new(16, 75));
-        let (rooms, _r) = shares.reserve(&held(&[("a", 2)]), 4);
+        let (rooms, _r) = shares.reserve(4, || held(&[("a", 2)]));
         assert!(!rooms.bind(4), "{rooms:?}");
     }
 
     #[test]
     fn a_tenant_at_its_share_gets_no_room_and_others_keep_theirs() {
         let shares = Arc::new(Shares::new(4, 75));
-        let (rooms, _r) = shares.reserve(&held(&[("evil", 3)]), 1);
+        let (rooms, _r) = shares.reserve(1, || held(&[("evil", 3)]));
         assert_eq!(rooms.tenants, vec!["evil".to_string()]);
         assert_eq!(rooms.slots, vec![0]);
         assert_eq!(rooms.default, None, "a tenant holding nothing may take the one row");
@@ -156,11 +170,11 @@ mod tests {
     #[test]
     fn claims_in_flight_count_against_every_tenant_until_dropped() {
         let shares = Arc::new(Shares::new(4, 75));
-        let (_, first) = shares.reserve(&held(&[]), 2);
-        let (rooms, second) = shares.reserve(&held(&[]), 2);
+        let (_, first) = shares.reserve(2, || held(&[]));
+        let (rooms, second) = shares.reserve(2, || held(&[]));
         assert_eq!(rooms.default, Some(1), "3 allowed, 2 may be taken by the claim in flight");
         drop((first, second));
-        let (rooms, _r) = shares.reserve(&held(&[]), 2);
+        let (rooms, _r) = shares.reserve(2, || held(&[]));
         assert_eq!(rooms.default, None);
     }
 
@@ -182,7 +196,7 @@ mod tests {
             let shares = shares.clone();
             std::thread::spawn(move || {
                 for _ in 0..20_000 {
-                    let (_rooms, _r) = shares.reserve(&held(&[("a", 1), ("t", 1)]), 4);
+                    let (_rooms, _r) = shares.reserve(4, || held(&[("a", 1), ("t", 1)]));
                 }
             })
         };
@@ -199,7 +213,7 @@ mod tests {
     fn an_operator_share_names_its_tenant() {
         let shares = Arc::new(Shares::new(4, 75));
         shares.set_overrides([("big".to_string(), 100), ("small".to_string(), 25), ("bad".to_string(), 0)]);
-        let (rooms, _r) = shares.reserve(&held(&[("big", 3), ("small", 0)]), 2);
+        let (rooms, _r) = shares.reserve(2, || held(&[("big", 3), ("small", 0)]));
         let named: HashMap<_, _> = rooms.tenants.iter().cloned().zip(rooms.slots.iter().copied()).collect();
         assert_eq!(named.get("big"), Some(&1));
         assert_eq!(named.get("small"), Some(&1));
