@@ -380,3 +380,43 @@ async fn an_approved_call_in_flight_at_a_crash_is_not_made_twice() {
     assert_eq!(env.receiver.keys("once").len(), 1, "the approved call was made once");
     drop(b);
 }
+
+/// Issue 40: approvals can separate duties. With `--operator-approvals
+/// admin --operator-approvals-no-edit`, a call of a tool the operator gates
+/// (`approval = "always"` in the tools file) is not its requester's to
+/// decide (403), nor may its arguments be edited; an admin of the tenant
+/// sees it among the tenant's pending approvals and approves it, and the
+/// run completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_gated_call_is_decided_by_an_admin_other_than_its_requester() {
+    let manifest = json!({ "tools": ["llm", "gated"], "durability": "resume" });
+    let extra = ["--operator-approvals", "admin", "--operator-approvals-no-edit"];
+    let env = Env::with_manifest("chat", "chat", &manifest, true, &extra).await;
+    let a = env.spawn("A");
+    let offered = json!({ "tools": [{ "name": "gated", "description": "gated", "parameters": { "type": "object" } }] });
+    let run = env.post(&a, "chat", "send it", offered).await;
+    let call = wait_waiting(&env, &a, run).await["call_id"].as_i64().unwrap();
+    let (code, body) = decide(&env, &a, run, call, json!({ "decision": "approve" })).await;
+    assert_eq!(code, 403, "the requester approved its own gated call: {body}");
+    let admin = agent_host::db::tokens::create(&env.db.pool, "ada", "acme", true).await.unwrap();
+    let as_admin = |method: reqwest::Method, path: String, body: Option<Value>| {
+        let mut req = reqwest::Client::new().request(method, format!("http://{}{path}", a.addr)).bearer_auth(&admin);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        async move {
+            let res = req.send().await.unwrap();
+            (res.status().as_u16(), res.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (code, listed) = as_admin(reqwest::Method::GET, "/v1/approvals?all=true".into(), None).await;
+    assert_eq!(code, 200, "{listed}");
+    assert_eq!(listed["approvals"][0]["run_id"], json!(run.to_string()), "{listed}");
+    let path = format!("/v1/runs/{run}/approvals/{call}");
+    let edit = json!({ "decision": "edit", "args": { "to": "elsewhere" } });
+    let (code, body) = as_admin(reqwest::Method::POST, path.clone(), Some(edit)).await;
+    assert_eq!(code, 403, "an edit of a gated call: {body}");
+    let (code, body) = as_admin(reqwest::Method::POST, path, Some(json!({ "decision": "approve" }))).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(wait_terminal(&env.db.pool, run, LONG).await, "completed");
+}

@@ -103,7 +103,8 @@ async fn call_cost(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut agents = AgentRegistry::default().with_tools(tools());
     agents.insert("call-probe", Arc::new(CallProbe(tx)));
-    let config = WorkerConfig { max_runs: 1, worker_id: "bench".into(), ..WorkerConfig::default() };
+    let config =
+        WorkerConfig { max_runs: 1, worker_id: "bench".into(), tenant_slot_share_pct: 100, ..WorkerConfig::default() };
     let worker = Worker::start(pool.clone(), Some(Hub::start(url.to_string())), agents, config).await?;
     let calls = args.samples;
     let mut p50s = Vec::new();
@@ -162,6 +163,7 @@ async fn sigkill_to_resumed(pool: &PgPool, url: &str, args: &BenchArgs, db_args:
         reap_grace: Duration::from_millis(300),
         reap_interval: Duration::from_millis(100),
         worker_id: "bench-resumer".into(),
+        tenant_slot_share_pct: 100,
         ..WorkerConfig::default()
     };
     let manifest: Value = serde_json::from_str(RESUMABLE)?;
@@ -272,6 +274,7 @@ async fn replay(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<()
         max_runs: runs,
         drain_timeout: Duration::from_millis(10),
         worker_id: "bench-first".into(),
+        tenant_slot_share_pct: 100,
         ..WorkerConfig::default()
     };
     let first = Worker::start(pool.clone(), Some(Hub::start(url.to_string())), agents.clone(), first_config).await?;
@@ -295,6 +298,7 @@ async fn replay(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Result<()
         lease: Duration::from_secs(3600),
         heartbeat: Duration::from_secs(1800),
         worker_id: "bench-resumer".into(),
+        tenant_slot_share_pct: 100,
         ..WorkerConfig::default()
     };
     let second = Worker::start(pool.clone(), Some(hub.clone()), agents, second_config).await?;

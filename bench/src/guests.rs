@@ -171,7 +171,8 @@ async fn first_run(
     let cache = TempDir::new("fresh");
     let sandbox = sandbox(pool, &cache)?;
     let agents = AgentRegistry::default().with_sandbox(sandbox.clone()).with_tools(tools()?);
-    let config = WorkerConfig { max_runs: 1, worker_id: "bench".into(), ..WorkerConfig::default() };
+    let config =
+        WorkerConfig { max_runs: 1, worker_id: "bench".into(), tenant_slot_share_pct: 100, ..WorkerConfig::default() };
     let worker = Worker::start(pool.clone(), Some(Hub::start(url.to_string())), agents, config).await?;
     let manifest = manifest();
     let run = library::enqueue_pinned(pool, "hello", name, Some(digest), Some(&manifest), &json!({})).await?;
@@ -298,7 +299,8 @@ impl Probe {
 async fn probe_run(pool: &PgPool, url: &str, probe: Arc<Probe>, measure: &str) -> anyhow::Result<()> {
     let mut agents = AgentRegistry::default().with_tools(tools()?);
     agents.insert(PROBE, probe);
-    let config = WorkerConfig { max_runs: 1, worker_id: "bench".into(), ..WorkerConfig::default() };
+    let config =
+        WorkerConfig { max_runs: 1, worker_id: "bench".into(), tenant_slot_share_pct: 100, ..WorkerConfig::default() };
     let worker = Worker::start(pool.clone(), Some(Hub::start(url.to_string())), agents, config).await?;
     // The guests' tool calls go through the probe run's host: its manifest grants them.
     let run =

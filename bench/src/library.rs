@@ -258,6 +258,6 @@ pub fn probe_failed(e: impl std::fmt::Display) -> AgentError {
 /// run in the same transaction.
 pub async fn approve(pool: &PgPool, run: RunId, call: i32) -> anyhow::Result<()> {
     let d = suspensions::Decision { decision: "approve", args: None, reason: None, decided_by: OWNER };
-    suspensions::decide(pool, run, OWNER, call, &d).await?;
+    suspensions::decide(pool, run, db::Reach::Owner(OWNER), call, &d).await?;
     Ok(())
 }

@@ -493,6 +493,7 @@ pub async fn sigkill_to_failed(pool: &PgPool, url: &str, db_args: &DbArgs, args:
         reap_interval: Duration::from_millis(100),
         dispatch: false,
         worker_id: "bench-reaper".into(),
+        tenant_slot_share_pct: 100,
         ..WorkerConfig::default()
     };
     let reaper = Worker::start(pool.clone(), None, AgentRegistry::default(), reaper_config).await?;

@@ -122,7 +122,8 @@ impl Probe {
 async fn probe_run(pool: &PgPool, url: &str, probe: Arc<Probe>, measure: &str) -> anyhow::Result<()> {
     let mut agents = AgentRegistry::default();
     agents.insert(PROBE, probe);
-    let config = WorkerConfig { max_runs: 1, worker_id: "bench".into(), ..WorkerConfig::default() };
+    let config =
+        WorkerConfig { max_runs: 1, worker_id: "bench".into(), tenant_slot_share_pct: 100, ..WorkerConfig::default() };
     let worker = Worker::start(pool.clone(), Some(Hub::start(url.to_string())), agents, config).await?;
     let run = library::enqueue(pool, "probe", PROBE, None, &json!({ "measure": measure })).await?;
     let t0 = Instant::now();
@@ -178,7 +179,12 @@ async fn cancel_latency(
 ) -> anyhow::Result<()> {
     sql::reset(pool).await?;
     let agents = AgentRegistry::default().with_sandbox(sandbox.clone());
-    let config = WorkerConfig { worker_id: "bench".into(), cancel_grace: CANCEL_GRACE, ..WorkerConfig::default() };
+    let config = WorkerConfig {
+        worker_id: "bench".into(),
+        cancel_grace: CANCEL_GRACE,
+        tenant_slot_share_pct: 100,
+        ..WorkerConfig::default()
+    };
     let hub = Hub::start(url.to_string());
     let worker = Worker::start(pool.clone(), Some(hub.clone()), agents, config).await?;
     let words = "word ".repeat(100_000);

@@ -401,6 +401,13 @@ pub struct ToolArgs {
     pub tenant_tools: TenantTools,
 }
 
+/// `--operator-approvals`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OperatorApprovals {
+    Requester,
+    Admin,
+}
+
 /// `--tenant-tools`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum TenantTools {
@@ -492,6 +499,14 @@ pub struct WorkerArgs {
     #[arg(long, env = "AGENT_HOST_TENANT_MAX_SCHEDULES", default_value_t = crate::service::schedules::TENANT_MAX_SCHEDULES_DEFAULT,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub tenant_max_schedules: u32,
+    /// Who decides a tool call the operator gates (a tools-file entry's
+    /// `approval`): its requester, or an admin of its tenant other than the
+    /// requester.
+    #[arg(long, env = "AGENT_HOST_OPERATOR_APPROVALS", value_enum, default_value_t = OperatorApprovals::Requester)]
+    pub operator_approvals: OperatorApprovals,
+    /// A decision on a call the operator gates may not edit its arguments.
+    #[arg(long, env = "AGENT_HOST_OPERATOR_APPROVALS_NO_EDIT")]
+    pub operator_approvals_no_edit: bool,
     /// The shortest time between two firings of one schedule, in seconds:
     /// a cron expression that would fire more often is refused (422).
     #[arg(long, env = "AGENT_HOST_SCHEDULE_MIN_INTERVAL_S", default_value_t = crate::service::schedules::MIN_INTERVAL_DEFAULT.as_secs(),
@@ -598,8 +613,13 @@ impl WorkerArgs {
             tenant_max: self.tenant_max_schedules,
             min_interval: Duration::from_secs(self.schedule_min_interval_s),
         };
+        let approvals = crate::service::submit::ApprovalPolicy {
+            admin_decides: self.operator_approvals == OperatorApprovals::Admin,
+            edit: !self.operator_approvals_no_edit,
+        };
         crate::service::submit::Policy {
             schedules,
+            approvals,
             webhook_allow: self.completion_webhook_allow.clone(),
             quotas: crate::service::quota::Quotas::new(quotas),
         }

@@ -195,7 +195,8 @@ impl Env {
                 "[[webhook]]\nname = \"record\"\nurl = \"{base}/record\"\nidempotent = true\n\n\
                  [[webhook]]\nname = \"slow\"\nurl = \"{base}/slow\"\ntimeout_ms = 60000\nidempotent = true\n\n\
                  [[webhook]]\nname = \"once\"\nurl = \"{base}/once\"\ntimeout_ms = 60000\n\n\
-                 [[webhook]]\nname = \"send\"\nurl = \"{base}/send\"\n"
+                 [[webhook]]\nname = \"send\"\nurl = \"{base}/send\"\n\n\
+                 [[webhook]]\nname = \"gated\"\nurl = \"{base}/send\"\napproval = \"always\"\n"
             ),
         )
         .unwrap();

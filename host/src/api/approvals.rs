@@ -9,11 +9,29 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::db::suspensions::{self, DecideError, Decision, PENDING_PAGE_MAX};
-use crate::db::RunId;
+use crate::db::{Reach, RunId};
 use crate::service::storable;
 
 use super::paging::PageQuery;
 use super::{ApiError, ApiJson, ApiQuery, AppState, Auth};
+
+/// The runs whose approvals `p` may decide: its own; an admin's, its tenant's.
+fn reach(p: &crate::db::tokens::Principal) -> Reach<'_> {
+    match (p.admin, p.tenant_scope()) {
+        (false, _) => Reach::Owner(&p.user_id),
+        (true, Some(tenant)) => Reach::Tenant(tenant),
+        (true, None) => Reach::All,
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalsQuery {
+    limit: Option<String>,
+    after: Option<String>,
+    /// `true`: an admin's view, its tenant's pending approvals.
+    all: Option<String>,
+}
 
 /// A reason's length, at most.
 const REASON_CHARS_MAX: usize = 2000;
@@ -22,9 +40,9 @@ const REASON_CHARS_MAX: usize = 2000;
 pub async fn list_approvals(
     State(state): State<AppState>,
     Auth(p): Auth,
-    ApiQuery(q): ApiQuery<PageQuery>,
+    ApiQuery(q): ApiQuery<ApprovalsQuery>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let page = q.page(PENDING_PAGE_MAX as usize)?;
+    let page = PageQuery::new(q.limit.clone(), q.after.clone()).page(PENDING_PAGE_MAX as usize)?;
     let after = match page.after_as::<String>()? {
         None => None,
         Some(key) => {
@@ -33,7 +51,13 @@ pub async fn list_approvals(
             Some((run.parse::<RunId>().map_err(|_| bad())?, call.parse::<i32>().map_err(|_| bad())?))
         }
     };
-    let mut rows = suspensions::pending(&state.pool, &p.user_id, page.fetch(), after).await?;
+    let reach = match q.all.as_deref() {
+        None | Some("false") => Reach::Owner(&p.user_id),
+        Some("true") if p.admin => reach(&p),
+        Some("true") => return Err(ApiError::forbidden("all=true lists a tenant's approvals: admin tokens only")),
+        Some(other) => return Err(ApiError::bad_request(format!("all must be true or false, not {other:?}"))),
+    };
+    let mut rows = suspensions::pending(&state.pool, reach, page.fetch(), after).await?;
     let next_cursor = page.finish(&mut rows, |a| format!("{}:{}", a.run_id, a.call_id));
     Ok(Json(json!({ "approvals": rows, "next_cursor": next_cursor })))
 }
@@ -86,8 +110,23 @@ pub async fn decide(
         ("reject", None) => Some("rejected by the approver"),
         (_, r) => r,
     };
+    // Who may decide: the requester, or an admin of its tenant; a call the
+    // operator gates, as the operator says (`ApprovalPolicy`).
+    let (requester, tool) = suspensions::approval_call(&state.pool, run, call, reach(&p))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("approval {call} of run {run}")))?;
+    let gated = state.agents.tools().get(&tool).is_some_and(|t| t.requires_approval());
+    let rules = &state.policy.approvals;
+    if gated && rules.admin_decides && (requester == p.user_id || !p.admin) {
+        return Err(ApiError::forbidden(format!(
+            "the operator gates tool {tool:?}: an admin of the tenant other than the requester decides its calls"
+        )));
+    }
+    if gated && !rules.edit && body.decision == "edit" {
+        return Err(ApiError::forbidden(format!("the operator gates tool {tool:?}: its calls may not be edited")));
+    }
     let d = Decision { decision: &body.decision, args: body.args.as_ref(), reason, decided_by: &p.user_id };
-    match suspensions::decide(&state.pool, run, &p.user_id, call, &d).await {
+    match suspensions::decide(&state.pool, run, reach(&p), call, &d).await {
         Ok(view) => {
             // The decision and the call, never its arguments or reason (free text).
             let detail = json!({ "call_id": call, "decision": body.decision });

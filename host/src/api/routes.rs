@@ -345,16 +345,18 @@ pub const ROUTES: &[Route] = &[
     Route {
         method: "get",
         path: "/v1/approvals",
-        summary: "The caller's pending approvals (tool calls a waiting run asks a person to decide), oldest first",
+        summary: "The caller's pending approvals (tool calls a waiting run asks a person to decide), oldest first \
+                  (with all=true, an admin's: its tenant's)",
         auth: true,
         ok: (
             200,
             "{approvals: [{run_id, conversation_id, call_id, tool, args, requested_at, expires_at}], next_cursor}",
         ),
-        errors: &[400],
+        errors: &[400, 403],
         query: &[
             ("limit", "integer", "1-1000 (default 1000)"),
             ("after", "string", "the next_cursor of the previous page"),
+            ("all", "boolean", "true: the pending approvals the caller may decide (admins: its tenant's)"),
         ],
         body: None,
         handler: || get(approvals::list_approvals),
@@ -367,7 +369,7 @@ pub const ROUTES: &[Route] = &[
                   with the first",
         auth: true,
         ok: (200, "{run_id, status: queued, decision: {call_id, decision, args?, reason?, decided_at}}"),
-        errors: &[400, 404, 409, 422],
+        errors: &[400, 403, 404, 409, 422],
         query: &[],
         body: Some(("application/json", decision_body)),
         handler: || post(approvals::decide),

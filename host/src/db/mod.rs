@@ -60,6 +60,32 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
 pub use status::{MessageStatus, RunStatus};
 
+/// Whose rows (runs, schedules) a caller reaches: its own; an admin's, every
+/// one of its tenant; an operator's, all.
+#[derive(Debug, Clone, Copy)]
+pub enum Reach<'a> {
+    Owner(&'a str),
+    Tenant(&'a str),
+    All,
+}
+
+impl Reach<'_> {
+    /// `(owner, tenant, all)`, to bind where [`Reach::filter`] says.
+    pub fn binds(&self) -> (Option<&str>, Option<&str>, bool) {
+        match *self {
+            Reach::Owner(o) => (Some(o), None, false),
+            Reach::Tenant(t) => (None, Some(t), false),
+            Reach::All => (None, None, true),
+        }
+    }
+
+    /// The filter over `owner_id` and `tenant_id` (of `alias`, with a dot, or
+    /// none) with the binds at `$n`, `$n+1`, `$n+2`.
+    pub fn filter(alias: &str, n: usize) -> String {
+        format!("({alias}owner_id = ${n} OR {alias}tenant_id = ${} OR ${})", n + 1, n + 2)
+    }
+}
+
 macro_rules! typed_id {
     ($(#[$doc:meta])* $name:ident) => {
         $(#[$doc])*

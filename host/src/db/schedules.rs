@@ -71,28 +71,10 @@ pub async fn create(db: impl PgExecutor<'_>, s: &NewSchedule<'_>) -> Result<Sche
     .await
 }
 
-/// Whose schedules a caller may see and change: its own; an admin's, every
-/// schedule of its tenant; an operator's, every schedule.
-#[derive(Debug, Clone, Copy)]
-pub enum Scope<'a> {
-    Owner(&'a str),
-    Tenant(&'a str),
-    All,
-}
-
-impl Scope<'_> {
-    /// `(owner, tenant, all)`, bound as `$2`, `$3`, `$4` of [`SCOPE_FILTER`].
-    fn binds(&self) -> (Option<&str>, Option<&str>, bool) {
-        match *self {
-            Scope::Owner(o) => (Some(o), None, false),
-            Scope::Tenant(t) => (None, Some(t), false),
-            Scope::All => (None, None, true),
-        }
-    }
-}
+pub use super::Reach as Scope;
 
 /// The rows a [`Scope`] reaches.
-const SCOPE_FILTER: &str = "(owner_id = $2 OR tenant_id = $3 OR $4)";
+static SCOPE_FILTER: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| Scope::filter("", 2));
 
 /// The schedules in `scope`, oldest first, after the schedule `after`.
 pub async fn list(
@@ -102,9 +84,10 @@ pub async fn list(
     limit: i64,
 ) -> Result<Vec<Schedule>, sqlx::Error> {
     let (owner, tenant, all) = scope.binds();
+    let filter = &*SCOPE_FILTER;
     sqlx::query_as(&format!(
         "SELECT {COLUMNS} FROM schedule
-         WHERE {SCOPE_FILTER}
+         WHERE {filter}
            AND ($1::uuid IS NULL OR (created_at, id) > (SELECT created_at, id FROM schedule WHERE id = $1))
          ORDER BY created_at, id LIMIT $5"
     ))
@@ -119,7 +102,8 @@ pub async fn list(
 
 pub async fn get(db: impl PgExecutor<'_>, id: Uuid, scope: Scope<'_>) -> Result<Option<Schedule>, sqlx::Error> {
     let (owner, tenant, all) = scope.binds();
-    sqlx::query_as(&format!("SELECT {COLUMNS} FROM schedule WHERE id = $1 AND {SCOPE_FILTER}"))
+    let filter = &*SCOPE_FILTER;
+    sqlx::query_as(&format!("SELECT {COLUMNS} FROM schedule WHERE id = $1 AND {filter}"))
         .bind(id)
         .bind(owner)
         .bind(tenant)
@@ -138,9 +122,10 @@ pub async fn set_paused(
     next_fire_at: Option<DateTime<Utc>>,
 ) -> Result<Option<Schedule>, sqlx::Error> {
     let (owner, tenant, all) = scope.binds();
+    let filter = &*SCOPE_FILTER;
     sqlx::query_as(&format!(
         "UPDATE schedule SET paused = $5, next_fire_at = coalesce($6, next_fire_at)
-         WHERE id = $1 AND {SCOPE_FILTER} RETURNING {COLUMNS}"
+         WHERE id = $1 AND {filter} RETURNING {COLUMNS}"
     ))
     .bind(id)
     .bind(owner)
@@ -154,7 +139,8 @@ pub async fn set_paused(
 
 pub async fn delete(db: impl PgExecutor<'_>, id: Uuid, scope: Scope<'_>) -> Result<bool, sqlx::Error> {
     let (owner, tenant, all) = scope.binds();
-    let done = sqlx::query(&format!("DELETE FROM schedule WHERE id = $1 AND {SCOPE_FILTER}"))
+    let filter = &*SCOPE_FILTER;
+    let done = sqlx::query(&format!("DELETE FROM schedule WHERE id = $1 AND {filter}"))
         .bind(id)
         .bind(owner)
         .bind(tenant)

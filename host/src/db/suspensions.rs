@@ -13,7 +13,7 @@ use sqlx::{PgConnection, PgExecutor, PgPool};
 use super::events::{APPROVAL_DECIDED, APPROVAL_REQUESTED, WAIT_ELAPSED, WAIT_STARTED};
 use super::journal::write_event;
 use super::notify::{events_channel, notify, RUN_ENQUEUED};
-use super::{ClaimToken, ConversationId, RunId};
+use super::{ClaimToken, ConversationId, Reach, RunId};
 
 /// What a run is suspended for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -191,26 +191,52 @@ pub const PENDING_PAGE_MAX: i64 = 1000;
 /// `(run, call)` last seen.
 pub async fn pending(
     db: impl PgExecutor<'_>,
-    owner_id: &str,
+    reach: Reach<'_>,
     limit: i64,
     after: Option<(RunId, i32)>,
 ) -> Result<Vec<Pending>, sqlx::Error> {
     let (run, call) = after.unzip();
-    sqlx::query_as(
+    let (owner, tenant, all) = reach.binds();
+    sqlx::query_as(&format!(
         "SELECT s.run_id, r.conversation_id, s.call_index AS call_id, s.tool, s.args, s.requested_at, s.expires_at
          FROM run_suspension s JOIN agent_run r ON r.id = s.run_id
-         WHERE r.owner_id = $1 AND r.status = 'waiting' AND s.kind = 'approval' AND s.decision IS NULL
-           AND ($3::uuid IS NULL OR (s.requested_at, s.run_id, s.call_index) >
+         WHERE {} AND r.status = 'waiting' AND s.kind = 'approval' AND s.decision IS NULL
+           AND ($5::uuid IS NULL OR (s.requested_at, s.run_id, s.call_index) >
                 (SELECT a.requested_at, a.run_id, a.call_index FROM run_suspension a
-                 WHERE a.run_id = $3 AND a.call_index = $4))
+                 WHERE a.run_id = $5 AND a.call_index = $6))
          ORDER BY s.requested_at, s.run_id, s.call_index
-         LIMIT $2",
-    )
-    .bind(owner_id)
+         LIMIT $4",
+        Reach::filter("r.", 1)
+    ))
+    .bind(owner)
+    .bind(tenant)
+    .bind(all)
     .bind(limit)
     .bind(run)
     .bind(call)
     .fetch_all(db)
+    .await
+}
+
+/// An approval call the caller may decide: its run's owner and its tool.
+pub async fn approval_call(
+    db: impl PgExecutor<'_>,
+    run: RunId,
+    call_index: i32,
+    reach: Reach<'_>,
+) -> Result<Option<(String, String)>, sqlx::Error> {
+    let (owner, tenant, all) = reach.binds();
+    sqlx::query_as(&format!(
+        "SELECT r.owner_id, s.tool FROM run_suspension s JOIN agent_run r ON r.id = s.run_id
+         WHERE s.run_id = $1 AND s.call_index = $2 AND s.kind = 'approval' AND {}",
+        Reach::filter("r.", 3)
+    ))
+    .bind(run)
+    .bind(call_index)
+    .bind(owner)
+    .bind(tenant)
+    .bind(all)
+    .fetch_optional(db)
     .await
 }
 
@@ -258,17 +284,22 @@ fn decision_view(call: i32, decision: &str, args: Option<&Value>, reason: Option
 pub async fn decide(
     pool: &PgPool,
     run: RunId,
-    owner_id: &str,
+    reach: Reach<'_>,
     call_index: i32,
     d: &Decision<'_>,
 ) -> Result<Value, DecideError> {
     let mut tx = pool.begin().await?;
-    let locked: Option<(super::RunStatus, ConversationId)> =
-        sqlx::query_as("SELECT status, conversation_id FROM agent_run WHERE id = $1 AND owner_id = $2 FOR UPDATE")
-            .bind(run)
-            .bind(owner_id)
-            .fetch_optional(&mut *tx)
-            .await?;
+    let (owner, tenant, all) = reach.binds();
+    let locked: Option<(super::RunStatus, ConversationId)> = sqlx::query_as(&format!(
+        "SELECT status, conversation_id FROM agent_run WHERE id = $1 AND {} FOR UPDATE",
+        Reach::filter("", 2)
+    ))
+    .bind(run)
+    .bind(owner)
+    .bind(tenant)
+    .bind(all)
+    .fetch_optional(&mut *tx)
+    .await?;
     let (status, conversation) = locked.ok_or(DecideError::NotFound)?;
     type Row = (Option<String>, Option<Value>, Option<String>, Option<DateTime<Utc>>, String);
     let row: Option<Row> = sqlx::query_as(

@@ -64,6 +64,25 @@ pub struct Policy {
     pub quotas: Quotas,
     /// What schedules a tenant may have.
     pub schedules: super::schedules::SchedulePolicy,
+    /// Who decides the calls the operator gates.
+    pub approvals: ApprovalPolicy,
+}
+
+/// Who decides a call the operator gates (a tools-file entry's `approval`):
+/// by default its requester, as any other approval; with `admin_decides`,
+/// an admin of the run's tenant other than the requester
+/// (`--operator-approvals admin`). `edit`: whether a decision may change
+/// the call's arguments (`--operator-approvals-no-edit` forbids it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApprovalPolicy {
+    pub admin_decides: bool,
+    pub edit: bool,
+}
+
+impl Default for ApprovalPolicy {
+    fn default() -> Self {
+        ApprovalPolicy { admin_decides: false, edit: true }
+    }
 }
 
 impl Policy {
