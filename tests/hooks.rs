@@ -116,9 +116,20 @@ fn run_id(v: &Value) -> RunId {
     v["run_id"].as_str().unwrap().parse().unwrap()
 }
 
-/// Checks a delivery's signature as a Standard Webhooks receiver does.
+/// The key tenant `acme`'s deliveries are signed with, derived as the
+/// documentation says: HMAC-SHA256 under the operator's secret of
+/// `agent-host webhook key for tenant acme`.
+fn acme_key() -> Vec<u8> {
+    let secret = base64::engine::general_purpose::STANDARD.decode(SECRET.trim_start_matches("whsec_")).unwrap();
+    let mut mac = Hmac::<Sha256>::new_from_slice(&secret).unwrap();
+    mac.update(b"agent-host webhook key for tenant acme");
+    mac.finalize().into_bytes().to_vec()
+}
+
+/// Checks a delivery's signature as a Standard Webhooks receiver does, with
+/// its tenant's key.
 fn assert_signed(d: &Delivery) {
-    let key = base64::engine::general_purpose::STANDARD.decode(SECRET.trim_start_matches("whsec_")).unwrap();
+    let key = acme_key();
     let mut mac = Hmac::<Sha256>::new_from_slice(&key).unwrap();
     mac.update(format!("{}.{}.{}", d.id, d.timestamp, d.body).as_bytes());
     let want = format!("v1,{}", base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes()));
@@ -371,4 +382,31 @@ async fn a_schedule_fires_once_per_firing_across_three_processes_and_catches_up_
         )
         .await;
     assert_eq!(code, 422, "{v}");
+}
+
+/// Issue 40: completion webhooks are signed per tenant. A tenant's admin
+/// reads its key (`GET /v1/webhooks/signing-key`, the key its deliveries are
+/// signed with, which `assert_signed` checks); another tenant's key differs,
+/// and neither is the operator's secret. A user who is not an admin is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenant_has_its_own_webhook_signing_key() {
+    let env = Env::new().await;
+    let a = env.spawn("A", &[]);
+    let key_of = |token: String| {
+        let url = format!("http://{}/v1/webhooks/signing-key", a.addr);
+        async move {
+            let res = reqwest::Client::new().get(url).bearer_auth(token).send().await.unwrap();
+            (res.status().as_u16(), res.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let acme_admin = tokens::create(&env.db.pool, "ada", "acme", true).await.unwrap();
+    let other_admin = tokens::create(&env.db.pool, "olaf", "other", true).await.unwrap();
+    let (code, acme) = key_of(acme_admin).await;
+    assert_eq!(code, 200, "{acme}");
+    let want = format!("whsec_{}", base64::engine::general_purpose::STANDARD.encode(acme_key()));
+    assert_eq!(acme["key"], json!(want), "{acme}");
+    let (_, other) = key_of(other_admin).await;
+    assert_ne!(other["key"], acme["key"]);
+    assert_ne!(acme["key"], json!(SECRET), "not the operator's secret");
+    assert_eq!(key_of(env.token.clone()).await.0, 403, "a user who is not an admin");
 }

@@ -617,9 +617,15 @@ impl WorkerArgs {
             admin_decides: self.operator_approvals == OperatorApprovals::Admin,
             edit: !self.operator_approvals_no_edit,
         };
+        let webhook_secret = self
+            .webhook_secret
+            .as_deref()
+            .and_then(|s| crate::worker::webhook_secret_bytes(s).ok())
+            .map(crate::service::submit::WebhookSecret);
         crate::service::submit::Policy {
             schedules,
             approvals,
+            webhook_secret,
             webhook_allow: self.completion_webhook_allow.clone(),
             quotas: crate::service::quota::Quotas::new(quotas),
         }

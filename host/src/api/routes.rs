@@ -6,7 +6,8 @@ use serde_json::{json, Map, Value};
 
 use super::paging::LIMIT_MAX;
 use super::{
-    approvals, audit, conversations, events, metrics, plugins, responses, runs, schedules, tokens, AppState, ErrorCode,
+    approvals, audit, conversations, events, metrics, plugins, responses, runs, schedules, tokens, webhooks, AppState,
+    ErrorCode,
 };
 
 /// Builds a JSON schema.
@@ -529,6 +530,17 @@ pub const ROUTES: &[Route] = &[
         query: &[],
         body: None,
         handler: || post(tokens::revoke),
+    },
+    Route {
+        method: "get",
+        path: "/v1/webhooks/signing-key",
+        summary: "The key the caller's tenant's completion webhooks are signed with (admins), whsec_<base64>",
+        auth: true,
+        ok: (200, "{tenant_id, key}"),
+        errors: &[403, 404],
+        query: &[],
+        body: None,
+        handler: || get(webhooks::signing_key),
     },
     Route {
         method: "get",

@@ -19,6 +19,8 @@ pub struct Due {
     pub payload: Value,
     /// This attempt's number (1 for the first).
     pub attempts: i32,
+    /// The run's tenant, whose key signs the delivery.
+    pub tenant_id: String,
 }
 
 /// Claims up to `limit` due deliveries for one attempt each; `lease_s`
@@ -43,7 +45,8 @@ pub async fn claim_due(
          claimed AS (UPDATE webhook_delivery d SET attempts = d.attempts + 1,
                             next_attempt_at = now() + make_interval(secs => $2)
                      FROM due WHERE d.id = due.id AND d.attempts < $3
-                     RETURNING d.id, d.run_id, d.url, d.payload, d.attempts)
+                     RETURNING d.id, d.run_id, d.url, d.payload, d.attempts,
+                               (SELECT r.tenant_id FROM agent_run r WHERE r.id = d.run_id) AS tenant_id)
          SELECT * FROM claimed",
     )
     .bind(limit)

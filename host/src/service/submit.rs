@@ -66,6 +66,19 @@ pub struct Policy {
     pub schedules: super::schedules::SchedulePolicy,
     /// Who decides the calls the operator gates.
     pub approvals: ApprovalPolicy,
+    /// The completion webhooks' signing secret, from which each tenant's
+    /// key is derived (`None`: this host sends no webhooks).
+    pub webhook_secret: Option<WebhookSecret>,
+}
+
+/// The operator's webhook signing secret: never printed.
+#[derive(Clone)]
+pub struct WebhookSecret(pub Vec<u8>);
+
+impl std::fmt::Debug for WebhookSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WebhookSecret(<redacted>)")
+    }
 }
 
 /// Who decides a call the operator gates (a tools-file entry's `approval`):

@@ -13,7 +13,9 @@ mod shares;
 mod waker;
 mod webhooks;
 
-pub use webhooks::{secret_bytes as webhook_secret_bytes, sign as webhook_sign, WebhookConfig};
+pub use webhooks::{
+    secret_bytes as webhook_secret_bytes, sign as webhook_sign, tenant_key as webhook_tenant_key, WebhookConfig,
+};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

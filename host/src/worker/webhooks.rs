@@ -59,6 +59,17 @@ pub fn secret_bytes(secret: &str) -> Result<Vec<u8>, String> {
     }
 }
 
+/// The key one tenant's deliveries are signed with: HMAC-SHA256, under the
+/// operator's secret, of `agent-host webhook key for tenant <tenant>`. A
+/// tenant's admin reads it from `GET /v1/webhooks/signing-key`; a key one
+/// tenant's receiver holds verifies no other tenant's deliveries, and tells
+/// nothing of the operator's secret.
+pub fn tenant_key(secret: &[u8], tenant: &str) -> Vec<u8> {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
+    mac.update(format!("agent-host webhook key for tenant {tenant}").as_bytes());
+    mac.finalize().into_bytes().to_vec()
+}
+
 /// The `webhook-signature` value: `v1,` and base64 of HMAC-SHA256 over
 /// `{id}.{timestamp}.{body}`.
 pub fn sign(secret: &[u8], id: &str, timestamp: i64, body: &str) -> String {
@@ -98,7 +109,7 @@ async fn pass(shared: &Shared, client: &reqwest::Client, config: &WebhookConfig)
             .header("content-type", "application/json")
             .header("webhook-id", &id)
             .header("webhook-timestamp", timestamp.to_string())
-            .header("webhook-signature", sign(&config.secret, &id, timestamp, &body))
+            .header("webhook-signature", sign(&tenant_key(&config.secret, &d.tenant_id), &id, timestamp, &body))
             .body(body)
             .send()
             .await;
