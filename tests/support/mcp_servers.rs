@@ -30,9 +30,16 @@ pub struct McpServerProcess {
     log: PathBuf,
 }
 
+/// One server starting at a time in a test binary: a free port is free
+/// only until its server binds it, and two tests picking at once could
+/// both get it (the second server would then fail to bind while its test
+/// talked to the first).
+static STARTING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 impl McpServerProcess {
     /// The FastMCP server of tests/mcp/py_server.py on `port` (a fresh one when `None`).
     pub async fn python(port: Option<u16>, events: Option<PathBuf>) -> McpServerProcess {
+        let _one = STARTING.lock().await;
         let venv = env_path("AGENT_HOST_TEST_MCP_VENV", "tests/mcp/requirements.txt");
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().join("tests/mcp/py_server.py");
         let port = port.unwrap_or_else(free_port);
@@ -46,6 +53,7 @@ impl McpServerProcess {
 
     /// @modelcontextprotocol/server-everything, Streamable HTTP, on a fresh port.
     pub async fn everything() -> McpServerProcess {
+        let _one = STARTING.lock().await;
         let modules = env_path("AGENT_HOST_TEST_MCP_NODE_MODULES", "tests/mcp/package-lock.json");
         let port = free_port();
         let id = uuid::Uuid::new_v4().simple().to_string();
@@ -65,8 +73,12 @@ impl McpServerProcess {
             .stderr(out)
             .spawn()
             .expect("starting an MCP server");
-        let server = McpServerProcess { child, port, events, log };
+        let mut server = McpServerProcess { child, port, events, log };
         server.wait_listening().await;
+        // Listening, and it is ours: a server that could not bind exits.
+        if let Ok(Some(status)) = server.child.try_wait() {
+            panic!("the MCP server on port {} exited ({status}); its log:\n{}", server.port, server.log());
+        }
         server
     }
 
