@@ -552,19 +552,9 @@ async fn built_in_agents_are_off_unless_the_operator_offers_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_demo_on_a_private_cluster_completes_its_demo_turn() {
     let dir = std::env::temp_dir().join(format!("agent-host-demo-{}", uuid::Uuid::new_v4().simple()));
-    let mut host = tokio::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-        .arg("--data-dir")
-        .arg(&dir)
-        .arg("--cache-dir")
-        .arg(dir.join("cache"))
-        .args(["serve", "--demo", "--listen", "127.0.0.1:0"])
-        .env_remove("DATABASE_URL")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(host.stdout.take().unwrap()));
+    let cache = dir.join("cache");
+    let global = ["--data-dir".as_ref(), dir.as_os_str(), "--cache-dir".as_ref(), cache.as_os_str()];
+    let (mut host, _, mut lines) = serve_child_with(&global, &["--demo"]).await;
     let mut said = Vec::new();
     let ending = tokio::time::timeout(Duration::from_secs(300), async {
         while let Some(line) = lines.next_line().await.unwrap() {
@@ -601,9 +591,20 @@ async fn serve_private(dir: &std::path::Path) -> (tokio::process::Child, String)
 /// Starts `agent-host <global> serve` at the host's defaults (no built-in
 /// agents); the host and its address, once it listens.
 async fn serve_child(global: &[&std::ffi::OsStr]) -> (tokio::process::Child, String) {
+    let (host, addr, _) = serve_child_with(global, &[]).await;
+    (host, addr)
+}
+
+/// The rest of a child's standard output, line by line.
+type Lines = tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>;
+
+/// [`serve_child`] with `serve`'s own `args`, and the lines it prints after
+/// the one saying where it listens.
+async fn serve_child_with(global: &[&std::ffi::OsStr], args: &[&str]) -> (tokio::process::Child, String, Lines) {
     let mut host = tokio::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
         .args(global)
         .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
         .env_remove("DATABASE_URL")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
@@ -613,7 +614,7 @@ async fn serve_child(global: &[&std::ffi::OsStr]) -> (tokio::process::Child, Str
     let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(host.stdout.take().unwrap()));
     let line = tokio::time::timeout(LONG, lines.next_line()).await.unwrap().unwrap().unwrap();
     let addr = line.strip_prefix("agent-host listening on http://").expect(&line).to_string();
-    (host, addr)
+    (host, addr, lines)
 }
 
 async fn stop_host(mut host: tokio::process::Child) {
