@@ -21,17 +21,6 @@ use serde_json::json;
 use sqlx::postgres::PgListener;
 use support::*;
 
-fn claim_args(worker_id: &str, limit: i64, prefilter: bool) -> Claim<'_> {
-    Claim {
-        limit,
-        lease: Duration::from_secs(30),
-        worker_id,
-        prefilter,
-        tenant_max_running: None,
-        rooms: Default::default(),
-    }
-}
-
 #[tokio::test]
 async fn enqueue_commits_message_run_journal_and_wake_together() {
     let db = TestDb::new().await;

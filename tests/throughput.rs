@@ -24,17 +24,6 @@ use async_trait::async_trait;
 use serde_json::json;
 use support::*;
 
-fn claim_args(worker_id: &str, limit: i64, prefilter: bool) -> Claim<'_> {
-    Claim {
-        limit,
-        lease: Duration::from_secs(30),
-        worker_id,
-        prefilter,
-        tenant_max_running: None,
-        rooms: Default::default(),
-    }
-}
-
 fn tenant(name: &str) -> enqueue::Owner {
     enqueue::Owner { user_id: format!("{name}-user"), tenant_id: name.into() }
 }

@@ -60,7 +60,8 @@ pub async fn hostile(pool: &PgPool, url: &str, args: &BenchArgs) -> anyhow::Resu
             other => anyhow::bail!("a stream answered {other}"),
         }
     }
-    let held = wait_running(pool, "evil").await?;
+    // At the host's default share, evil holds three quarters of the slots.
+    let held = wait_running(pool, "evil", (SLOTS * 3 / 4) as i64).await?;
     let (attacked, attacked_done) = trickle(pool, turns).await?;
 
     let line = |mut v: Vec<Duration>, done: usize| format!("{}; completed {done} of {turns}", percentiles(&mut v));
@@ -97,23 +98,21 @@ async fn trickle(pool: &PgPool, turns: usize) -> anyhow::Result<(Vec<Duration>, 
     Ok((pickups, done))
 }
 
-/// Waits until `tenant`'s running runs stop growing; how many it holds.
-async fn wait_running(pool: &PgPool, tenant: &str) -> anyhow::Result<i64> {
-    let count = || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM agent_run WHERE tenant_id = $1 AND status = 'running'")
-            .bind(tenant)
-            .fetch_one(pool)
-            .await
-            .context("counting running runs")
-    };
+/// Waits (at most 30 s) until `tenant` holds `want` running runs (its share
+/// of the slots); how many it holds then.
+async fn wait_running(pool: &PgPool, tenant: &str, want: i64) -> anyhow::Result<i64> {
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mut last = -1;
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
     loop {
-        let now = count().await?;
-        if now == last || Instant::now() > deadline {
+        tick.tick().await;
+        let now =
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM agent_run WHERE tenant_id = $1 AND status = 'running'")
+                .bind(tenant)
+                .fetch_one(pool)
+                .await
+                .context("counting running runs")?;
+        if now >= want || Instant::now() > deadline {
             return Ok(now);
         }
-        last = now;
-        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }

@@ -374,6 +374,18 @@ pub async fn fail_inserts(pool: &PgPool, function: &str, trigger: &str, table: &
 }
 
 /// Claims one run for `worker_id` with `lease` (and the prefilter on).
+/// A claim of up to `limit` rows by `worker_id` (a 30 s lease, no cap, no rooms).
+pub fn claim_args(worker_id: &str, limit: i64, prefilter: bool) -> lifecycle::Claim<'_> {
+    lifecycle::Claim {
+        limit,
+        lease: Duration::from_secs(30),
+        worker_id,
+        prefilter,
+        tenant_max_running: None,
+        rooms: Default::default(),
+    }
+}
+
 pub async fn claim_one(pool: &PgPool, worker_id: &str, lease: Duration) -> lifecycle::ClaimedRun {
     lifecycle::claim(
         pool,

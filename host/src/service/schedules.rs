@@ -29,26 +29,10 @@ pub const FIRE_SCAN_MAX: i64 = 10 * FIRE_BATCH_MAX;
 /// How long a firing a quota held waits before it is tried again: it does
 /// not keep its place at the head of every pass.
 pub const HELD_BACKOFF: Duration = Duration::from_secs(30);
-/// Schedules one tenant may have, by default.
-pub const TENANT_MAX_SCHEDULES_DEFAULT: u32 = 100;
-/// The shortest time between two firings of one schedule, by default.
-pub const MIN_INTERVAL_DEFAULT: Duration = Duration::from_secs(60);
+pub use super::submit::{SchedulePolicy, MIN_INTERVAL_DEFAULT, TENANT_MAX_SCHEDULES_DEFAULT};
+
 /// Firings of a new schedule checked against the minimum interval.
 const INTERVAL_CHECKS: usize = 16;
-
-/// What schedules a tenant may have (the operator's `--tenant-max-schedules`
-/// and `--schedule-min-interval-s`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SchedulePolicy {
-    pub tenant_max: u32,
-    pub min_interval: Duration,
-}
-
-impl Default for SchedulePolicy {
-    fn default() -> Self {
-        SchedulePolicy { tenant_max: TENANT_MAX_SCHEDULES_DEFAULT, min_interval: MIN_INTERVAL_DEFAULT }
-    }
-}
 
 /// The shortest gap between the next [`INTERVAL_CHECKS`] firings of `cron`
 /// in `timezone` after `after` (`None`: it fires less often than that).

@@ -63,7 +63,7 @@ pub struct Policy {
     /// Per-tenant queue quota and enqueue rate (off by default).
     pub quotas: Quotas,
     /// What schedules a tenant may have.
-    pub schedules: super::schedules::SchedulePolicy,
+    pub schedules: SchedulePolicy,
     /// Who decides the calls the operator gates.
     pub approvals: ApprovalPolicy,
     /// The completion webhooks' signing secret, from which each tenant's
@@ -78,6 +78,25 @@ pub struct WebhookSecret(pub Vec<u8>);
 impl std::fmt::Debug for WebhookSecret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("WebhookSecret(<redacted>)")
+    }
+}
+
+/// Schedules one tenant may have, by default.
+pub const TENANT_MAX_SCHEDULES_DEFAULT: u32 = 100;
+/// The shortest time between two firings of one schedule, by default.
+pub const MIN_INTERVAL_DEFAULT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// What schedules a tenant may have (the operator's `--tenant-max-schedules`
+/// and `--schedule-min-interval-s`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulePolicy {
+    pub tenant_max: u32,
+    pub min_interval: std::time::Duration,
+}
+
+impl Default for SchedulePolicy {
+    fn default() -> Self {
+        SchedulePolicy { tenant_max: TENANT_MAX_SCHEDULES_DEFAULT, min_interval: MIN_INTERVAL_DEFAULT }
     }
 }
 
