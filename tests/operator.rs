@@ -108,6 +108,50 @@ async fn a_revoked_token_is_refused_by_every_process_and_its_open_stream_ends() 
     assert_eq!(res.status(), StatusCode::NOT_FOUND, "the admin is not the run's owner");
 }
 
+/// `tenants share`, `tenants ceiling` and `tenants list` at the command
+/// line, each audited; a ceiling of no known limit is refused naming them.
+#[tokio::test]
+async fn tenants_shares_and_ceilings_at_the_command_line() {
+    let db = TestDb::new().await;
+    let cli = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+            .args(["--database-url", &db.url, "tenants"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let ok = |args: &[&str]| {
+        let out = cli(args);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let said = ok(&["ceiling", "trial", "wall_ms=600000", "memory_bytes=134217728"]);
+    assert_eq!(said.trim(), "tenant trial: its plugins may ask for at most memory_bytes=134217728 wall_ms=600000");
+    ok(&["share", "trial", "25"]);
+    ok(&["share", "big", "100"]);
+    let listed = ok(&["list"]);
+    let want = "tenant\tslot_share_pct\tceilings\nbig\t100\t-\ntrial\t25\tmemory_bytes=134217728 wall_ms=600000\n";
+    assert_eq!(listed, want);
+    let bad = cli(&["ceiling", "trial", "wall=1"]);
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.contains("no limit named \"wall\"; limits are memory_bytes, cpu_ms, wall_ms"), "{stderr}");
+    ok(&["share", "trial", "--clear"]);
+    ok(&["ceiling", "big", "--clear"]);
+    assert_eq!(
+        ok(&["list"]),
+        "tenant\tslot_share_pct\tceilings\nbig\t100\t-\ntrial\t-\tmemory_bytes=134217728 wall_ms=600000\n"
+    );
+    ok(&["ceiling", "trial", "--clear"]);
+    assert_eq!(ok(&["list"]), "tenant\tslot_share_pct\tceilings\nbig\t100\t-\n");
+    let audited: Vec<String> = sqlx::query_scalar("SELECT action FROM audit_event WHERE target = 'trial' ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let want = ["tenant.ceilings_set", "tenant.share_set", "tenant.share_set", "tenant.ceilings_set"];
+    assert_eq!(audited, want);
+}
+
 /// `tokens create --expires-in`, `tokens list` (no secret) and `tokens
 /// revoke` at the command line; an expired token is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -901,7 +901,7 @@ async fn a_tenant_at_its_share_of_the_slots_leaves_room_for_a_newcomer() {
     assert_eq!(count_of(pool, "evil", "queued").await, 2);
 
     // The operator gives evil the whole process: it fills the fourth slot.
-    agent_host::db::tenants::set_share(pool, "evil", Some(100)).await.unwrap();
+    agent_host::db::tenants::set_share(&mut *pool.acquire().await.unwrap(), "evil", Some(100)).await.unwrap();
     wait_for("evil to fill the process", LONG, || async { count_of(pool, "evil", "running").await == 4 }).await;
     assert_eq!(count_of(pool, "evil", "queued").await, 1, "never more than the process's slots");
 

@@ -291,6 +291,27 @@ async fn retention_trims_events_keeps_the_transcript_and_tails_still_end() {
     host.stop().await;
 }
 
+/// Issue 40: retries keep retention. A retry copies its run's request
+/// snapshot, which retention nulls; a retry of a trimmed run must still be
+/// trimmed when its own time comes (retention once took a null snapshot to
+/// mean "trimmed already").
+#[tokio::test]
+async fn a_retry_of_a_trimmed_run_is_trimmed_in_its_turn() {
+    let db = TestDb::new().await;
+    let first = enqueue(&db.pool, None, "echo", json!({})).await;
+    let owner = owner();
+    assert!(lifecycle::cancel(&db.pool, first.run_id, &owner.user_id).await.unwrap().is_some());
+    update_run(&db.pool, first.run_id, "finished_at = now() - interval '25 hours'").await;
+    assert_eq!(journal::trim_terminal(&db.pool, Duration::from_secs(24 * 3600), 100).await.unwrap(), 1);
+    let retry = lifecycle::retry(&db.pool, first.run_id, &owner.user_id, None).await.unwrap();
+    assert!(!journal(&db.pool, retry.run_id).await.is_empty(), "the retry has its own journal");
+    assert!(lifecycle::cancel(&db.pool, retry.run_id, &owner.user_id).await.unwrap().is_some());
+    update_run(&db.pool, retry.run_id, "finished_at = now() - interval '25 hours'").await;
+    assert_eq!(journal::trim_terminal(&db.pool, Duration::from_secs(24 * 3600), 100).await.unwrap(), 1);
+    assert!(journal(&db.pool, retry.run_id).await.is_empty(), "the retry's journal is trimmed too");
+    assert_eq!(journal::trim_terminal(&db.pool, Duration::from_secs(24 * 3600), 100).await.unwrap(), 0);
+}
+
 /// With the hub down for good, runs still start and tails still deliver, at
 /// the poll interval: slower, never wrong.
 #[tokio::test]

@@ -380,6 +380,23 @@ async fn a_tenant_plugin_may_use_only_the_tools_the_operator_grants_its_tenant()
     let accepted = upload(json!({ "tools": ["llm", "crm"] })).await.unwrap();
     assert_eq!(accepted.status(), StatusCode::CREATED);
 
+    // Issue 40: and limits within its tenant's ceilings (the operator's
+    // `tenants ceiling`); an operator's published plugin is not held to them.
+    let mut conn = db.pool.acquire().await.unwrap();
+    let ceilings = [("wall_ms".to_string(), 60_000), ("memory_bytes".to_string(), 32 << 20)].into();
+    agent_host::db::tenants::set_ceilings(&mut conn, "acme", &ceilings).await.unwrap();
+    let refused = upload(json!({ "tools": ["llm"], "limits": { "wall_ms": 120_000 } })).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let body: Value = refused.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap().to_string();
+    let want = "limits above tenant \"acme\"'s ceilings: memory_bytes 67108864 > 33554432, wall_ms 120000 > 60000";
+    assert!(message.contains(want), "{message}");
+    let within = json!({ "limits": { "wall_ms": 60_000, "memory_bytes": 32 << 20 } });
+    assert_eq!(upload(within).await.unwrap().status(), StatusCode::CREATED);
+    agent_host::db::tenants::set_ceilings(&mut conn, "acme", &Default::default()).await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tenant_limit").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(rows, 0, "a tenant with no settings of its own has no row");
+
     // Stored before the operator narrowed its grant: refused at the call,
     // though the operator published the very same bytes (a tenant's own
     // name is the tenant's, whatever its digest).

@@ -316,8 +316,30 @@ pub enum TenantsCommand {
         #[arg(long, conflicts_with = "pct")]
         clear: bool,
     },
-    /// The tenants with a share of their own: tenant, percent.
+    /// Set the ceilings on limits TENANT's own plugins may ask for in their
+    /// manifests (NAME=VALUE, e.g. wall_ms=600000 memory_bytes=134217728),
+    /// replacing the ones set before, or --clear them. An upload asking for
+    /// more is refused naming the limits; plugins already uploaded keep
+    /// their manifests.
+    Ceiling {
+        /// The tenant's id (as its tokens carry it).
+        tenant: String,
+        /// A limit's name and its ceiling, as NAME=VALUE (a manifest's `limits` names).
+        #[arg(required_unless_present = "clear", value_parser = parse_ceiling)]
+        ceilings: Vec<(String, u64)>,
+        /// Forget the tenant's ceilings: the host's own apply again.
+        #[arg(long, conflicts_with = "ceilings")]
+        clear: bool,
+    },
+    /// The tenants with settings of their own: tenant, share percent, ceilings.
     List,
+}
+
+/// `NAME=VALUE` of `tenants ceiling`.
+fn parse_ceiling(raw: &str) -> Result<(String, u64), String> {
+    let (name, value) = raw.split_once('=').ok_or_else(|| format!("{raw:?} is not NAME=VALUE"))?;
+    let value = value.parse().map_err(|_| format!("{value:?} is not a whole number"))?;
+    Ok((name.to_string(), value))
 }
 
 /// Longest `--expires-in`: ten years.

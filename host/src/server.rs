@@ -384,7 +384,7 @@ pub async fn tenants(db_args: &DbArgs, command: crate::config::TenantsCommand) -
             TenantsCommand::Share { tenant, pct, clear: _ } => {
                 let pct = pct.map(i32::from);
                 let mut tx = pool.begin().await?;
-                db::tenants::set_share(&mut *tx, &tenant, pct).await?;
+                db::tenants::set_share(&mut tx, &tenant, pct).await?;
                 let detail = json!({ "slot_share_pct": pct });
                 let action = db::audit::action::TENANT_SHARE_SET;
                 db::audit::record(&mut *tx, &db::audit::Actor::cli(), action, Some(&tenant), &tenant, detail).await?;
@@ -394,10 +394,29 @@ pub async fn tenants(db_args: &DbArgs, command: crate::config::TenantsCommand) -
                     None => println!("tenant {tenant}: the processes' default share (--tenant-slot-share-pct)"),
                 }
             }
+            TenantsCommand::Ceiling { tenant, ceilings, clear: _ } => {
+                let ceilings: db::tenants::Ceilings = ceilings.into_iter().collect();
+                crate::run::manifest::Limits::check_ceilings(&ceilings).map_err(anyhow::Error::msg)?;
+                let mut tx = pool.begin().await?;
+                db::tenants::set_ceilings(&mut tx, &tenant, &ceilings).await?;
+                let detail = json!({ "ceilings": ceilings });
+                let action = db::audit::action::TENANT_CEILINGS_SET;
+                db::audit::record(&mut *tx, &db::audit::Actor::cli(), action, Some(&tenant), &tenant, detail).await?;
+                tx.commit().await?;
+                match ceilings.is_empty() {
+                    true => println!("tenant {tenant}: the host's own ceilings"),
+                    false => {
+                        let set: Vec<String> = ceilings.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                        println!("tenant {tenant}: its plugins may ask for at most {}", set.join(" "));
+                    }
+                }
+            }
             TenantsCommand::List => {
-                println!("tenant\tslot_share_pct");
-                for (tenant, pct) in db::tenants::shares(&pool).await? {
-                    println!("{tenant}\t{pct}");
+                println!("tenant\tslot_share_pct\tceilings");
+                for (tenant, pct, ceilings) in db::tenants::list(&pool).await? {
+                    let pct = pct.map_or("-".to_string(), |p| p.to_string());
+                    let set: Vec<String> = ceilings.0.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    println!("{tenant}\t{pct}\t{}", if set.is_empty() { "-".to_string() } else { set.join(" ") });
                 }
             }
         }

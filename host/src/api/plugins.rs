@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 
 use crate::db;
 use crate::db::audit::Actor;
+use crate::run::manifest::Manifest;
 use crate::service::plugins::{self as registry, COMPONENT_BYTES_MAX};
 
 use super::paging::PageQuery;
@@ -86,6 +87,15 @@ pub async fn upload(
             return Err(ApiError::invalid(format!(
                 "the manifest grants tools the operator does not grant tenant {t:?}: {}",
                 refused.join(", ")
+            )));
+        }
+        // And may ask for no more than the tenant's ceilings.
+        let limits = Manifest::parse(&manifest).map_err(ApiError::invalid)?.limits;
+        let above = limits.above(&db::tenants::ceilings(&state.pool, t).await?);
+        if !above.is_empty() {
+            return Err(ApiError::invalid(format!(
+                "the manifest asks for limits above tenant {t:?}'s ceilings: {}",
+                above.join(", ")
             )));
         }
     }

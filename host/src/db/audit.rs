@@ -27,6 +27,7 @@ pub mod action {
     pub const SCHEDULE_PAUSED: &str = "schedule.paused";
     pub const SCHEDULE_RESUMED: &str = "schedule.resumed";
     pub const TENANT_SHARE_SET: &str = "tenant.share_set";
+    pub const TENANT_CEILINGS_SET: &str = "tenant.ceilings_set";
 }
 
 /// Who acted: a token's principal, or the operator's command line.

@@ -187,20 +187,21 @@ pub async fn terminal_state(
 }
 
 /// Retention: the journal is a delivery buffer. Deletes the events of up to
-/// `batch_runs` runs terminal for longer than `older_than` and nulls their
-/// request snapshots (the transcript in `message` stays). Returns how many
-/// runs it trimmed; call again until it returns less than `batch_runs`.
+/// `batch_runs` runs terminal for longer than `older_than`, nulls their
+/// request snapshots (the transcript in `message` stays) and marks them
+/// trimmed. Returns how many runs it trimmed; call again until it returns
+/// less than `batch_runs`.
 pub async fn trim_terminal(db: impl PgExecutor<'_>, older_than: Duration, batch_runs: i64) -> Result<u64, sqlx::Error> {
     let trimmed: i64 = sqlx::query_scalar(
         "WITH victims AS (
              SELECT id FROM agent_run
-             WHERE finished_at < now() - make_interval(secs => $1) AND request IS NOT NULL
+             WHERE finished_at < now() - make_interval(secs => $1) AND trimmed_at IS NULL
              ORDER BY finished_at LIMIT $2
              FOR UPDATE SKIP LOCKED),
          del AS (DELETE FROM run_event e USING victims v WHERE e.run_id = v.id),
          calls AS (DELETE FROM run_call c USING victims v WHERE c.run_id = v.id),
          susp AS (DELETE FROM run_suspension s USING victims v WHERE s.run_id = v.id),
-         upd AS (UPDATE agent_run r SET request = NULL FROM victims v WHERE r.id = v.id RETURNING r.id)
+         upd AS (UPDATE agent_run r SET request = NULL, trimmed_at = now() FROM victims v WHERE r.id = v.id RETURNING r.id)
          SELECT count(*) FROM upd",
     )
     .bind(older_than.as_secs_f64())

@@ -81,6 +81,8 @@ pub struct Limits {
 pub const MEMORY_BYTES_DEFAULT: u64 = 64 << 20;
 /// The ceiling an operator's manifest may ask for.
 pub const MEMORY_BYTES_CEILING: u64 = 1 << 30;
+/// The least memory a manifest may ask for.
+pub const MEMORY_BYTES_FLOOR: u64 = 1 << 20;
 /// Ceilings of the other limits: a manifest asking for more is refused.
 pub const CPU_MS_CEILING: u64 = 3_600_000;
 pub const WALL_MS_CEILING: u64 = 24 * 3_600_000;
@@ -114,28 +116,63 @@ impl Default for Limits {
     }
 }
 
+/// An operator's ceilings for one tenant's own plugins (`agent-host tenants
+/// ceiling`): limit name to the most a manifest may ask for.
+pub use crate::db::tenants::Ceilings;
+
+impl Limits {
+    /// Every limit as (name, value, least, most a manifest may ask for).
+    pub fn fields(&self) -> [(&'static str, u64, u64, u64); 11] {
+        [
+            ("memory_bytes", self.memory_bytes, MEMORY_BYTES_FLOOR, MEMORY_BYTES_CEILING),
+            ("cpu_ms", self.cpu_ms, 1, CPU_MS_CEILING),
+            ("wall_ms", self.wall_ms, 1, WALL_MS_CEILING),
+            ("payload_bytes", self.payload_bytes, 1, PAYLOAD_BYTES_CEILING),
+            ("events_max", self.events_max, 1, EVENTS_CEILING),
+            ("journal_bytes_max", self.journal_bytes_max, 1, JOURNAL_BYTES_CEILING),
+            ("host_calls_max", self.host_calls_max, 1, HOST_CALLS_CEILING),
+            ("tool_calls_max", self.tool_calls_max, 1, TOOL_CALLS_CEILING),
+            ("tool_timeout_ms", self.tool_timeout_ms, 1, TOOL_TIMEOUT_MS_CEILING),
+            ("recorded_calls_max", self.recorded_calls_max, 1, RECORDED_CALLS_CEILING),
+            ("approval_timeout_ms", self.approval_timeout_ms, 1, APPROVAL_TIMEOUT_MS_CEILING),
+        ]
+    }
+
+    /// Checks ceilings an operator sets for a tenant: known names, each
+    /// within what a manifest may ask for at all.
+    pub fn check_ceilings(ceilings: &Ceilings) -> Result<(), String> {
+        let fields = Limits::default().fields();
+        for (name, &v) in ceilings {
+            let Some(&(_, _, floor, most)) = fields.iter().find(|f| f.0 == name) else {
+                let names: Vec<&str> = fields.iter().map(|f| f.0).collect();
+                return Err(format!("no limit named {name:?}; limits are {}", names.join(", ")));
+            };
+            if v < floor || v > most {
+                return Err(format!("the ceiling of {name} must be {floor} to {most}, not {v}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The limits above `ceilings`, each as `name value > ceiling`.
+    pub fn above(&self, ceilings: &Ceilings) -> Vec<String> {
+        self.fields()
+            .into_iter()
+            .filter_map(|(name, v, _, _)| {
+                let c = *ceilings.get(name)?;
+                (v > c).then(|| format!("{name} {v} > {c}"))
+            })
+            .collect()
+    }
+}
+
 impl Manifest {
     /// Parses and checks a manifest; the message says what is wrong.
     pub fn parse(value: &serde_json::Value) -> Result<Manifest, String> {
         let m: Manifest = serde_json::from_value(value.clone()).map_err(|e| format!("manifest: {e}"))?;
-        let l = &m.limits;
-        if l.memory_bytes < (1 << 20) || l.memory_bytes > MEMORY_BYTES_CEILING {
-            return Err(format!("manifest: limits.memory_bytes must be 1 MiB to 1 GiB, not {}", l.memory_bytes));
-        }
-        for (name, v, ceiling) in [
-            ("cpu_ms", l.cpu_ms, CPU_MS_CEILING),
-            ("wall_ms", l.wall_ms, WALL_MS_CEILING),
-            ("payload_bytes", l.payload_bytes, PAYLOAD_BYTES_CEILING),
-            ("events_max", l.events_max, EVENTS_CEILING),
-            ("journal_bytes_max", l.journal_bytes_max, JOURNAL_BYTES_CEILING),
-            ("host_calls_max", l.host_calls_max, HOST_CALLS_CEILING),
-            ("tool_calls_max", l.tool_calls_max, TOOL_CALLS_CEILING),
-            ("tool_timeout_ms", l.tool_timeout_ms, TOOL_TIMEOUT_MS_CEILING),
-            ("recorded_calls_max", l.recorded_calls_max, RECORDED_CALLS_CEILING),
-            ("approval_timeout_ms", l.approval_timeout_ms, APPROVAL_TIMEOUT_MS_CEILING),
-        ] {
-            if v == 0 || v > ceiling {
-                return Err(format!("manifest: limits.{name} must be 1 to {ceiling}, not {v}"));
+        for (name, v, floor, ceiling) in m.limits.fields() {
+            if v < floor || v > ceiling {
+                return Err(format!("manifest: limits.{name} must be {floor} to {ceiling}, not {v}"));
             }
         }
         if m.tools.len() > TOOLS_MAX {
@@ -206,5 +243,19 @@ mod tests {
         assert!(e.contains("approval needs"), "{e}");
         let e = Manifest::parse(&json!({ "durability": "sometimes" })).unwrap_err();
         assert!(e.contains("expected `at-most-once` or `resume`"), "{e}");
+    }
+
+    #[test]
+    fn ceilings_name_the_limits_above_them() {
+        let ceilings: Ceilings = [("wall_ms".to_string(), 60_000), ("memory_bytes".to_string(), 32 << 20)].into();
+        assert!(Limits::check_ceilings(&ceilings).is_ok());
+        let m = Manifest::parse(&json!({ "limits": { "wall_ms": 120_000, "cpu_ms": 1_000 } })).unwrap();
+        assert_eq!(m.limits.above(&ceilings), ["memory_bytes 67108864 > 33554432", "wall_ms 120000 > 60000"]);
+        let m = Manifest::parse(&json!({ "limits": { "wall_ms": 60_000, "memory_bytes": 16 << 20 } })).unwrap();
+        assert!(m.limits.above(&ceilings).is_empty());
+        let e = Limits::check_ceilings(&[("wall".to_string(), 1)].into()).unwrap_err();
+        assert!(e.starts_with("no limit named \"wall\"; limits are memory_bytes, cpu_ms"), "{e}");
+        let e = Limits::check_ceilings(&[("cpu_ms".to_string(), 0)].into()).unwrap_err();
+        assert_eq!(e, format!("the ceiling of cpu_ms must be 1 to {CPU_MS_CEILING}, not 0"));
     }
 }
