@@ -765,8 +765,8 @@ async fn a_guest_cannot_forge_a_log_line() {
 /// trickle of turns. Each attack is refused with a clear 4xx or contained:
 /// endless runs hold at most their share of each process's slots, a
 /// per-second schedule and the 101st schedule are refused, the 65th live
-/// stream of one user is refused, an upload granting the operator's tool is
-/// refused. Nothing of `good` is lost, and its pickup under attack stays
+/// stream of one user is refused, an upload granting the operator's tool or
+/// asking for limits above evil's ceilings is refused. Nothing of `good` is lost, and its pickup under attack stays
 /// within two seconds (beside the same trickle unattacked).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hostile_tenant_suite_on_two_hosts() {
@@ -836,6 +836,29 @@ async fn the_hostile_tenant_suite_on_two_hosts() {
         .await
         .unwrap();
     assert_eq!(upload.status(), 422, "an upload granting the operator's tool");
+    // Limits: an upload asking for more than the ceilings the operator set evil.
+    let ceiling = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+        .args(["--database-url", &db.url, "tenants", "ceiling", "evil", "wall_ms=60000"])
+        .output()
+        .unwrap();
+    assert!(ceiling.status.success(), "{}", String::from_utf8_lossy(&ceiling.stderr));
+    let manifest = json!({ "limits": { "wall_ms": 86_400_000 } }).to_string();
+    let (ct, body) = support::http::multipart(&[
+        ("name", b"forever".as_slice()),
+        ("component", wasm.as_slice()),
+        ("manifest", manifest.as_bytes()),
+    ]);
+    let upload = http
+        .post(format!("http://{}/v1/plugins", a.addr))
+        .bearer_auth(&evil_admin)
+        .header("content-type", ct)
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(upload.status(), 422, "an upload asking for limits above evil's ceilings");
+    let refusal: serde_json::Value = upload.json().await.unwrap();
+    assert!(refusal["error"]["message"].as_str().unwrap().contains("wall_ms 86400000 > 60000"), "{refusal}");
 
     // good, meanwhile.
     wait_for("evil to hold its share of both processes", LONG, || async { evil_runs(&db, "running").await == 6 }).await;
