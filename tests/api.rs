@@ -1,7 +1,6 @@
 //! The HTTP API in-process (tower oneshot) against a real PostgreSQL.
 
-mod support;
-
+use crate::support::*;
 use agent_host::agent::AgentRegistry;
 use agent_host::api::{self, AppState};
 use agent_host::db::tokens;
@@ -9,7 +8,6 @@ use axum::body::Body;
 use axum::http::{header, StatusCode};
 use axum::Router;
 use serde_json::{json, Value};
-use support::*;
 
 struct Api {
     router: Router,
@@ -239,7 +237,7 @@ async fn idempotent_enqueue_replays_the_first_run_and_refuses_a_different_body()
 }
 
 /// A scrape's samples: metric line (name with labels) to value.
-async fn scrape(host: &support::http::TestHost) -> std::collections::HashMap<String, f64> {
+async fn scrape(host: &crate::support::http::TestHost) -> std::collections::HashMap<String, f64> {
     let (headers, samples) = host.scrape_with_headers().await;
     assert!(headers[header::CONTENT_TYPE].to_str().unwrap().starts_with("text/plain"));
     samples
@@ -249,7 +247,8 @@ async fn scrape(host: &support::http::TestHost) -> std::collections::HashMap<Str
 async fn metrics_move_as_runs_move() {
     let db = TestDb::new().await;
     let hub = agent_host::hub::Hub::start(db.url.clone());
-    let host = support::http::TestHost::start(&db, Some(hub), AgentRegistry::with_builtins(), fast_config("w")).await;
+    let host =
+        crate::support::http::TestHost::start(&db, Some(hub), AgentRegistry::with_builtins(), fast_config("w")).await;
     let before = scrape(&host).await;
     assert_eq!(before["agent_host_queue_depth"], 0.0);
     assert_eq!(before["agent_host_runs_claimed_total"], 0.0);

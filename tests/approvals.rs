@@ -7,16 +7,14 @@
 //! conversation's next turn waits; the durable `wait` tool suspends the same
 //! way and wakes on time.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::durable::*;
+use crate::support::process::HostProcess;
+use crate::support::*;
 use agent_host::db::RunId;
 use nix::sys::signal::Signal;
 use serde_json::{json, Value};
-use support::durable::*;
-use support::process::HostProcess;
-use support::*;
 
 /// The chat plugin over the offline model (which calls the first offered
 /// tool with `{"input": <the message>}`), its `send` tool needing approval.

@@ -252,6 +252,6 @@ fn the_cli_reference_page_is_what_the_code_generates() {
     assert!(
         committed == generated,
         "docs/src/reference/cli.md differs from what the clap definitions generate: run \
-         `AGENT_HOST_BLESS=1 cargo test --test config` and commit the page"
+         `AGENT_HOST_BLESS=1 cargo test -p agent-host --test it config::` and commit the page"
     );
 }

@@ -2,17 +2,15 @@
 //! (chromedriver): sign in, start a run, refresh mid-stream, restart the
 //! serving host mid-stream, stop a run; the text shown equals the transcript.
 
-mod support;
-
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::support::process::{HostProcess, FAST};
+use crate::support::*;
 use agent_host::db::{tokens, RunId};
 use serde_json::{json, Value};
 use sqlx::PgPool;
-use support::process::{HostProcess, FAST};
-use support::*;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -89,15 +87,10 @@ impl Browser {
 
     /// Polls `script` until it returns true.
     async fn until(&self, what: &str, script: &str) {
-        let deadline = Instant::now() + LONG;
-        let mut tick = tokio::time::interval(Duration::from_millis(50));
-        loop {
-            tick.tick().await;
-            if self.run(script, json!([])).await == json!(true) {
-                return;
-            }
-            assert!(Instant::now() < deadline, "the page never showed {what}");
-        }
+        wait_for(&format!("the page to show {what}"), LONG, || async {
+            self.run(script, json!([])).await == json!(true)
+        })
+        .await;
     }
 
     /// Every URL the page requested since the last call (Chromium's
@@ -316,7 +309,7 @@ async fn the_console_streams_survives_refresh_and_restart_and_stops() {
 async fn the_console_shows_a_pending_approval_and_approve_resumes_the_run_on_the_page() {
     let _one = ONE_AT_A_TIME.lock().await;
     let manifest = json!({ "tools": ["llm", "send"], "durability": "resume", "approval": { "send": "always" } });
-    let env = support::durable::Env::with_manifest("chat", "chat", &manifest, true, &[]).await;
+    let env = crate::support::durable::Env::with_manifest("chat", "chat", &manifest, true, &[]).await;
     let host = env.spawn("A");
     // A schedule, which the console lists.
     let schedule = json!({ "plugin": "echo", "content": "happy new year", "cron": "0 0 1 1 *" });

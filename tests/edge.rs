@@ -3,17 +3,15 @@
 //! in any answer, list endpoints that page with a cursor, a bound on live SSE
 //! tails, and the boilerplate every handler shares (ids, not-found).
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::http::{multipart, oneshot, Answer, TestHost};
+use crate::support::sse::SseClient;
+use crate::support::*;
 use agent_host::db::{plugins, tokens, RunId};
 use agent_host::stream::tail::LiveTails;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
-use support::http::{multipart, oneshot, Answer, TestHost};
-use support::sse::SseClient;
-use support::*;
 
 const LONG: Duration = Duration::from_secs(30);
 

@@ -8,11 +8,12 @@
 //! uploaded Python plugin without compiling, and a tampered stored artifact
 //! is refused, logged and recompiled.
 
-mod support;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::http::TestHost;
+use crate::support::process::{HostProcess, FAST};
+use crate::support::*;
 use agent_host::agent::{AgentRegistry, Components};
 use agent_host::db::audit::Actor;
 use agent_host::db::RunId;
@@ -23,9 +24,6 @@ use agent_host::tools::{EventSink, Tool, ToolCall, ToolRegistry};
 use agent_host::worker::WorkerConfig;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
-use support::http::TestHost;
-use support::process::{HostProcess, FAST};
-use support::*;
 
 /// The three languages' chat examples: (plugin name, directory).
 const CHATS: [(&str, &str); 3] = [("chat", "chat"), ("chat-python", "chat-python"), ("chat-js", "chat-js")];
@@ -276,7 +274,7 @@ async fn a_process_that_never_saw_a_python_plugin_runs_it_without_compiling() {
     let dirs = [TempDir::new("a"), TempDir::new("b"), TempDir::new("c"), TempDir::new("d")];
     let [cache_a, cache_b, cache_c, cache_d] = dirs.each_ref().map(TempDir::arg);
     let mut a = HostProcess::spawn_with_env(&db.url, "a", &[FAST, &["--cache-dir", &cache_a]].concat(), &key);
-    let (content_type, body) = support::http::multipart(&[
+    let (content_type, body) = crate::support::http::multipart(&[
         ("name", b"py-fresh"),
         ("component", &wasm),
         ("manifest", br#"{"tools": ["llm"]}"#),

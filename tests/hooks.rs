@@ -5,11 +5,11 @@
 //! schedules (one run per firing across processes, one catch-up firing after
 //! every process was down).
 
-mod support;
-
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use crate::support::process::{HostProcess, FAST};
+use crate::support::*;
 use agent_host::db::{tokens, ConversationId, RunId};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -20,8 +20,6 @@ use hmac::{Hmac, Mac};
 use nix::sys::signal::Signal;
 use serde_json::{json, Value};
 use sha2::Sha256;
-use support::process::{HostProcess, FAST};
-use support::*;
 
 const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 

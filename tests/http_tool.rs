@@ -8,14 +8,11 @@
 //! or `/metrics`; a missing one stops the host at start, named.
 
 #[allow(dead_code)]
-#[path = "support/mcp_servers.rs"]
-mod mcp_servers;
-mod support;
-#[path = "support/tools.rs"]
-mod tools_support;
-
 use std::sync::{Arc, Mutex};
 
+use crate::support::process::{HostProcess, FAST};
+use crate::support::tools::{tools_file, Sink};
+use crate::support::*;
 use agent_host::db::{plugins, tokens, RunId};
 use agent_host::error::HostError;
 use agent_host::tools::{LlmConfig, ToolCall, ToolRegistry};
@@ -25,9 +22,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use support::process::{HostProcess, FAST};
-use support::*;
-use tools_support::{tools_file, Sink};
 
 /// Every request a destination received: (path, headers).
 type Seen = Arc<Mutex<Vec<(String, HeaderMap)>>>;
@@ -200,7 +194,7 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
     // An MCP server's credential, in a header of its [[mcp]] entry.
     const MCP_SECRET: &str = "mcp-token-55e1d0b2c4";
     let db = TestDb::new().await;
-    let mcp_server = mcp_servers::McpServerProcess::python(None, None).await;
+    let mcp_server = crate::support::mcp_servers::McpServerProcess::python(None, None).await;
     let (dest, seen) = start_destination().await;
     let url = format!("http://{dest}/v1/echo-key");
     let model_log = Arc::new(Mutex::new(Vec::new()));

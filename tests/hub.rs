@@ -7,13 +7,11 @@
 //! drops subscriptions in a loop without yielding, the hub's supervisor cannot
 //! run, so the command queue fills exactly as it would under a burst.
 
-mod support;
-
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::support::*;
 use agent_host::hub::{Hub, Wake, COMMAND_QUEUE_MAX};
-use support::*;
 
 const LONG: Duration = Duration::from_secs(10);
 

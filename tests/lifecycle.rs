@@ -4,16 +4,14 @@
 //! transaction began before the previous turn's finish committed still
 //! records a start after that finish.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::process::{HostProcess, FAST};
+use crate::support::*;
 use agent_host::db::lifecycle::{self, Claim, Finish};
 use agent_host::db::{RunId, RunStatus};
 use chrono::{DateTime, Utc};
 use serde_json::json;
-use support::process::{HostProcess, FAST};
-use support::*;
 
 const CONVERSATIONS: usize = 16;
 const TURNS: usize = 40;

@@ -7,15 +7,13 @@
 //! comes back, `chat` offering granted MCP tools to the offline model, and
 //! an ungranted MCP tool refused.
 
-#[path = "support/mcp_servers.rs"]
-mod mcp_servers;
-mod support;
-#[path = "support/tools.rs"]
-mod tools_support;
-
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::http::TestHost;
+use crate::support::mcp_servers::McpServerProcess;
+use crate::support::tools::{tools_file, Sink};
+use crate::support::*;
 use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
 use agent_host::db::{plugins, RunId};
 use agent_host::error::HostError;
@@ -24,11 +22,7 @@ use agent_host::run::manifest::Manifest;
 use agent_host::sandbox::Sandbox;
 use agent_host::tools::{LlmConfig, McpApproval, McpConfig, ToolCall, ToolRegistry, ToolsConfig};
 use async_trait::async_trait;
-use mcp_servers::McpServerProcess;
 use serde_json::{json, Value};
-use support::http::TestHost;
-use support::*;
-use tools_support::{tools_file, Sink};
 
 fn mcp(name: &str, url: &str, timeout_ms: u64, trusted: bool) -> McpConfig {
     let text = format!(
@@ -356,7 +350,7 @@ async fn a_server_that_goes_away_mid_run_fails_the_calls_that_need_it_and_the_ne
 /// the server (still up) is asked nothing more after the crash.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resumed_run_replays_its_mcp_listing_and_call_without_asking_the_server() {
-    use support::durable::{start_following, Env as Durable, ModelLog};
+    use crate::support::durable::{start_following, Env as Durable, ModelLog};
     // Request 1 asks for py.ping; 2 (after its result) stalls; 3 answers.
     fn script(n: usize, _has_result: bool) -> (Vec<&'static str>, Option<&'static str>, bool) {
         match n {
@@ -367,7 +361,7 @@ async fn a_resumed_run_replays_its_mcp_listing_and_call_without_asking_the_serve
     }
     let py = McpServerProcess::python(None, None).await;
     let models = ModelLog::default();
-    let llm = format!("{}/v1", support::durable::scripted_model(models.clone(), script).await);
+    let llm = format!("{}/v1", crate::support::durable::scripted_model(models.clone(), script).await);
     let env = Durable::new("chat", "chat", &["llm", "py.*"], true, &["--llm-base-url", &llm]).await;
     // The env's tools file, with the server added.
     let at = env.args.iter().position(|a| a == "--tools-file").unwrap();

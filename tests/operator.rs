@@ -4,12 +4,14 @@
 //! quotas and rate limits (429 with Retry-After, nothing written), plugins
 //! owned by a tenant, and the append-only audit trail.
 
-mod support;
-
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::http::{multipart, oneshot, TestHost};
+use crate::support::process::{HostProcess, FAST};
+use crate::support::sse::SseClient;
+use crate::support::*;
 use agent_host::db::tokens::{self, NewToken};
 use agent_host::db::RunId;
 use agent_host::service::quota::{QuotaConfig, Quotas};
@@ -17,10 +19,6 @@ use agent_host::service::submit::Policy;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sqlx::PgPool;
-use support::http::{multipart, oneshot, TestHost};
-use support::process::{HostProcess, FAST};
-use support::sse::SseClient;
-use support::*;
 
 /// A token of `user` in `tenant`: (id, secret).
 async fn token(pool: &PgPool, user: &str, tenant: &str, admin: bool, operator: bool) -> (uuid::Uuid, String) {
@@ -839,13 +837,12 @@ async fn a_schedule_held_by_a_quota_fires_later_not_never() {
     // Tried until the rate bucket has refilled (a refusal by rate takes no
     // token) and the queue quota is what holds it.
     let queue_refused = || policy.quotas.refusals().iter().any(|(t, l, _)| t == "acme" && *l == "queued_runs");
-    let deadline = std::time::Instant::now() + LONG;
-    while !queue_refused() {
-        assert!(std::time::Instant::now() < deadline, "never refused by the queue quota");
+    wait_for("a refusal by the queue quota", LONG, || async {
         due().await; // its backoff over
         assert_eq!(fire_due(&db.pool, &agents, &policy, None).await.unwrap(), 1);
-        tokio::time::sleep(Duration::from_millis(20)).await; // the poll's pace
-    }
+        queue_refused()
+    })
+    .await;
     assert_eq!(runs().await, 1, "no firing past the queue quota");
     let refusals = policy.quotas.refusals();
     for limit in ["enqueue_rate", "queued_runs"] {
@@ -855,13 +852,12 @@ async fn a_schedule_held_by_a_quota_fires_later_not_never() {
     let queued = queued["run_id"].as_str().unwrap();
     assert_eq!(host.call("POST", &format!("/v1/runs/{queued}/cancel"), None).await.0, StatusCode::ACCEPTED);
     // Tried until a rate token is there again and the firing is made.
-    let deadline = std::time::Instant::now() + LONG;
-    while runs().await < 2 {
-        assert!(std::time::Instant::now() < deadline, "the held firing was never made");
+    wait_for("the held firing to be made", LONG, || async {
         due().await; // its backoff over
         assert_eq!(fire_due(&db.pool, &agents, &policy, None).await.unwrap(), 1);
-        tokio::time::sleep(Duration::from_millis(20)).await; // the poll's pace
-    }
+        runs().await >= 2
+    })
+    .await;
     let key: String =
         sqlx::query_scalar("SELECT idempotency_key FROM agent_run WHERE idempotency_key LIKE 'schedule-%'")
             .fetch_one(&db.pool)

@@ -1,14 +1,12 @@
 //! Process failures with real processes: SIGKILL, SIGSTOP, SIGTERM, and a
 //! restart after every process died.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::process::{HostProcess, FAST};
+use crate::support::*;
 use nix::sys::signal::Signal;
 use serde_json::json;
-use support::process::{HostProcess, FAST};
-use support::*;
 
 const FOREVER: &str = r#"{"steps": 100000, "step_ms": 50}"#;
 
@@ -241,7 +239,7 @@ async fn a_tail_served_by_one_process_for_a_run_executed_by_another() {
     let token = agent_host::db::tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
     let run = enqueue(&db.pool, None, "sleep", json!({ "steps": 15, "step_ms": 30 })).await;
     let url = format!("http://{}/v1/runs/{}/events", b.addr, run.run_id);
-    let mut client = support::sse::SseClient::connect(&url, &token, None).await;
+    let mut client = crate::support::sse::SseClient::connect(&url, &token, None).await;
     let frames = client.collect(LONG).await;
     assert_eq!(worker_of(&db, run.run_id).await.as_deref(), Some("A"));
     let seqs: Vec<i32> = frames.iter().map(|f| f.data["seq"].as_i64().unwrap() as i32).collect();
@@ -815,14 +813,14 @@ async fn the_hostile_tenant_suite_on_two_hosts() {
     let url = format!("http://{}/v1/runs/{}/events", a.addr, flood[0]);
     let mut streams = Vec::new();
     for _ in 0..64 {
-        streams.push(support::sse::SseClient::connect(&url, &evil, None).await);
+        streams.push(crate::support::sse::SseClient::connect(&url, &evil, None).await);
     }
     let refused = http.get(&url).bearer_auth(&evil).header("Accept", "text/event-stream").send().await.unwrap();
     assert_eq!(refused.status(), 429, "the 65th stream");
     // Grants: an upload granting the operator's webhook.
     let wasm = plugin_wasm("fixtures");
     let manifest = json!({ "tools": ["ops"] }).to_string();
-    let (ct, body) = support::http::multipart(&[
+    let (ct, body) = crate::support::http::multipart(&[
         ("name", b"exfil".as_slice()),
         ("component", wasm.as_slice()),
         ("manifest", manifest.as_bytes()),
@@ -843,7 +841,7 @@ async fn the_hostile_tenant_suite_on_two_hosts() {
         .unwrap();
     assert!(ceiling.status.success(), "{}", String::from_utf8_lossy(&ceiling.stderr));
     let manifest = json!({ "limits": { "wall_ms": 86_400_000 } }).to_string();
-    let (ct, body) = support::http::multipart(&[
+    let (ct, body) = crate::support::http::multipart(&[
         ("name", b"forever".as_slice()),
         ("component", wasm.as_slice()),
         ("manifest", manifest.as_bytes()),

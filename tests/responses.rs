@@ -5,17 +5,15 @@
 //! scripts/test into a venv cached outside the clone (tests/py/requirements.txt),
 //! named by AGENT_HOST_TEST_VENV.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::support::http::TestHost;
+use crate::support::process::{HostProcess, FAST};
+use crate::support::*;
 use agent_host::db::{plugins, tokens, RunId};
 use agent_host::stream::tail::LiveTails;
 use serde_json::{json, Value};
-use support::http::TestHost;
-use support::process::{HostProcess, FAST};
-use support::*;
 
 /// How long one Python client may take.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(240);
@@ -208,7 +206,7 @@ async fn components_of_both_worlds_run_side_by_side() {
 }
 
 /// The benchmark of docs/src/performance.md ("The Responses API"), by hand:
-/// `cargo test --test responses -- --ignored --nocapture responses_benchmark`.
+/// `cargo test -p agent-host --test it -- --ignored --nocapture responses_benchmark`.
 /// Create to first delta through each route for the same run (`echo`), and
 /// the events per second one Responses stream carries replaying a long
 /// journal (a `sleep` run of 2,000 deltas journaled one per millisecond).
@@ -288,7 +286,7 @@ async fn another_users_token_finds_nothing_and_a_dropped_wait_leaves_the_run_goi
     let next = json!({ "model": "echo", "input": "mine now", "previous_response_id": id });
     let (status, err) = host.call_as(&bob, "POST", "/v1/responses", Some(next)).await;
     assert_eq!((status.as_u16(), err["error"]["param"].as_str()), (404, Some("previous_response_id")), "{err}");
-    assert_eq!(support::status(&db.pool, run).await, "running", "bob's cancel and delete changed nothing");
+    assert_eq!(crate::support::status(&db.pool, run).await, "running", "bob's cancel and delete changed nothing");
     let (status, own) = host.call("GET", &format!("/v1/responses/{id}"), None).await;
     assert_eq!((status.as_u16(), own["status"].as_str()), (200, Some("in_progress")), "{own}");
     let (status, _) = host.call("POST", &format!("/v1/responses/{id}/cancel"), None).await;

@@ -6,19 +6,17 @@
 //! client's stream (rejoined across the crash) has no gap and no repeat, and
 //! the attempts are bounded. A replay that diverges ends the run failed.
 
-mod support;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::durable::*;
+use crate::support::*;
 use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
 use agent_host::db::RunId;
 use agent_host::tools::{LlmConfig, ToolRegistry};
 use nix::sys::signal::Signal;
 use serde_json::{json, Value};
-use support::durable::*;
-use support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_between_tool_calls_resumes_elsewhere_and_repeats_nothing() {

@@ -2,12 +2,11 @@
 //! reaper, backstop, wake chain, drain. Each test reproduces a failure the
 //! reference article names and shows the mechanism holds.
 
-mod support;
-
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::*;
 use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
 use agent_host::db::enqueue;
 use agent_host::db::journal;
@@ -19,7 +18,6 @@ use agent_host::worker::{self, Worker, WorkerConfig, WorkerStats};
 use async_trait::async_trait;
 use serde_json::json;
 use sqlx::postgres::PgListener;
-use support::*;
 
 #[tokio::test]
 async fn enqueue_commits_message_run_journal_and_wake_together() {

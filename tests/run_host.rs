@@ -3,8 +3,6 @@
 //! text the database cannot store, and `RunHost` as the one owner of a run's
 //! imports for built-in agents (tools behind grants, history, bounds).
 
-mod support;
-
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +21,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
-use support::*;
+use crate::support::*;
 
 const APP: &str = "journal-under-test";
 

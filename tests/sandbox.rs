@@ -2,21 +2,19 @@
 //! plugin end to end, misbehaving fixtures ending with named reasons while
 //! other runs complete, refused uploads, pinned digests, fenced guests.
 
-mod support;
-
 use std::sync::Arc;
 use std::time::Duration;
 
 use agent_host::agent::{AgentRegistry, Components};
 
+use crate::support::http::multipart;
+use crate::support::*;
 use agent_host::db::{lifecycle, plugins, tokens, RunId};
 use agent_host::hub::Hub;
 use agent_host::worker::{Worker, WorkerConfig};
 use axum::body::Body;
 use axum::http::{header, StatusCode};
 use serde_json::{json, Value};
-use support::http::multipart;
-use support::*;
 
 struct Env {
     db: TestDb,

@@ -2,10 +2,11 @@
 //! NOTIFY fast path and the heartbeat's re-read, guests interrupted past the
 //! cancel grace, and disconnects that are not stops.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::http::TestHost;
+use crate::support::sse::SseClient;
+use crate::support::*;
 use agent_host::agent::AgentRegistry;
 use agent_host::db::{plugins, tokens, ConversationId, RunId};
 use agent_host::hub::Hub;
@@ -14,9 +15,6 @@ use agent_host::worker::WorkerConfig;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sqlx::PgPool;
-use support::http::TestHost;
-use support::sse::SseClient;
-use support::*;
 
 async fn conversation(host: &TestHost) -> ConversationId {
     let (code, v) = host.call("POST", "/v1/conversations", None).await;

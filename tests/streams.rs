@@ -1,12 +1,12 @@
 //! Journal, hub and tails: merged deltas, fenced flushes, SSE replay and
 //! rejoin, synthesized endings, retention, and the hub's fallbacks.
 
-mod support;
-
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::sse::SseClient;
+use crate::support::*;
 use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
 use agent_host::api::{self, AppState};
 use agent_host::db::{journal, lifecycle, tokens, RunId};
@@ -14,8 +14,6 @@ use agent_host::hub::Hub;
 use agent_host::worker::{Worker, WorkerConfig};
 use async_trait::async_trait;
 use serde_json::{json, Value};
-use support::sse::SseClient;
-use support::*;
 
 /// Emits `n` deltas as fast as it can, a structural event in the middle, and
 /// returns the whole text.
@@ -399,7 +397,8 @@ async fn a_json_page_of_events_is_bounded_in_bytes() {
     let db = TestDb::new().await;
     let mut agents = AgentRegistry::with_builtins();
     agents.insert("blobs", Arc::new(Blobs));
-    let host = support::http::TestHost::start(&db, Some(Hub::start(db.url.clone())), agents, fast_config("w")).await;
+    let host =
+        crate::support::http::TestHost::start(&db, Some(Hub::start(db.url.clone())), agents, fast_config("w")).await;
     let (code, run) = host
         .call(
             "POST",

@@ -9,12 +9,11 @@
 //! updated, so the `run_started` rows of one claim, or the `complete` rows of
 //! one group commit, share one `xmin`.
 
-mod support;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::*;
 use agent_host::agent::{Agent, AgentError, AgentRegistry, RunHost, RunInput};
 use agent_host::db::enqueue;
 use agent_host::db::lifecycle::{self, Claim, Ending, Expired};
@@ -22,7 +21,6 @@ use agent_host::db::{MessageStatus, RunId, RunStatus};
 use agent_host::worker::WorkerConfig;
 use async_trait::async_trait;
 use serde_json::json;
-use support::*;
 
 fn tenant(name: &str) -> enqueue::Owner {
     enqueue::Owner { user_id: format!("{name}-user"), tenant_id: name.into() }
@@ -914,7 +912,7 @@ fn new_run<'a>(
     plugin: &'a str,
     config: &'a serde_json::Value,
 ) -> enqueue::NewRun<'a> {
-    support::new_run(owner, conversation, plugin, config, config)
+    crate::support::new_run(owner, conversation, plugin, config, config)
 }
 
 /// Waits until an enqueue (its statement's text) waits on a lock.
@@ -1100,7 +1098,7 @@ async fn runs_posted_to_an_idle_host_start_in_their_enqueue_without_a_claim() {
         // worker's first look at the queue, its one claim before the runs.
         let hub = connected_hub(&db).await;
         let config = WorkerConfig { eager_start: on, poll_tick: Duration::from_secs(120), ..fast_config("w") };
-        let host = support::http::TestHost::start(&db, Some(hub), AgentRegistry::with_builtins(), config).await;
+        let host = crate::support::http::TestHost::start(&db, Some(hub), AgentRegistry::with_builtins(), config).await;
         let h = &host;
         wait_for("the worker's first look at the queue", LONG, || async move {
             h.scrape().await["agent_host_claim_rounds_total"] == 1.0
@@ -1147,10 +1145,11 @@ async fn a_schedule_firing_on_an_idle_host_starts_its_run_in_the_enqueue() {
     let schedules =
         agent_host::service::schedules::SchedulePolicy { min_interval: Duration::from_secs(1), ..Default::default() };
     let policy = std::sync::Arc::new(agent_host::service::submit::Policy { schedules, ..Default::default() });
-    let host = support::http::TestHost::start_with(&db, Some(hub), AgentRegistry::with_builtins(), config, |s| {
-        s.policy = policy
-    })
-    .await;
+    let host =
+        crate::support::http::TestHost::start_with(&db, Some(hub), AgentRegistry::with_builtins(), config, |s| {
+            s.policy = policy
+        })
+        .await;
     let h = &host;
     wait_for("the worker's first look at the queue", LONG, || async move {
         h.scrape().await["agent_host_claim_rounds_total"] == 1.0

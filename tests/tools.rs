@@ -2,11 +2,11 @@
 //! plugin's loop over the model and webhook tools, against real local HTTP
 //! servers (a streaming chat-completions endpoint and a webhook receiver).
 
-mod support;
-
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::http::TestHost;
+use crate::support::*;
 use agent_host::agent::AgentRegistry;
 use agent_host::db::{plugins, RunId};
 use agent_host::hub::Hub;
@@ -19,8 +19,6 @@ use axum::routing::post;
 use axum::{Json, Router};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
-use support::http::TestHost;
-use support::*;
 use tokio::sync::mpsc;
 
 /// What a local server received: headers of interest and the JSON body.
@@ -360,7 +358,7 @@ async fn a_tenant_plugin_may_use_only_the_tools_the_operator_grants_its_tenant()
     let admin = agent_host::db::tokens::create(&db.pool, "ada", "acme", true).await.unwrap();
     let wasm = plugin_wasm("fixtures");
     let upload = |manifest: Value| {
-        let (ct, body) = support::http::multipart(&[
+        let (ct, body) = crate::support::http::multipart(&[
             ("name", b"mine".as_slice()),
             ("component", wasm.as_slice()),
             ("manifest", manifest.to_string().as_bytes()),

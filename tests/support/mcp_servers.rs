@@ -6,7 +6,9 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use super::{poll_until, wait_for};
 
 /// A free loopback port (bound, then released).
 pub fn free_port() -> u16 {
@@ -84,14 +86,12 @@ impl McpServerProcess {
 
     /// Waits (bounded) until the port accepts connections.
     async fn wait_listening(&self) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
-                return;
-            }
-            assert!(Instant::now() < deadline, "the MCP server never listened; its log:\n{}", self.log());
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let listening = || async { tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() };
+        assert!(
+            poll_until(Duration::from_secs(60), listening).await,
+            "the MCP server never listened; its log:\n{}",
+            self.log()
+        );
     }
 
     pub fn url(&self) -> String {
@@ -109,25 +109,16 @@ impl McpServerProcess {
 
     /// Waits (bounded) until the server noted `line`.
     pub async fn wait_note(&self, line: &str, within: Duration) {
-        let deadline = Instant::now() + within;
-        loop {
-            if self.notes().iter().any(|l| l == line) {
-                return;
-            }
-            assert!(Instant::now() < deadline, "the MCP server never noted {line:?}: {:?}", self.notes());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let noted = || async { self.notes().iter().any(|l| l == line) };
+        assert!(poll_until(within, noted).await, "the MCP server never noted {line:?}: {:?}", self.notes());
     }
 
     /// Kills the server and waits until its port refuses connections.
     pub async fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
-            assert!(Instant::now() < deadline, "the killed MCP server's port still accepts");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let refused = || async { tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await.is_err() };
+        wait_for("the killed MCP server's port to refuse", Duration::from_secs(10), refused).await;
     }
 }
 

@@ -4,8 +4,10 @@
 
 pub mod durable;
 pub mod http;
+pub mod mcp_servers;
 pub mod process;
 pub mod sse;
+pub mod tools;
 
 use std::future::Future;
 use std::sync::OnceLock;
@@ -215,7 +217,17 @@ pub async fn start_worker(db: &TestDb, config: WorkerConfig) -> Worker {
 }
 
 /// Polls `cond` until it holds or `within` passes (then panics with `what`).
-pub async fn wait_for<F, Fut>(what: &str, within: Duration, mut cond: F)
+pub async fn wait_for<F, Fut>(what: &str, within: Duration, cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    assert!(poll_until(within, cond).await, "timed out after {within:?} waiting for {what}");
+}
+
+/// Polls `cond` every 20 ms: `true` once it holds, `false` when `within`
+/// passed first (for a wait whose failure says more than [`wait_for`]'s).
+pub async fn poll_until<F, Fut>(within: Duration, mut cond: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
@@ -225,9 +237,11 @@ where
     loop {
         tick.tick().await;
         if cond().await {
-            return;
+            return true;
         }
-        assert!(Instant::now() < deadline, "timed out after {within:?} waiting for {what}");
+        if Instant::now() >= deadline {
+            return false;
+        }
     }
 }
 

@@ -116,15 +116,8 @@ impl HostProcess {
 
     /// Waits until the process's log contains `needle`.
     pub async fn wait_log(&self, needle: &str, within: Duration) {
-        let deadline = Instant::now() + within;
-        let mut tick = tokio::time::interval(Duration::from_millis(20));
-        loop {
-            tick.tick().await;
-            if self.log().contains(needle) {
-                return;
-            }
-            assert!(Instant::now() < deadline, "log never said {needle:?} within {within:?}:\n{}", self.log());
-        }
+        let said = || async { self.log().contains(needle) };
+        assert!(super::poll_until(within, said).await, "log never said {needle:?} within {within:?}:\n{}", self.log());
     }
 }
 

@@ -1,0 +1,33 @@
+//! The integration suites, one module per file, in one test binary: they
+//! share `support` (a private PostgreSQL cluster for the binary, or the
+//! server in DATABASE_URL; a fresh database per test) and link the host
+//! once. `tests/faults.rs` is a binary of its own: it crashes and restarts
+//! its cluster under whatever is connected.
+//!
+//! One suite: `cargo test -p agent-host --test it streams::`; one test: its
+//! name, e.g. `cargo test -p agent-host --test it retention_trims`.
+
+mod support;
+
+mod api;
+mod approvals;
+mod config;
+mod console;
+mod edge;
+mod guests;
+mod hooks;
+mod http_tool;
+mod hub;
+mod lifecycle;
+mod mcp;
+mod operator;
+mod processes;
+mod responses;
+mod resume;
+mod run_core;
+mod run_host;
+mod sandbox;
+mod stop;
+mod streams;
+mod throughput;
+mod tools;
