@@ -637,12 +637,11 @@ impl WasmAgent {
         log_output(run_id, "stderr", &stderr);
         let data = store.data();
         let limit = |what: String| AgentError::failed(FailReason::Limit, what);
-        // A limit the guest hit wins over whatever it did next.
-        let hit = if data.cpu_exceeded {
-            Some(limit(format!("cpu time budget of {cpu_ms} ms exceeded")))
-        } else {
-            host.failure()
-        };
+        // What the guest did, as the sandbox saw it: a limit it hit here
+        // wins over whatever it did next. The host's own verdict (a limit
+        // of its calls, a divergence) is weighed once, by the run task's
+        // `settle`.
+        let hit = data.cpu_exceeded.then(|| limit(format!("cpu time budget of {cpu_ms} ms exceeded")));
         let result = match outcome {
             Err(_) => Err(limit(format!("wall time of {} ms exceeded", limits.wall_ms))),
             Ok(Err(trap)) => Err(match (hit, data.limiter.denied) {
@@ -663,6 +662,11 @@ impl WasmAgent {
         };
         drop(store);
         let (text, calls) = result?;
+        // A run the host failed ends with that failure: its client calls
+        // are not journaled.
+        if let Some(failure) = host.failure() {
+            return Err(failure);
+        }
         check_client_calls(&calls, &names).map_err(|m| AgentError::failed(FailReason::Plugin, m))?;
         // The calls of client functions the turn ends with, journaled in
         // order (the Responses API shows them as `function_call` items).

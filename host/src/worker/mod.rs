@@ -9,6 +9,7 @@ mod reaper;
 mod retention;
 mod run_task;
 mod schedules;
+mod settle;
 mod shares;
 mod waker;
 mod webhooks;

@@ -13,13 +13,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::agent::registry::HISTORY_MESSAGES_MAX;
-use crate::agent::{AgentError, FailReason, HostError, Message, Resolved, RunHost, RunInput, Usage};
-use crate::db::{self, lifecycle::ClaimedRun, lifecycle::Ending, MessageStatus, RunStatus};
+use crate::agent::{Agent, AgentError, FailReason, HostError, Message, Resolved, RunHost, RunInput, Usage};
+use crate::db::{self, lifecycle::ClaimedRun, lifecycle::Ending, RunStatus};
 use crate::run::host::RunHostParts;
 use crate::run::journal::{Journal, JournalConfig, FIRST_RUN_SEQ};
 use crate::run::record::{Recording, RecordingParts};
 use crate::run::text;
 
+use super::settle::{ended, settle, End, Race, Settled, Verdict};
 use super::{Held, Shared};
 
 /// How a run task ended.
@@ -136,41 +137,97 @@ async fn backstop(shared: &Shared, id: db::RunId, token: db::ClaimToken, reason:
 }
 
 async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, cancel: CancellationToken) -> Outcome {
+    let (agent, host, input) = match prepare(&shared, &row, &lost, &cancel).await {
+        Ok(prepared) => prepared,
+        Err(outcome) => return outcome,
+    };
+    let race = race(&shared, agent.as_ref(), &host, input, &lost, &cancel).await;
+    let verdict = Verdict {
+        suspended: host.suspended(),
+        failure: host.failure(),
+        stop_requested: cancel.is_cancelled(),
+        resumable: host.manifest().resumable(),
+    };
+    let end = match settle(race, &verdict) {
+        Settled::HandBack => return hand_back(&shared, &row, &host).await,
+        settled => {
+            shared.stats.replayed_calls.fetch_add(host.replayed(), Ordering::Relaxed);
+            match settled {
+                Settled::End(end) => end,
+                Settled::Lost => return Outcome::Lost,
+                _ => return Outcome::Suspended,
+            }
+        }
+    };
+    if end.reason == Some(FailReason::Divergence) {
+        shared.stats.divergences.fetch_add(1, Ordering::Relaxed);
+    }
+    // Everything journaled lands before the ending.
+    let (streamed, flushed) = host.close().await;
+    if flushed == Err(HostError::Fenced) {
+        return Outcome::Lost;
+    }
+    finalize(&shared, &row, end, streamed, host.usage()).await
+}
+
+/// Everything a run needs before its agent starts: the agent (built-in or
+/// component), the conversation before this turn, a resumable run's
+/// recording, the journal and the run's host. A run that cannot start here
+/// ends (or goes back to the queue) with the outcome given.
+async fn prepare(
+    shared: &Shared,
+    row: &ClaimedRun,
+    lost: &CancellationToken,
+    cancel: &CancellationToken,
+) -> Result<(Arc<dyn Agent>, RunHost, RunInput), Outcome> {
     // One registry resolves built-ins and components alike.
     let resolved = shared.agents.resolve(&row.plugin, row.plugin_digest.as_deref(), row.plugin_manifest.as_ref()).await;
     let Resolved { agent, manifest } = match resolved {
         Ok(r) => r,
-        Err(e) => return start_failed(&shared, &row, e).await,
+        Err(e) => return Err(start_failed(shared, row, e).await),
     };
+    let host_failed = |what: &str| AgentError::failed(FailReason::Host, format!("{what} could not be read"));
     // Every agent sees the conversation before this turn (a first turn has
     // none: the claim said so, and no read is made).
-    let read = match row.has_history {
-        false => Ok(Vec::new()),
+    let history = match row.has_history {
+        false => Vec::new(),
         true => {
-            db::conversations::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX)
-                .await
-        }
-    };
-    let history = match read {
-        Ok(h) => h.into_iter().map(|(role, content)| Message { role, content }).collect(),
-        Err(e) => {
-            tracing::error!(error = %e, "reading the conversation's history failed");
-            let e = AgentError::failed(FailReason::Host, "the conversation's history could not be read");
-            return start_failed(&shared, &row, e).await;
+            match db::conversations::history(
+                &shared.pool,
+                row.conversation_id,
+                row.user_message_id,
+                HISTORY_MESSAGES_MAX,
+            )
+            .await
+            {
+                Ok(h) => h.into_iter().map(|(role, content)| Message { role, content }).collect(),
+                Err(e) => {
+                    tracing::error!(error = %e, "reading the conversation's history failed");
+                    return Err(start_failed(shared, row, host_failed("the conversation's history")).await);
+                }
+            }
         }
     };
     // A resumable run records its calls; a resumed one also reads what its
     // earlier attempts recorded and journaled.
     let recording = match manifest.resumable() {
         false => None,
-        true => match recording(&shared, &row, &lost, &manifest).await {
+        true => match recording(shared, row, lost, &manifest).await {
             Ok(r) => Some(r),
             Err(e) => {
                 tracing::error!(error = %e, "reading the run's call log failed");
-                let e = AgentError::failed(FailReason::Host, "the run's call log could not be read");
-                return start_failed(&shared, &row, e).await;
+                return Err(start_failed(shared, row, host_failed("the run's call log")).await);
             }
         },
+    };
+    // A plugin of the run's tenant (not one the operator published) is
+    // held to the operator's grants for that tenant at every call.
+    let plugin_tenant = match plugin_tenant(shared, row).await {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::error!(error = %e, "reading the plugin's owner failed");
+            return Err(start_failed(shared, row, host_failed("the plugin's owner")).await);
+        }
     };
     let first_seq = recording.as_ref().map_or(FIRST_RUN_SEQ, |r| r.next_seq().max(FIRST_RUN_SEQ));
     let journal = Journal::start(
@@ -182,16 +239,6 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         lost.clone(),
         shared.journal_stats.clone(),
     );
-    // A plugin of the run's tenant (not one the operator published) is
-    // held to the operator's grants for that tenant at every call.
-    let plugin_tenant = match plugin_tenant(&shared, &row).await {
-        Ok(t) => t,
-        Err(e) => {
-            tracing::error!(error = %e, "reading the plugin's owner failed");
-            let e = AgentError::failed(FailReason::Host, "the plugin's owner could not be read");
-            return start_failed(&shared, &row, e).await;
-        }
-    };
     let host = RunHost::new(RunHostParts {
         run_id: row.id,
         journal,
@@ -207,11 +254,11 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         tracing::info!(attempt, calls, "resuming the run: replaying its recorded calls");
         match host.journal_resumed(&shared.config.worker_id).await {
             Ok(()) => {}
-            Err(HostError::Fenced) => return Outcome::Lost,
+            Err(HostError::Fenced) => return Err(Outcome::Lost),
             Err(e) => {
                 let _ = host.close().await;
                 let e = AgentError::failed(FailReason::Host, format!("the resumed run could not be journaled: {e}"));
-                return start_failed(&shared, &row, e).await;
+                return Err(start_failed(shared, row, e).await);
             }
         }
     }
@@ -222,6 +269,18 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
         config: row.config.clone(),
         history,
     };
+    Ok((agent, host, input))
+}
+
+/// The agent against the host's reasons to stop it; what won, for [`settle`].
+async fn race(
+    shared: &Shared,
+    agent: &dyn Agent,
+    host: &RunHost,
+    input: RunInput,
+    lost: &CancellationToken,
+    cancel: &CancellationToken,
+) -> Race {
     // A stop is cooperative first: the agent sees `check-cancel` and refusals.
     // One that has not returned within the grace is interrupted (its future,
     // and a guest's store with it, is dropped at its next yield).
@@ -245,103 +304,33 @@ async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, 
             false => tokio::time::sleep(std::time::Duration::from_millis(wall_ms)).await,
         }
     };
-    let result = tokio::select! {
+    tokio::select! {
         biased;
-        _ = lost_or_suspended => match host.suspended() {
-            true => return Outcome::Suspended,
-            false => return Outcome::Lost,
-        },
-        _ = host.aborted() => match host.suspended() {
-            // It waits with nothing held: the slot and the sandbox go.
-            true => return Outcome::Suspended,
-            false => Err(host.failure().expect("an abort has its failure")),
-        },
+        _ = lost_or_suspended => Race::Lost,
+        _ = host.aborted() => Race::Aborted,
         _ = forced => {
             tracing::warn!(grace_ms = grace.as_millis() as u64, "run ignored its stop past the grace; interrupted");
-            Err(AgentError::Interrupted(grace.as_millis() as u64))
+            Race::Forced(grace.as_millis() as u64)
         }
-        _ = shared.abort_runs.cancelled() => {
-            if host.manifest().resumable() && !cancel.is_cancelled() {
-                return hand_back(&shared, &row, &host).await;
-            }
-            Err(AgentError::failed(FailReason::DrainTimeout, "the host shut down before the run finished"))
-        }
-        _ = wall => Err(AgentError::failed(FailReason::Limit, format!("wall time of {wall_ms} ms exceeded"))),
-        _ = host.journal_gave_up() => {
-            Err(AgentError::failed(FailReason::Host, "the run's journal could not be written: the database was unreachable too long"))
-        }
-        r = agent.run(&host, input) => match r {
+        _ = shared.abort_runs.cancelled() => Race::ShutDown,
+        _ = wall => Race::Wall(wall_ms),
+        _ = host.journal_gave_up() => Race::JournalGaveUp,
+        r = agent.run(host, input) => {
             // An agent of a resumed run that ends before making every
-            // recorded call again behaves otherwise than it did.
-            Ok(_) | Err(AgentError::Failed { .. }) if !cancel.is_cancelled() => match host.check_replayed() {
-                Some(diverged) => Err(diverged),
-                None => r,
-            },
-            r => r,
-        },
-    };
-    shared.stats.replayed_calls.fetch_add(host.replayed(), Ordering::Relaxed);
-    // The agent may have returned (its call refused `fenced`) in the same
-    // poll that suspended the run: it waits all the same.
-    if host.suspended() {
-        return Outcome::Suspended;
-    }
-    // A limit the run hit (or a replay that diverged) ends it failed,
-    // whatever the agent made of the refusal.
-    let result = match (host.failure(), result) {
-        (Some(failure), Ok(_) | Err(AgentError::Host(_))) => Err(failure),
-        (_, r) => r,
-    };
-    if matches!(&result, Err(e) if e.reason() == FailReason::Divergence) {
-        shared.stats.divergences.fetch_add(1, Ordering::Relaxed);
-    }
-    // Once a stop was requested, the run ends cancelled whatever the agent
-    // says (a guest's own error string, a trap at interrupt, or an answer it
-    // returned anyway, which is kept as the partial text if nothing streamed).
-    let mut answered = None;
-    let result = match result {
-        Ok(text) if cancel.is_cancelled() => {
-            answered = Some(text);
-            Err(AgentError::Host(HostError::Cancelled))
+            // recorded call again behaves otherwise than it did (the host
+            // records the divergence as its failure).
+            if matches!(r, Ok(_) | Err(AgentError::Failed { .. })) && !cancel.is_cancelled() {
+                host.check_replayed();
+            }
+            Race::Returned(r)
         }
-        Err(e @ (AgentError::Failed { .. } | AgentError::Host(_)))
-            if cancel.is_cancelled() && e != AgentError::Host(HostError::Fenced) =>
-        {
-            tracing::debug!(error = %e, "run ended after a stop");
-            Err(AgentError::Host(HostError::Cancelled))
-        }
-        r => r,
-    };
-    // Everything journaled lands before the ending.
-    let (mut streamed, flushed) = host.close().await;
-    if flushed == Err(HostError::Fenced) {
-        return Outcome::Lost;
     }
-    if streamed.is_empty() {
-        streamed = answered.unwrap_or_default();
-    }
-    finalize(&shared, &row, result, &streamed, host.usage()).await
 }
 
-async fn finalize(
-    shared: &Shared,
-    row: &ClaimedRun,
-    result: Result<String, AgentError>,
-    streamed: &str,
-    usage: Option<Usage>,
-) -> Outcome {
-    let partial = |text: &str| (!text.is_empty()).then(|| (text.to_string(), MessageStatus::Partial));
-    let (status, error, assistant) = match &result {
-        Ok(text) => (RunStatus::Completed, None, Some((text.clone(), MessageStatus::Complete))),
-        Err(AgentError::Host(HostError::Fenced)) => return Outcome::Lost,
-        Err(AgentError::Host(HostError::Cancelled)) => (RunStatus::Cancelled, None, partial(streamed)),
-        Err(e @ AgentError::Interrupted(_)) => (RunStatus::Cancelled, Some(e.to_string()), partial(streamed)),
-        Err(e) => (RunStatus::Failed, Some(e.to_string()), partial(streamed)),
-    };
-    let reason = match &result {
-        Err(e) if status == RunStatus::Failed => Some(e.reason()),
-        _ => None,
-    };
+/// Writes an ending (fenced): the message, the run, its `complete`.
+async fn finalize(shared: &Shared, row: &ClaimedRun, end: End, streamed: String, usage: Option<Usage>) -> Outcome {
+    let assistant = end.assistant(streamed);
+    let End { status, error, reason, .. } = end;
     // What the agent said must be storable (U+0000 from a guest or a model).
     let mut replaced = 0;
     let mut storable = |s: String| {
@@ -445,7 +434,7 @@ async fn hand_back(shared: &Shared, row: &ClaimedRun, host: &RunHost) -> Outcome
                 ),
                 false => AgentError::failed(FailReason::DrainTimeout, "the host shut down before the run finished"),
             };
-            finalize(shared, row, Err(e), &streamed, host.usage()).await
+            finalize(shared, row, ended(Err(e)), streamed, host.usage()).await
         }
         Err(e) => {
             tracing::error!(error = %e, "handing the run back failed; the reaper will requeue it");
@@ -475,7 +464,7 @@ async fn start_failed(shared: &Shared, row: &ClaimedRun, e: AgentError) -> Outco
             Err(_) => return Outcome::Lost,
         }
     }
-    finalize(shared, row, Err(e), "", None).await
+    finalize(shared, row, ended(Err(e)), String::new(), None).await
 }
 
 /// Drops this claim's `held` entry (no more heartbeats, and its slot, for the
