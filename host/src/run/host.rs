@@ -28,7 +28,7 @@ use crate::db::RunId;
 use crate::error::{AgentError, FailReason, HostError};
 use crate::run::journal::Journal;
 use crate::run::manifest::Manifest;
-use crate::run::record::{self, Decided, Divergence, Next, Recording};
+use crate::run::record::{self, Decided, Divergence, Next, Reading, Recording};
 use crate::tools::{EventSink, ToolCall, ToolInfo, ToolRegistry, LLM_TOOL, WAIT_TOOL};
 
 /// The longest durable wait.
@@ -141,6 +141,44 @@ struct State {
     suspending: bool,
     /// The run was suspended: it waits, and the worker lets it go.
     suspended: bool,
+}
+
+/// A call-tool past its gate.
+struct GatedCall<'n> {
+    name: &'n str,
+    /// 1-based among the run's tool calls (the webhook's Idempotency-Key with the run id).
+    ordinal: u64,
+    args: Value,
+    /// Whether the call waits, and for what (a person, a time), how long.
+    waits: Option<(SuspendKind, Duration)>,
+    /// The journal appends before it.
+    ops: i64,
+}
+
+/// What the log says of a gated call-tool, one flat plan.
+enum Plan {
+    /// A run that records nothing: make the call.
+    Unrecorded,
+    /// Answer from the log.
+    Answer(crate::db::calls::Call),
+    /// In flight when the worker died: make it again if idempotent.
+    Reissue(crate::db::calls::Call),
+    /// A waiting call in flight when the worker died: its decision says.
+    Decided(crate::db::calls::Call),
+    /// A new call that waits: record it and suspend.
+    Suspend(i32, (SuspendKind, Duration)),
+    /// A new call: record it, then make it.
+    Live(i32),
+    /// Past the recorded-calls limit.
+    Refused(String),
+    /// Not the call recorded at its position.
+    Diverged(Divergence),
+}
+
+/// What a waiting call's decision leaves to do.
+enum Decision {
+    Answered(Result<String, HostError>),
+    Invoke,
 }
 
 impl RunHost {
@@ -413,12 +451,42 @@ impl RunHost {
     /// `tool_call_finished`, dropped on a stop or past its timeout) and
     /// returns its JSON answer as text.
     pub async fn call_tool(&self, name: &str, args: &str) -> Result<String, HostError> {
+        let mut call = self.gate(name, args).await?;
+        let recorded = match self.plan(&call, args) {
+            Plan::Unrecorded => None,
+            Plan::Answer(logged) => return self.replay_answer(&logged, name),
+            Plan::Refused(message) => return Err(self.limit(message)),
+            Plan::Diverged(d) => return Err(self.diverged(d)),
+            Plan::Reissue(logged) => {
+                self.reissue(&logged, name, call.ordinal).await?;
+                Some(logged.position)
+            }
+            Plan::Decided(logged) => match self.decided(&logged, &mut call).await? {
+                Decision::Answered(answer) => return answer,
+                Decision::Invoke => Some(logged.position),
+            },
+            Plan::Suspend(position, wait) => {
+                self.recording().start(position, name, &record::args_hash(args), call.ops).await?;
+                return self.suspend(position, call.ordinal, name, &call.args, wait).await;
+            }
+            Plan::Live(position) => {
+                self.recording().start(position, name, &record::args_hash(args), call.ops).await?;
+                Some(position)
+            }
+        };
+        self.invoke(call, recorded).await
+    }
+
+    /// A call-tool's gate: the run may still call, the plugin (and its
+    /// tenant) is granted the tool, the arguments are within their limit
+    /// and JSON, the call is within the run's tool calls (its ordinal
+    /// taken), and a call that waits is made by a resumable run.
+    async fn gate<'n>(&self, name: &'n str, args: &str) -> Result<GatedCall<'n>, HostError> {
         self.ended()?;
         if !self.replaying() && self.stop_requested() {
             return Err(HostError::Cancelled);
         }
         self.check_payload_size("tool arguments", "exceed", args.len())?;
-        let limits = &self.inner.manifest.limits;
         if !self.inner.manifest.grants(name) {
             return Err(HostError::Denied(format!("tool {name:?} is not granted to this plugin")));
         }
@@ -434,110 +502,118 @@ impl RunHost {
             s.tool_calls += 1;
             s.tool_calls
         };
-        if ordinal > limits.tool_calls_max {
-            return Err(self.limit(format!("more than {} tool calls", limits.tool_calls_max)));
+        let max = self.inner.manifest.limits.tool_calls_max;
+        if ordinal > max {
+            return Err(self.limit(format!("more than {max} tool calls")));
         }
-        let args_text = args;
         // An MCP tool's annotations (approval, re-sending) come with its
         // listing; a call the log answers needs none (replay never touches
         // the network).
         if !self.inner.recording.as_ref().is_some_and(|r| r.next_answered()) {
             self.inner.tools.warm(name).await;
         }
-        let mut args: Value =
+        let args: Value =
             serde_json::from_str(args).map_err(|e| HostError::Invalid(format!("tool arguments are not JSON: {e}")))?;
         // A call that waits (for a person, or a time) suspends the run: only
         // a resumable run can be resumed after it.
-        let suspends = self.suspends(name, &args)?;
-        if suspends.is_some() && self.inner.recording.is_none() {
+        let waits = self.suspends(name, &args)?;
+        if waits.is_some() && self.inner.recording.is_none() {
             return Err(HostError::Denied(format!(
                 "tool {name:?} waits (for approval or a time), which needs a resumable plugin \
                  (\"durability\": \"resume\" in its manifest)"
             )));
         }
-        // The log's say: answer from it, re-issue a call in flight at a
-        // crash (or apply the decision it waited for), or record a live call
-        // before it runs.
-        let mut recorded = None;
-        if let Some(rec) = &self.inner.recording {
-            let hash = record::args_hash(args_text);
-            let ops = self.state().ops;
-            match rec.next_tool(name, &hash, ops).map_err(|d| self.diverged(d))? {
-                Err(HostError::Limit(m)) => return Err(self.limit(m)),
-                Err(e) => return Err(e),
-                Ok(Next::Answer(call)) => return self.replay_answer(&call, name),
-                Ok(Next::Unknown(call)) if suspends.is_some() => {
-                    rec.retake(call.position).await?;
-                    self.state().ops = ops.max(rec.journaled_op());
-                    match rec.decision(ordinal as i32).cloned() {
-                        // Never suspended (the worker died first): ask now.
-                        None => return self.suspend(call.position, ordinal, name, &args, suspends.unwrap()).await,
-                        // Approved, and an earlier attempt began it: its
-                        // outcome is unknown (again only if idempotent).
-                        Some((Decided::Approve | Decided::Edit(_), true))
-                            if !self.inner.tools.get(name).is_some_and(|t| t.idempotent()) =>
-                        {
-                            let message = format!(
-                                "call {} (tool call {ordinal}, {name:?}) was approved and in flight when the run's \
-                                 worker was lost; its outcome is unknown and the tool is not idempotent, so it is \
-                                 not called again",
-                                call.position
-                            );
-                            return Err(self.abort(FailReason::UnknownOutcome, message));
-                        }
-                        Some((Decided::Approve, _)) => rec.start_approved(ordinal as i32).await?,
-                        Some((Decided::Edit(edited), _)) => {
-                            rec.start_approved(ordinal as i32).await?;
-                            args = edited;
-                        }
-                        Some((Decided::Reject(reason), _)) => {
-                            let answer = Err(HostError::Denied(reason));
-                            let ops = self.state().ops;
-                            rec.complete(call.position, ops, &answer).await?;
-                            return answer;
-                        }
-                        Some((Decided::Elapsed, _)) => {
-                            let answer = Ok(json!({ "waited": true }).to_string());
-                            let ops = self.state().ops;
-                            rec.complete(call.position, ops, &answer).await?;
-                            return answer;
-                        }
-                    }
-                    recorded = Some((rec, call.position));
-                }
-                Ok(Next::Unknown(call)) => {
-                    self.reissue(&call, name, ordinal).await?;
-                    recorded = Some((rec, call.position));
-                }
-                Ok(Next::Live(position)) => {
-                    rec.start(position, name, &hash, ops).await?;
-                    if let Some(wait) = suspends {
-                        return self.suspend(position, ordinal, name, &args, wait).await;
-                    }
-                    recorded = Some((rec, position));
-                }
-            }
+        Ok(GatedCall { name, ordinal, args, waits, ops: self.state().ops })
+    }
+
+    /// What the log says of a gated call, one flat plan (no log: unrecorded).
+    fn plan(&self, call: &GatedCall<'_>, args_text: &str) -> Plan {
+        let Some(rec) = &self.inner.recording else { return Plan::Unrecorded };
+        match (rec.next_tool(call.name, &record::args_hash(args_text), call.ops), call.waits) {
+            (Next::Answer(logged), _) => Plan::Answer(logged),
+            (Next::Refused(message), _) => Plan::Refused(message),
+            (Next::Diverged(d), _) => Plan::Diverged(d),
+            // A call that waits, in flight at a crash: its decision (or none yet) says.
+            (Next::Unknown(logged), Some(_)) => Plan::Decided(logged),
+            (Next::Unknown(logged), None) => Plan::Reissue(logged),
+            (Next::Live(position), Some(wait)) => Plan::Suspend(position, wait),
+            (Next::Live(position), None) => Plan::Live(position),
         }
+    }
+
+    /// A waiting call the log holds as started: ask now if it never
+    /// suspended (the worker died first), else apply its decision: a
+    /// rejection or an elapsed wait answers it, an approval (edited, maybe)
+    /// makes it, unless it was in flight already and is not idempotent.
+    async fn decided(&self, logged: &crate::db::calls::Call, call: &mut GatedCall<'_>) -> Result<Decision, HostError> {
+        let rec = self.recording();
+        rec.retake(logged.position).await?;
+        {
+            let mut s = self.state();
+            s.ops = call.ops.max(rec.journaled_op());
+        }
+        let (name, ordinal) = (call.name, call.ordinal);
+        let answered = |answer: Result<String, HostError>| async {
+            let ops = self.state().ops;
+            rec.complete(logged.position, ops, &answer).await?;
+            Ok(Decision::Answered(answer))
+        };
+        match rec.decision(ordinal as i32).cloned() {
+            None => {
+                let wait = call.waits.expect("a decided call waits");
+                Ok(Decision::Answered(self.suspend(logged.position, ordinal, name, &call.args, wait).await))
+            }
+            Some((Decided::Approve | Decided::Edit(_), true))
+                if !self.inner.tools.get(name).is_some_and(|t| t.idempotent()) =>
+            {
+                let message = format!(
+                    "call {} (tool call {ordinal}, {name:?}) was approved and in flight when the run's \
+                     worker was lost; its outcome is unknown and the tool is not idempotent, so it is \
+                     not called again",
+                    logged.position
+                );
+                Err(self.abort(FailReason::UnknownOutcome, message))
+            }
+            Some((Decided::Approve, _)) => {
+                rec.start_approved(ordinal as i32).await?;
+                Ok(Decision::Invoke)
+            }
+            Some((Decided::Edit(edited), _)) => {
+                rec.start_approved(ordinal as i32).await?;
+                call.args = edited;
+                Ok(Decision::Invoke)
+            }
+            Some((Decided::Reject(reason), _)) => answered(Err(HostError::Denied(reason))).await,
+            Some((Decided::Elapsed, _)) => answered(Ok(json!({ "waited": true }).to_string())).await,
+        }
+    }
+
+    /// Makes a gated call; a recorded one's outcome is durable before the
+    /// agent sees it (its events are journaled: `tool_call_finished` is
+    /// written through).
+    async fn invoke(&self, call: GatedCall<'_>, recorded: Option<i32>) -> Result<String, HostError> {
         // With the run id, the ordinal is the webhook's Idempotency-Key:
         // 1-based, never repeated within a run (a re-issued call keeps it).
-        let call = ToolCall {
+        let tool_call = ToolCall {
             run_id: self.run_id(),
-            call_index: ordinal as u32,
-            name,
-            args,
-            timeout_max: Some(Duration::from_millis(limits.tool_timeout_ms)),
+            call_index: call.ordinal as u32,
+            name: call.name,
+            args: call.args,
+            timeout_max: Some(Duration::from_millis(self.inner.manifest.limits.tool_timeout_ms)),
             tenant: self.inner.plugin_tenant.as_deref(),
         };
-        let answer = self.inner.tools.invoke(call, self, self.cancelled()).await;
-        // Durable before the agent sees it (the call's events are journaled:
-        // `tool_call_finished` is written through).
-        if let Some((rec, position)) = recorded {
+        let answer = self.inner.tools.invoke(tool_call, self, self.cancelled()).await;
+        if let Some(position) = recorded {
             let ops = self.state().ops;
-            rec.complete(position, ops, &answer).await?;
+            self.recording().complete(position, ops, &answer).await?;
         }
         let text = answer?;
         self.check_payload_size("tool answer", "exceeds", text.len())?;
         Ok(text)
+    }
+
+    fn recording(&self) -> &Recording {
+        self.inner.recording.as_ref().expect("a recorded call needs the run's recording")
     }
 
     /// The manifest's grants the operator lets this plugin's tenant use
@@ -572,10 +648,9 @@ impl RunHost {
         };
         let ops = self.state().ops;
         let text = match rec.read(record::LIST_TOOLS, ops, || to_text(&live)) {
-            Ok(Ok(text)) => text,
-            Ok(Err(HostError::Limit(m))) => return Err(self.limit(m)),
-            Ok(Err(e)) => return Err(e),
-            Err(d) => return Err(self.diverged(d)),
+            Reading::Value(text) => text,
+            Reading::Refused(m) => return Err(self.limit(m)),
+            Reading::Diverged(d) => return Err(self.diverged(d)),
         };
         let list: Vec<Value> = serde_json::from_str(&text).unwrap_or_default();
         Ok(list
@@ -741,21 +816,20 @@ impl RunHost {
         };
         let ops = self.state().ops;
         let read = rec.read(record::WALL_CLOCK, ops, || live.as_nanos().to_string());
-        let ns = self.reading(read.map(|r| r.map(|ns| ns.parse::<u64>().ok())));
+        let ns = self.reading(read.map(|ns| ns.parse::<u64>().ok()));
         ns.flatten().map_or(live, Duration::from_nanos)
     }
 
     /// A clock reading's answer; `None` when the run must end (a limit, a
     /// divergence: recorded as its failure), and the live value serves meanwhile.
-    fn reading<T>(&self, read: Result<Result<T, HostError>, Divergence>) -> Option<T> {
+    fn reading<T>(&self, read: Reading<T>) -> Option<T> {
         match read {
-            Ok(Ok(value)) => Some(value),
-            Ok(Err(HostError::Limit(m))) => {
+            Reading::Value(value) => Some(value),
+            Reading::Refused(m) => {
                 self.limit(m);
                 None
             }
-            Ok(Err(_)) => None,
-            Err(d) => {
+            Reading::Diverged(d) => {
                 self.diverged(d);
                 None
             }

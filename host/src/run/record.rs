@@ -49,7 +49,7 @@ pub fn args_hash(args: &str) -> String {
     hex::encode(&Sha256::digest(args.as_bytes())[..16])
 }
 
-/// What the log says of the next call-tool.
+/// What the log says of the next call-tool, one flat answer.
 #[derive(Debug)]
 pub enum Next {
     /// Recorded with its outcome: answer from the log.
@@ -58,6 +58,30 @@ pub enum Next {
     Unknown(Call),
     /// Nothing recorded: make the call live, at this position.
     Live(i32),
+    /// Past the recorded-calls limit (the message says which).
+    Refused(String),
+    /// Not the call recorded at its position.
+    Diverged(Divergence),
+}
+
+/// A reading's answer from the log (or live, buffered), one flat answer.
+#[derive(Debug, PartialEq)]
+pub enum Reading<T> {
+    Value(T),
+    /// Past the recorded-calls limit (the message says which).
+    Refused(String),
+    /// Not the reading recorded at its position.
+    Diverged(Divergence),
+}
+
+impl<T> Reading<T> {
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Reading<U> {
+        match self {
+            Reading::Value(v) => Reading::Value(f(v)),
+            Reading::Refused(m) => Reading::Refused(m),
+            Reading::Diverged(d) => Reading::Diverged(d),
+        }
+    }
 }
 
 /// A call the agent made that is not the one recorded at its position.
@@ -224,23 +248,21 @@ impl Recording {
         self.journaled.deltas.iter().filter(|(op, _)| *op > after && *op <= upto).map(|(_, t)| t.as_str()).collect()
     }
 
-    fn position_limit(&self, position: i32) -> Result<(), HostError> {
-        if position as u64 > self.max {
-            return Err(HostError::Limit(format!("more than {} recorded calls", self.max)));
-        }
-        Ok(())
+    /// Why a call at `position` is refused: past the recorded-calls limit.
+    fn past_limit(&self, position: i32) -> Option<String> {
+        (position as u64 > self.max).then(|| format!("more than {} recorded calls", self.max))
     }
 
     /// The log's answer for the next call-tool.
-    pub fn next_tool(&self, name: &str, hash: &str, ops: i64) -> Result<Result<Next, HostError>, Divergence> {
+    pub fn next_tool(&self, name: &str, hash: &str, ops: i64) -> Next {
         let mut s = self.state();
         let Some(call) = s.replay.pop_front() else {
             let position = s.next_position;
-            if let Err(e) = self.position_limit(position) {
-                return Ok(Err(e));
+            if let Some(refused) = self.past_limit(position) {
+                return Next::Refused(refused);
             }
             s.next_position += 1;
-            return Ok(Ok(Next::Live(position)));
+            return Next::Live(position);
         };
         let same = call.import == CALL_TOOL
             && call.name.as_deref() == Some(name)
@@ -248,32 +270,31 @@ impl Recording {
             && call.ops_before == ops;
         if !same {
             let now = format!("call-tool {name:?} (args {hash}) after {ops} journal appends");
-            return Err(divergence(&call, &now));
+            return Next::Diverged(divergence(&call, &now));
         }
         s.replayed += 1;
-        Ok(Ok(if call.outcome.is_some() { Next::Answer(call) } else { Next::Unknown(call) }))
+        if call.outcome.is_some() {
+            Next::Answer(call)
+        } else {
+            Next::Unknown(call)
+        }
     }
 
     /// A reading (check-cancel, a clock): the recorded answer on replay,
     /// else `live()` (run without the state's lock), buffered for the next
     /// durable write.
-    pub fn read(
-        &self,
-        import: &'static str,
-        ops: i64,
-        live: impl FnOnce() -> String,
-    ) -> Result<Result<String, HostError>, Divergence> {
+    pub fn read(&self, import: &'static str, ops: i64, live: impl FnOnce() -> String) -> Reading<String> {
         let mut s = self.state();
         if let Some(call) = s.replay.pop_front() {
             if call.import != import || call.ops_before != ops {
-                return Err(divergence(&call, &format!("{import} after {ops} journal appends")));
+                return Reading::Diverged(divergence(&call, &format!("{import} after {ops} journal appends")));
             }
             s.replayed += 1;
-            return Ok(Ok(call.result.unwrap_or_default()));
+            return Reading::Value(call.result.unwrap_or_default());
         }
         let position = s.next_position;
-        if let Err(e) = self.position_limit(position) {
-            return Ok(Err(e));
+        if let Some(refused) = self.past_limit(position) {
+            return Reading::Refused(refused);
         }
         s.next_position += 1;
         drop(s);
@@ -289,12 +310,12 @@ impl Recording {
             outcome: Some("ok".into()),
             result: Some(value.clone()),
         });
-        Ok(Ok(value))
+        Reading::Value(value)
     }
 
     /// A monotonic reading: recorded ones on replay; live ones continue from
     /// the last replayed value and never go back.
-    pub fn monotonic(&self, ops: i64, live_ns: u64) -> Result<Result<u64, HostError>, Divergence> {
+    pub fn monotonic(&self, ops: i64, live_ns: u64) -> Reading<u64> {
         let live = || {
             // The first live reading fixes the offset that continues the
             // clock from the last recorded value (0 on a first attempt).
@@ -303,13 +324,12 @@ impl Recording {
             let offset = *s.monotonic_offset.get_or_insert((floor as i128 - live_ns as i128).max(0));
             ((live_ns as i128 + offset).max(0) as u64).max(floor).to_string()
         };
-        let r = self.read(MONOTONIC_CLOCK, ops, live)?;
-        let r = r.map(|text| text.parse::<u64>().unwrap_or(0));
-        if let Ok(v) = r {
+        let r = self.read(MONOTONIC_CLOCK, ops, live).map(|text| text.parse::<u64>().unwrap_or(0));
+        if let Reading::Value(v) = r {
             let mut s = self.state();
             s.monotonic_floor = s.monotonic_floor.max(v);
         }
-        Ok(r)
+        r
     }
 
     /// Writes buffered readings (fenced). `Fenced` when the claim is gone.

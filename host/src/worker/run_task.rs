@@ -187,25 +187,11 @@ async fn prepare(
         Err(e) => return Err(start_failed(shared, row, e).await),
     };
     let host_failed = |what: &str| AgentError::failed(FailReason::Host, format!("{what} could not be read"));
-    // Every agent sees the conversation before this turn (a first turn has
-    // none: the claim said so, and no read is made).
-    let history = match row.has_history {
-        false => Vec::new(),
-        true => {
-            match db::conversations::history(
-                &shared.pool,
-                row.conversation_id,
-                row.user_message_id,
-                HISTORY_MESSAGES_MAX,
-            )
-            .await
-            {
-                Ok(h) => h.into_iter().map(|(role, content)| Message { role, content }).collect(),
-                Err(e) => {
-                    tracing::error!(error = %e, "reading the conversation's history failed");
-                    return Err(start_failed(shared, row, host_failed("the conversation's history")).await);
-                }
-            }
+    let history = match history(shared, row).await {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::error!(error = %e, "reading the conversation's history failed");
+            return Err(start_failed(shared, row, host_failed("the conversation's history")).await);
         }
     };
     // A resumable run records its calls; a resumed one also reads what its
@@ -249,18 +235,8 @@ async fn prepare(
         require_approval: require_approval(&row.config),
         plugin_tenant,
     });
-    if let Some((attempt, calls)) = host.resumed() {
-        shared.stats.resumed.fetch_add(1, Ordering::Relaxed);
-        tracing::info!(attempt, calls, "resuming the run: replaying its recorded calls");
-        match host.journal_resumed(&shared.config.worker_id).await {
-            Ok(()) => {}
-            Err(HostError::Fenced) => return Err(Outcome::Lost),
-            Err(e) => {
-                let _ = host.close().await;
-                let e = AgentError::failed(FailReason::Host, format!("the resumed run could not be journaled: {e}"));
-                return Err(start_failed(shared, row, e).await);
-            }
-        }
+    if let Err(outcome) = journal_resumed(shared, row, &host).await {
+        return Err(outcome);
     }
     let input = RunInput {
         run_id: row.id,
@@ -270,6 +246,33 @@ async fn prepare(
         history,
     };
     Ok((agent, host, input))
+}
+
+/// The conversation before this turn (a first turn has none: the claim
+/// said so, and no read is made).
+async fn history(shared: &Shared, row: &ClaimedRun) -> Result<Vec<Message>, sqlx::Error> {
+    if !row.has_history {
+        return Ok(Vec::new());
+    }
+    let rows = db::conversations::history(&shared.pool, row.conversation_id, row.user_message_id, HISTORY_MESSAGES_MAX)
+        .await?;
+    Ok(rows.into_iter().map(|(role, content)| Message { role, content }).collect())
+}
+
+/// A resumed attempt says so in its journal (`run_resumed`) before it replays.
+async fn journal_resumed(shared: &Shared, row: &ClaimedRun, host: &RunHost) -> Result<(), Outcome> {
+    let Some((attempt, calls)) = host.resumed() else { return Ok(()) };
+    shared.stats.resumed.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(attempt, calls, "resuming the run: replaying its recorded calls");
+    match host.journal_resumed(&shared.config.worker_id).await {
+        Ok(()) => Ok(()),
+        Err(HostError::Fenced) => Err(Outcome::Lost),
+        Err(e) => {
+            let _ = host.close().await;
+            let e = AgentError::failed(FailReason::Host, format!("the resumed run could not be journaled: {e}"));
+            Err(start_failed(shared, row, e).await)
+        }
+    }
 }
 
 /// The agent against the host's reasons to stop it; what won, for [`settle`].
