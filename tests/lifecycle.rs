@@ -131,3 +131,65 @@ async fn turns_of_a_conversation_never_overlap_across_two_processes() {
     );
     drop((a, b));
 }
+
+/// Issue 41: the state machine's table (`lifecycle::TRANSITIONS`) and the
+/// schema agree on every pair of statuses. A run of a resumable plugin is
+/// brought to `from` by legal steps, then set to `to` in the shape the
+/// lifecycle's functions write (a claim for running, attempt raised and
+/// lease cleared for queued, waits raised for waiting, finished_at for an
+/// ending): the table's pairs pass, every other pair is refused by the
+/// transition trigger or a CHECK (23514).
+#[tokio::test]
+async fn every_status_pair_passes_the_schema_exactly_when_the_table_has_it() {
+    use RunStatus::*;
+    let db = TestDb::new().await;
+    let all = [Queued, Running, Waiting, Completed, Failed, Cancelled];
+    let shape = |to: RunStatus| match to {
+        Running => {
+            "claim_token = gen_random_uuid(), claim_expires_at = now() + interval '1 minute', started_at = now()"
+        }
+        Queued => "attempt = attempt + 1, claim_expires_at = NULL",
+        Waiting => "waits = waits + 1, claim_expires_at = NULL",
+        Completed | Failed | Cancelled => "finished_at = now(), claim_expires_at = NULL",
+    };
+    let set = |run: RunId, to: RunStatus| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query(&format!("UPDATE agent_run SET status = $2, {} WHERE id = $1", shape(to)))
+                .bind(run)
+                .bind(to)
+                .execute(&pool)
+                .await
+        }
+    };
+    let manifest = json!({ "durability": "resume" });
+    let mut checked = 0;
+    for from in all {
+        // The legal way there: queued, then a claim, then the rest.
+        let path: &[RunStatus] = match from {
+            Queued => &[],
+            Running => &[Running],
+            _ => &[Running, from],
+        };
+        for to in all.into_iter().filter(|&to| to != from) {
+            let run = enqueue_pinned(&db, "echo", Some(&manifest), json!({})).await;
+            for &step in path {
+                set(run, step).await.unwrap_or_else(|e| panic!("the way to {from}: {step}: {e}"));
+            }
+            let legal = lifecycle::TRANSITIONS.contains(&(from, to));
+            match set(run, to).await {
+                Ok(done) => {
+                    assert!(legal, "{from} -> {to} passed the schema but is not in the table");
+                    assert_eq!(done.rows_affected(), 1);
+                }
+                Err(sqlx::Error::Database(e)) => {
+                    assert!(!legal, "{from} -> {to} is in the table but the schema refused it: {e}");
+                    assert_eq!(e.code().as_deref(), Some("23514"), "{from} -> {to}: {e}");
+                }
+                Err(e) => panic!("{from} -> {to}: {e}"),
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 30);
+}

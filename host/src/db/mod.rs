@@ -43,7 +43,7 @@ pub mod responses;
 pub mod runs;
 pub mod schedules;
 pub mod status;
-pub mod suspensions;
+pub use lifecycle::suspensions;
 pub mod tenants;
 pub mod tokens;
 pub mod webhooks;

@@ -1,6 +1,6 @@
 //! Suspended runs (`run_suspension`): a resumable run whose agent called a
 //! tool that needs approval, or the durable `wait` tool, waits with nothing
-//! held. Every transition here goes through [`super::lifecycle`]'s table:
+//! held. Every transition here goes through [`super`]'s table:
 //! running -> waiting ([`suspend`], fenced, by the run's holder), waiting ->
 //! queued ([`decide`] by a person, [`wake_due`] by the scheduler), and
 //! waiting -> cancelled (a stop, in `lifecycle`).
@@ -10,10 +10,10 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use sqlx::{PgConnection, PgExecutor, PgPool};
 
-use super::events::{APPROVAL_DECIDED, APPROVAL_REQUESTED, WAIT_ELAPSED, WAIT_STARTED};
-use super::journal::write_event;
-use super::notify::{events_channel, notify, RUN_ENQUEUED};
-use super::{ClaimToken, ConversationId, Reach, RunId};
+use crate::db::events::{APPROVAL_DECIDED, APPROVAL_REQUESTED, WAIT_ELAPSED, WAIT_STARTED};
+use crate::db::journal::write_event;
+use crate::db::notify::{events_channel, notify, RUN_ENQUEUED};
+use crate::db::{ClaimToken, ConversationId, Reach, RunId};
 
 /// What a run is suspended for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -290,7 +290,7 @@ pub async fn decide(
 ) -> Result<Value, DecideError> {
     let mut tx = pool.begin().await?;
     let (owner, tenant, all) = reach.binds();
-    let locked: Option<(super::RunStatus, ConversationId)> = sqlx::query_as(&format!(
+    let locked: Option<(crate::db::RunStatus, ConversationId)> = sqlx::query_as(&format!(
         "SELECT status, conversation_id FROM agent_run WHERE id = $1 AND {} FOR UPDATE",
         Reach::filter("", 2)
     ))
@@ -325,7 +325,7 @@ pub async fn decide(
             at,
         )));
     }
-    if status != super::RunStatus::Waiting {
+    if status != crate::db::RunStatus::Waiting {
         return Err(DecideError::NotWaiting(format!("run {run} is {status}, not waiting for a decision")));
     }
     let at: DateTime<Utc> = sqlx::query_scalar(
