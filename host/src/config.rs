@@ -462,34 +462,34 @@ pub struct WorkerArgs {
     #[arg(long, env = "AGENT_HOST_MAX_RUNS", default_value_t = crate::worker::MAX_RUNS_DEFAULT)]
     pub max_runs: usize,
     /// Lease a claim holds without a heartbeat.
-    #[arg(long, env = "AGENT_HOST_LEASE_MS", default_value_t = 30_000)]
+    #[arg(long, env = "AGENT_HOST_LEASE_MS", default_value_t = millis(crate::worker::LEASE_DEFAULT))]
     pub lease_ms: u64,
     /// Heartbeat interval (must be below the lease).
-    #[arg(long, env = "AGENT_HOST_HEARTBEAT_MS", default_value_t = 10_000)]
+    #[arg(long, env = "AGENT_HOST_HEARTBEAT_MS", default_value_t = millis(crate::worker::HEARTBEAT_DEFAULT))]
     pub heartbeat_ms: u64,
     /// Slack past the lease before the reaper ends a run.
-    #[arg(long, env = "AGENT_HOST_REAP_GRACE_MS", default_value_t = 30_000)]
+    #[arg(long, env = "AGENT_HOST_REAP_GRACE_MS", default_value_t = millis(crate::worker::REAP_GRACE_DEFAULT))]
     pub reap_grace_ms: u64,
     /// How often the reaper sweeps.
-    #[arg(long, env = "AGENT_HOST_REAP_INTERVAL_MS", default_value_t = 10_000)]
+    #[arg(long, env = "AGENT_HOST_REAP_INTERVAL_MS", default_value_t = millis(crate::worker::REAP_INTERVAL_DEFAULT))]
     pub reap_interval_ms: u64,
     /// Fallback poll of the dispatcher when no wake arrives.
-    #[arg(long, env = "AGENT_HOST_POLL_TICK_MS", default_value_t = 10_000)]
+    #[arg(long, env = "AGENT_HOST_POLL_TICK_MS", default_value_t = millis(crate::worker::POLL_TICK_DEFAULT))]
     pub poll_tick_ms: u64,
     /// Budget for in-flight runs to finish on SIGTERM/SIGINT.
-    #[arg(long, env = "AGENT_HOST_DRAIN_TIMEOUT_MS", default_value_t = 25_000)]
+    #[arg(long, env = "AGENT_HOST_DRAIN_TIMEOUT_MS", default_value_t = millis(crate::worker::DRAIN_TIMEOUT_DEFAULT))]
     pub drain_timeout_ms: u64,
     /// How long content deltas merge before a journal flush.
-    #[arg(long, env = "AGENT_HOST_JOURNAL_FLUSH_MS", default_value_t = 250)]
+    #[arg(long, env = "AGENT_HOST_JOURNAL_FLUSH_MS", default_value_t = millis(crate::run::journal::FLUSH_DEFAULT))]
     pub journal_flush_ms: u64,
     /// How long a terminal run's events are kept (then the run's request snapshot is nulled too).
-    #[arg(long, env = "AGENT_HOST_EVENT_RETENTION_S", default_value_t = 86_400)]
+    #[arg(long, env = "AGENT_HOST_EVENT_RETENTION_S", default_value_t = crate::worker::RETENTION_DEFAULT.as_secs())]
     pub event_retention_s: u64,
     /// How often retention runs.
-    #[arg(long, env = "AGENT_HOST_RETENTION_INTERVAL_MS", default_value_t = 60_000)]
+    #[arg(long, env = "AGENT_HOST_RETENTION_INTERVAL_MS", default_value_t = millis(crate::worker::RETENTION_INTERVAL_DEFAULT))]
     pub retention_interval_ms: u64,
     /// How long a run may keep going after a stop before it is interrupted.
-    #[arg(long, env = "AGENT_HOST_CANCEL_GRACE_MS", default_value_t = 5_000)]
+    #[arg(long, env = "AGENT_HOST_CANCEL_GRACE_MS", default_value_t = millis(crate::worker::CANCEL_GRACE_DEFAULT))]
     pub cancel_grace_ms: u64,
     /// Attempts a resumable run gets (its plugin's manifest says
     /// `"durability": "resume"`): after this many lost workers or drains out
@@ -514,7 +514,7 @@ pub struct WorkerArgs {
     #[arg(long, env = "AGENT_HOST_WEBHOOK_POLL_MS", default_value_t = 1_000)]
     pub webhook_poll_ms: u64,
     /// How often this process fires due schedules.
-    #[arg(long, env = "AGENT_HOST_SCHEDULE_TICK_MS", default_value_t = 1_000)]
+    #[arg(long, env = "AGENT_HOST_SCHEDULE_TICK_MS", default_value_t = millis(crate::worker::SCHEDULE_TICK_DEFAULT))]
     pub schedule_tick_ms: u64,
     /// Schedules one tenant may have at most (its users together); past it
     /// a new one is refused (422).
@@ -568,7 +568,7 @@ pub struct WorkerArgs {
     pub tenant_max_streams: u32,
     /// Group commit of endings: how long a batch of terminal writes waits for
     /// more after its first (0: only endings already queued share a commit).
-    #[arg(long, env = "AGENT_HOST_FINISH_WINDOW_MS", default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=crate::worker::FINISH_WINDOW_MAX.as_millis() as u64))]
+    #[arg(long, env = "AGENT_HOST_FINISH_WINDOW_MS", default_value_t = millis(crate::worker::FINISH_WINDOW_DEFAULT), value_parser = clap::value_parser!(u64).range(0..=crate::worker::FINISH_WINDOW_MAX.as_millis() as u64))]
     pub finish_window_ms: u64,
     /// This process's name in claims (default: hostname-pid).
     #[arg(long, env = "AGENT_HOST_WORKER_ID")]
@@ -795,4 +795,10 @@ impl ToolArgs {
         non_zero(self.llm_timeout_ms, "--llm-timeout-ms", "AGENT_HOST_LLM_TIMEOUT_MS", why)?;
         non_zero(self.llm_idle_timeout_ms, "--llm-idle-timeout-ms", "AGENT_HOST_LLM_IDLE_TIMEOUT_MS", why)
     }
+}
+
+/// A default written once, as the worker's `Duration` constant, and shown
+/// by a flag in milliseconds.
+const fn millis(d: std::time::Duration) -> u64 {
+    d.as_millis() as u64
 }

@@ -11,6 +11,7 @@ mod run_task;
 mod schedules;
 mod settle;
 mod shares;
+mod suspensions;
 mod waker;
 mod webhooks;
 
@@ -529,6 +530,7 @@ impl Worker {
         let mut services = vec![
             tokio::spawn(heartbeat::run(shared.clone())),
             tokio::spawn(reaper::run(shared.clone())),
+            tokio::spawn(suspensions::run(shared.clone())),
             tokio::spawn(waker::run(shared.clone(), ended_rx)),
             tokio::spawn(finisher::run(shared.clone(), finisher_rx)),
             tokio::spawn(retention::run(shared.clone())),

@@ -17,17 +17,6 @@ pub(super) async fn run(shared: Arc<Shared>) {
         if let Err(e) = sweep(&shared.pool, &shared.config, &shared.stats).await {
             tracing::warn!(error = %e, "reap sweep failed");
         }
-        // The scheduler: waiting runs whose time came (approval timeouts,
-        // durable waits) go back to the queue. One query, no timer held.
-        match db::suspensions::wake_due(&shared.pool, REAP_BATCH_MAX).await {
-            Ok(woken) => {
-                shared.stats.woken.fetch_add(woken.len() as u64, Ordering::Relaxed);
-                for run in woken {
-                    tracing::info!(run_id = %run, "a waiting run's time came: back in the queue");
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "waking due suspensions failed"),
-        }
     })
     .await;
 }
