@@ -765,10 +765,6 @@ async fn next_turn_enqueued_during_the_terminal_write_still_starts_at_once() {
     w.drain().await;
 }
 
-fn tenant(name: &str) -> enqueue::Owner {
-    enqueue::Owner { user_id: format!("{name}-user"), tenant_id: name.into() }
-}
-
 async fn wait_all(pool: &sqlx::PgPool, ids: &[RunId], want: &str) {
     for id in ids {
         wait_status(pool, *id, want, Duration::from_secs(60)).await;

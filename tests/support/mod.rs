@@ -113,6 +113,11 @@ impl TestDb {
     }
 }
 
+/// A user of tenant `name` (`<name>-user`).
+pub fn tenant(name: &str) -> Owner {
+    Owner { user_id: format!("{name}-user"), tenant_id: name.into() }
+}
+
 pub fn owner() -> Owner {
     Owner { user_id: "alice".into(), tenant_id: "acme".into() }
 }

@@ -204,7 +204,7 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Er
 /// a hash), each claim scanned every run and every message again. A drain of
 /// 2,000 runs read about 500 rows per run that way, at 1.4 times the
 /// database's CPU per run; `a_claim_planned_on_empty_tables_reaches_rows_by_key_once_they_grow`
-/// (tests/throughput.rs).
+/// (tests/plans.rs).
 ///
 /// A connection, not a pool of one: a pool pings every connection given
 /// back to it (sqlx tests it on release), a round trip the next statement
