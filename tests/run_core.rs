@@ -957,11 +957,11 @@ async fn a_huge_answer_or_error_is_stored_cut_with_a_marker() {
         .fetch_one(pool)
         .await
         .unwrap();
-    assert!(stored.len() <= agent_host::run::text::ANSWER_BYTES_MAX, "{} bytes stored", stored.len());
-    assert!(stored.len() > agent_host::run::text::ANSWER_BYTES_MAX - 100);
+    assert!(stored.len() <= agent_host::text::ANSWER_BYTES_MAX, "{} bytes stored", stored.len());
+    assert!(stored.len() > agent_host::text::ANSWER_BYTES_MAX - 100);
     assert!(stored.ends_with(" bytes cut]"), "{}", &stored[stored.len() - 40..]);
     let e = run_error(pool, error.run_id).await;
-    assert!(e.len() <= agent_host::run::text::ERROR_BYTES_MAX, "{} bytes of error stored", e.len());
+    assert!(e.len() <= agent_host::text::ERROR_BYTES_MAX, "{} bytes of error stored", e.len());
     assert!(e.ends_with(" bytes cut]"), "{}", &e[e.len() - 40..]);
     let complete: serde_json::Value =
         sqlx::query_scalar("SELECT payload FROM run_event WHERE run_id = $1 AND type = 'complete'")

@@ -18,5 +18,6 @@ pub mod sandbox;
 pub mod server;
 pub mod service;
 pub mod stream;
+pub mod text;
 pub mod tools;
 pub mod worker;

@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 
 use crate::db::suspensions::{self, DecideError, Decision, PENDING_PAGE_MAX};
 use crate::db::{Reach, RunId};
-use crate::service::storable;
+use crate::text;
 
 use super::paging::PageQuery;
 use super::{ApiError, ApiJson, ApiQuery, AppState, Auth};
@@ -96,12 +96,12 @@ pub async fn decide(
             return Err(ApiError::invalid(format!("decision must be approve, reject or edit, not {other:?}")))
         }
     }
-    let unstorable = |e: storable::Unstorable| ApiError::invalid(e.to_string());
+    let unstorable = |e: text::Unstorable| ApiError::invalid(e.to_string());
     if let Some(args) = &body.args {
-        storable::json("args", args).map_err(unstorable)?;
+        text::refuse_json("args", args).map_err(unstorable)?;
     }
     if let Some(reason) = &body.reason {
-        storable::text("reason", reason).map_err(unstorable)?;
+        text::refuse_text("reason", reason).map_err(unstorable)?;
         if reason.chars().count() > REASON_CHARS_MAX {
             return Err(ApiError::invalid(format!("reason is at most {REASON_CHARS_MAX} characters")));
         }

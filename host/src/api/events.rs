@@ -93,7 +93,7 @@ async fn page(mut tail: TailStream, from: i32) -> Result<Json<Value>, ApiError> 
             Some(Item::Event(e)) => {
                 next_from = e.seq;
                 terminal = e.kind == COMPLETE;
-                bytes += crate::run::text::json_bytes(&e.payload);
+                bytes += crate::text::json_bytes(&e.payload);
                 frames.push(frame(&e));
             }
             Some(Item::End(ending)) => {

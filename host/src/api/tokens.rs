@@ -13,7 +13,7 @@ use serde_json::json;
 use crate::db::audit::Actor;
 use crate::db::tokens::{self, NewToken, Scope, TokenId};
 use crate::db::{runs, RunId};
-use crate::service::storable;
+use crate::text;
 
 use super::{Admin, ApiError, ApiJson, AppState, Auth, OrNotFound, PathId};
 
@@ -58,7 +58,7 @@ pub async fn create(
         return Err(ApiError::forbidden("an admin creates tokens of its own tenant only, and no operator tokens"));
     }
     for (field, v) in [("user_id", &b.user_id), ("tenant_id", &tenant)] {
-        storable::text(field, v).map_err(|e| ApiError::invalid(e.to_string()))?;
+        text::refuse_text(field, v).map_err(|e| ApiError::invalid(e.to_string()))?;
         if v.trim().is_empty() || v.chars().count() > ID_CHARS_MAX {
             return Err(ApiError::invalid(format!("{field} must be 1 to {ID_CHARS_MAX} characters")));
         }

@@ -356,7 +356,7 @@ impl RunHost {
     /// string `delta` is buffered and merged; anything else is written
     /// through. Counted against the plugin's `events_max`.
     pub async fn emit_event(&self, kind: &str, payload: Value) -> Result<(), HostError> {
-        self.check_payload_size("event payload", "exceeds", crate::run::text::json_bytes(&payload))?;
+        self.check_payload_size("event payload", "exceeds", crate::text::json_bytes(&payload))?;
         self.count_event()?;
         if !payload.is_object() {
             return Err(HostError::Invalid("event payload must be a JSON object".into()));
@@ -387,7 +387,7 @@ impl RunHost {
     /// (`function_call`, reserved: only the host writes it, once it has
     /// checked the call against the turn's client tools), in the agent's order.
     pub async fn journal_function_call(&self, payload: Value) -> Result<(), HostError> {
-        self.check_payload_size("function call", "exceeds", crate::run::text::json_bytes(&payload))?;
+        self.check_payload_size("function call", "exceeds", crate::text::json_bytes(&payload))?;
         self.count_event()?;
         self.ended()?;
         self.append(crate::db::events::FUNCTION_CALL, payload, true).await
@@ -397,7 +397,7 @@ impl RunHost {
     /// earlier attempt of a resumed run journaled is not written again; the
     /// readings an agent's event may depend on are recorded before it.
     async fn append(&self, kind: &str, payload: Value, by_agent: bool) -> Result<(), HostError> {
-        self.count_journal_bytes(kind.len() + crate::run::text::json_bytes(&payload))?;
+        self.count_journal_bytes(kind.len() + crate::text::json_bytes(&payload))?;
         let mut journal = self.inner.journal.lock().await;
         let journal = journal.as_mut().ok_or(HostError::Fenced)?;
         let op = {

@@ -38,7 +38,7 @@ use crate::db::events::CONTENT_DELTA;
 pub use crate::db::events::FIRST_RUN_SEQ;
 use crate::db::{self, ClaimToken, RunId};
 use crate::error::HostError;
-use crate::run::text;
+use crate::text;
 
 pub const FLUSH_DEFAULT: Duration = Duration::from_millis(250);
 /// How long flushes may keep failing before the writer gives up on the run.

@@ -25,13 +25,8 @@ pub struct Manifest {
     pub approval: std::collections::BTreeMap<String, Approval>,
 }
 
-/// Whether a tool's calls wait for approval.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Approval {
-    Always,
-    Never,
-}
+/// Whether a tool's calls wait for approval (the tools file says it too).
+pub use crate::tools::Approval;
 
 /// What happens to a run whose worker dies (or whose drain budget runs out).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]

@@ -13,4 +13,3 @@ pub mod host;
 pub mod journal;
 pub mod manifest;
 pub mod record;
-pub mod text;

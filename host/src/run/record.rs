@@ -368,8 +368,8 @@ impl Recording {
     /// Records a call's outcome, before the agent sees it.
     pub async fn complete(&self, position: i32, ops: i64, answer: &Result<String, HostError>) -> Result<(), HostError> {
         let (outcome, result) = match answer {
-            Ok(text) => ("ok", crate::run::text::storable(text).into_owned()),
-            Err(e) => (refusal_kind(e), crate::run::text::storable(&refusal_message(e)).into_owned()),
+            Ok(text) => ("ok", crate::text::storable(text).into_owned()),
+            Err(e) => (refusal_kind(e), crate::text::storable(&refusal_message(e)).into_owned()),
         };
         let (pool, run, token) = (&self.pool, self.run_id, self.token);
         self.retrying(|| calls::complete(pool, run, token, position, ops, outcome, &result)).await

@@ -8,6 +8,5 @@ pub mod plugins;
 pub mod quota;
 pub mod responses;
 pub mod schedules;
-pub mod storable;
 pub mod submit;
 pub mod tokens;

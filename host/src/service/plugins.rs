@@ -16,7 +16,7 @@ use crate::db::audit::Actor;
 use crate::db::plugins::{self, PluginRow};
 use crate::run::manifest::Manifest;
 
-use super::storable::{self, Unstorable};
+use crate::text::{self, Unstorable};
 
 /// Bytes of a component: 64 MiB. An interpreter travels inside its
 /// component: the Python `chat` example (componentize-py, CPython) is about
@@ -50,8 +50,8 @@ pub enum RegisterError {
 /// the manifest. [`register`] checks it too; a CLI calls it first to fail
 /// before opening a database.
 pub fn check(name: &str, manifest: &Value) -> Result<(), RegisterError> {
-    storable::text("name", name)?;
-    storable::json("manifest", manifest)?;
+    text::refuse_text("name", name)?;
+    text::refuse_json("manifest", manifest)?;
     if !plugins::valid_name(name) {
         return Err(RegisterError::InvalidName(name.to_string()));
     }

@@ -18,8 +18,8 @@ use crate::db::enqueue::Owner;
 use crate::db::schedules::{self, NewSchedule, Schedule};
 use crate::db::ConversationId;
 
-use super::storable;
 use super::submit::{self, Busy, LocalWorker, Policy, Submission, SubmitError, CONFIG_BYTES_MAX, CONTENT_CHARS_MAX};
+use crate::text;
 
 /// Schedules one pass fires at most (the next pass takes the rest).
 pub const FIRE_BATCH_MAX: i64 = 100;
@@ -94,14 +94,14 @@ pub async fn create(
     r: &ScheduleRequest,
 ) -> Result<Schedule, ScheduleError> {
     let invalid = ScheduleError::Invalid;
-    for (field, text) in [("content", &r.content), ("plugin", &r.plugin), ("cron", &r.cron)] {
-        storable::text(field, text).map_err(|e| invalid(e.to_string()))?;
+    for (field, value) in [("content", &r.content), ("plugin", &r.plugin), ("cron", &r.cron)] {
+        text::refuse_text(field, value).map_err(|e| invalid(e.to_string()))?;
     }
     if r.content.trim().is_empty() || r.content.chars().count() > CONTENT_CHARS_MAX {
         return Err(invalid(format!("content must be 1 to {CONTENT_CHARS_MAX} characters")));
     }
     let config = r.config.clone().unwrap_or_else(|| json!({}));
-    storable::json("config", &config).map_err(|e| invalid(e.to_string()))?;
+    text::refuse_json("config", &config).map_err(|e| invalid(e.to_string()))?;
     if !config.is_object() || config.to_string().len() > CONFIG_BYTES_MAX {
         return Err(invalid(format!("config must be a JSON object of at most {CONFIG_BYTES_MAX} bytes")));
     }

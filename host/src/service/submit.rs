@@ -22,7 +22,7 @@ use crate::db::lifecycle::{self, StrategyError};
 use crate::db::{ConversationId, RunId};
 
 use super::quota::{Limit, QuotaExceeded, Quotas, QUEUE_RETRY_AFTER_S};
-use super::storable::{self, Unstorable};
+use crate::text::{self, Unstorable};
 
 /// Characters of a user message.
 pub const CONTENT_CHARS_MAX: usize = 64 * 1024;
@@ -244,16 +244,16 @@ pub async fn submit_within(
     local: Option<&dyn LocalWorker>,
 ) -> Result<Submitted, SubmitError> {
     // Before anything reaches the database, text it cannot store.
-    storable::text("content", &s.content)?;
-    storable::text("plugin", &s.plugin)?;
+    text::refuse_text("content", &s.content)?;
+    text::refuse_text("plugin", &s.plugin)?;
     if let Some(config) = &s.config {
-        storable::json("config", config)?;
+        text::refuse_json("config", config)?;
     }
     if let Some(key) = &s.idempotency_key {
-        storable::text("idempotency key", key)?;
+        text::refuse_text("idempotency key", key)?;
     }
     if let Some(url) = &s.webhook {
-        storable::text("webhook", url)?;
+        text::refuse_text("webhook", url)?;
         if !policy.allows_webhook(url) {
             return Err(SubmitError::WebhookNotAllowed(url.clone()));
         }

@@ -102,7 +102,7 @@ pub struct WebhookConfig {
     /// `"always"`: every call waits for a person's approval, whatever the
     /// plugin's manifest says (`"never"`, the default: as the manifest says).
     #[serde(default)]
-    pub approval: Option<crate::run::manifest::Approval>,
+    pub approval: Option<Approval>,
     /// The tenants whose own plugins may use it (`["*"]`: every tenant);
     /// unset: as `--tenant-tools` says (none by default). Published plugins
     /// (the operator's) may use every tool.
@@ -502,4 +502,13 @@ secrets = ["weather_key"]
         let e = parse_tools_file_with(text, &|_| None).unwrap_err();
         assert!(e.contains("http rule #1") && e.contains("secret \"nope\" is not in [secrets]"), "{e}");
     }
+}
+
+/// Whether a tool's calls wait for a person's approval: a tools-file entry's
+/// `approval`, and a manifest's `approval` map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Approval {
+    Always,
+    Never,
 }

@@ -407,7 +407,7 @@ impl McpServer {
             }
             None => Value::String(text),
         };
-        let bytes = crate::run::text::json_bytes(&answer);
+        let bytes = crate::text::json_bytes(&answer);
         if bytes as u64 > self.config.max_response_bytes {
             return Err(self.failed(
                 &format!("tools/call {tool:?}"),

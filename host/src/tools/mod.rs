@@ -11,7 +11,6 @@ mod config;
 mod http;
 mod llm;
 mod mcp;
-mod offline;
 mod webhook;
 
 use std::collections::HashMap;
@@ -27,7 +26,7 @@ use crate::db::RunId;
 use crate::error::HostError;
 
 pub use checks::{Secrets, TenantScope};
-pub use config::{load_tools_file, parse_tools_file_with, LlmConfig, ToolsConfig, WebhookConfig};
+pub use config::{load_tools_file, parse_tools_file_with, Approval, LlmConfig, ToolsConfig, WebhookConfig};
 pub use http::HttpRule;
 pub use llm::{valid_tool_name, TOOL_NAME_BYTES_MAX};
 pub use mcp::{McpApproval, McpConfig};
@@ -171,7 +170,7 @@ impl ToolRegistry {
         let mut registry = ToolRegistry::default();
         let model: Arc<dyn Tool> = match &llm.base_url {
             Some(base_url) => Arc::new(llm::OpenAi::new(llm, base_url, http_client()?)),
-            None => Arc::new(offline::Offline::new(llm.timeout)),
+            None => Arc::new(llm::offline::Offline::new(llm.timeout)),
         };
         registry.insert(LLM_TOOL, model);
         registry.insert(WAIT_TOOL, Arc::new(Wait));

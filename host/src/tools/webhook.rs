@@ -33,7 +33,7 @@ impl Webhook {
             timeout: Duration::from_millis(config.timeout_ms),
             max_response_bytes: usize::try_from(config.max_response_bytes).unwrap_or(usize::MAX),
             idempotent: config.idempotent,
-            approval: config.approval == Some(crate::run::manifest::Approval::Always),
+            approval: config.approval == Some(super::config::Approval::Always),
             description: config.description.clone(),
         }
     }

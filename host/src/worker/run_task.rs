@@ -18,7 +18,7 @@ use crate::db::{self, lifecycle::ClaimedRun, lifecycle::Ending, RunStatus};
 use crate::run::host::RunHostParts;
 use crate::run::journal::{Journal, JournalConfig, FIRST_RUN_SEQ};
 use crate::run::record::{Recording, RecordingParts};
-use crate::run::text;
+use crate::text;
 
 use super::settle::{ended, settle, End, Race, Settled, Verdict};
 use super::{Held, Shared};

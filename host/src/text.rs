@@ -1,8 +1,10 @@
-//! One rule for text that comes from guests, tools and models on its way
-//! into the database: PostgreSQL stores neither U+0000 in `text` nor the
-//! `\u0000` escape in `jsonb`, so it is replaced with U+FFFD (and counted by
-//! the caller) instead of failing the write and with it the run. What comes
-//! from clients is refused at the API edge instead (422 naming the field).
+//! The one rule for text on its way into the database: PostgreSQL stores
+//! neither U+0000 in `text` nor the `\u0000` escape in `jsonb`. What comes
+//! from guests, tools and models has it replaced with U+FFFD (and counted by
+//! the caller) instead of failing the write and with it the run
+//! ([`storable`], [`storable_json`]); what comes from clients is refused at
+//! the edge, naming its field (422: [`refuse_text`], [`refuse_json`])
+//! instead of failing in the driver. Also the bounds on stored text.
 
 use std::borrow::Cow;
 
@@ -92,6 +94,41 @@ pub fn json_bytes(v: &Value) -> usize {
     c.0
 }
 
+/// A field holds U+0000.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{field} contains U+0000, which cannot be stored")]
+pub struct Unstorable {
+    pub field: &'static str,
+}
+
+/// `s` as a value of `field`.
+pub fn refuse_text(field: &'static str, s: &str) -> Result<(), Unstorable> {
+    match s.contains('\0') {
+        true => Err(Unstorable { field }),
+        false => Ok(()),
+    }
+}
+
+/// Every string in `v`, object keys included, as parts of `field`. Walks
+/// with its own stack: the depth of `v` costs no recursion.
+pub fn refuse_json(field: &'static str, v: &Value) -> Result<(), Unstorable> {
+    let mut stack = vec![v];
+    while let Some(v) = stack.pop() {
+        match v {
+            Value::String(s) => refuse_text(field, s)?,
+            Value::Array(items) => stack.extend(items),
+            Value::Object(map) => {
+                for (key, value) in map {
+                    refuse_text(field, key)?;
+                    stack.push(value);
+                }
+            }
+            Value::Null | Value::Bool(_) | Value::Number(_) => {}
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -119,5 +156,23 @@ mod tests {
         assert!(kept.chars().all(|ch| ch == 'é'));
         let said: usize = c.rsplit(" [… ").next().unwrap().trim_end_matches(" bytes cut]").parse().unwrap();
         assert_eq!(kept.len() + said, long.len());
+    }
+}
+
+#[cfg(test)]
+mod refusal_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn u0000_anywhere_in_json_is_found_and_named() {
+        assert_eq!(refuse_text("content", "a\0b"), Err(Unstorable { field: "content" }));
+        assert_eq!(refuse_text("content", "a\u{fffd}b"), Ok(()));
+        for v in [json!({ "k": "\u{0}" }), json!({ "\u{0}": 1 }), json!([1, [{ "a": { "b\u{0}c": null } }]])] {
+            assert_eq!(refuse_json("config", &v), Err(Unstorable { field: "config" }), "{v}");
+        }
+        assert_eq!(refuse_json("config", &json!({ "k": ["fine", 1, true, null, { "x": "y" }] })), Ok(()));
+        let e = Unstorable { field: "content" };
+        assert_eq!(e.to_string(), "content contains U+0000, which cannot be stored");
     }
 }

@@ -7,9 +7,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde_json::{json, Value};
 
-use super::llm::{parse_args, Answer, AnswerCall, LlmArgs, Role, Usage};
-use super::{EventSink, Tool, ToolCall};
+use super::{parse_args, Answer, AnswerCall, LlmArgs, Role, Usage};
 use crate::error::HostError;
+use crate::tools::{EventSink, Tool, ToolCall};
 
 /// The model name offline answers carry.
 const OFFLINE_MODEL: &str = "offline";
@@ -93,8 +93,8 @@ fn reply(args: &LlmArgs) -> Answer {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_support::{call, Collect};
-    use super::super::{LlmConfig, ToolRegistry, LLM_TOOL};
+    use crate::tools::test_support::{call, Collect};
+    use crate::tools::{LlmConfig, ToolRegistry, LLM_TOOL};
     use super::*;
 
     async fn ask(args: Value) -> (Result<Value, HostError>, Collect) {

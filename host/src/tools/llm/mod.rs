@@ -1,7 +1,13 @@
 //! The `llm` tool: a guest's chat request, checked, sent to an
 //! OpenAI-compatible chat-completions endpoint with streaming. Text is
 //! journaled as it arrives; tool-call requests go back to the guest, which
-//! runs them and asks again.
+//! runs them and asks again. The client is here; the stream's fold in
+//! `stream`; the offline model (no endpoint configured) in `offline`.
+
+pub(crate) mod offline;
+mod stream;
+
+use stream::Reply;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -360,152 +366,6 @@ impl Tool for OpenAi {
     /// A model call has no side effect: one whose outcome is unknown is asked again.
     fn idempotent(&self) -> bool {
         true
-    }
-}
-
-#[derive(Deserialize)]
-struct Chunk {
-    #[serde(default)]
-    model: Option<String>,
-    #[serde(default)]
-    choices: Option<Vec<Choice>>,
-    #[serde(default)]
-    usage: Option<Usage>,
-    #[serde(default)]
-    error: Option<Value>,
-}
-
-#[derive(Deserialize)]
-struct Choice {
-    #[serde(default)]
-    delta: Option<Delta>,
-    #[serde(default)]
-    finish_reason: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct Delta {
-    #[serde(default)]
-    content: Option<String>,
-    #[serde(default)]
-    tool_calls: Option<Vec<CallDelta>>,
-}
-
-#[derive(Deserialize)]
-struct CallDelta {
-    #[serde(default)]
-    index: Option<u64>,
-    #[serde(default)]
-    id: Option<String>,
-    #[serde(default)]
-    function: Option<FunctionDelta>,
-}
-
-#[derive(Deserialize)]
-struct FunctionDelta {
-    #[serde(default)]
-    name: Option<String>,
-    #[serde(default)]
-    arguments: Option<String>,
-}
-
-#[derive(Default)]
-struct CallSoFar {
-    id: String,
-    name: String,
-    arguments: String,
-}
-
-/// The reply as the stream has built it so far.
-#[derive(Default)]
-struct Reply {
-    content: String,
-    calls: BTreeMap<u64, CallSoFar>,
-    finish_reason: Option<String>,
-    usage: Option<Usage>,
-    model: Option<String>,
-    bytes: usize,
-    done: bool,
-}
-
-impl Reply {
-    /// Applies one event; returns its text, to be streamed.
-    fn apply(&mut self, data: &str) -> Result<Option<String>, HostError> {
-        if data.trim() == "[DONE]" {
-            self.done = true;
-            return Ok(None);
-        }
-        let chunk: Chunk = serde_json::from_str(data).map_err(|e| {
-            failed(format!("model stream sent a malformed chunk ({e}): {}", clip(data, CHUNK_SNIPPET_BYTES)))
-        })?;
-        if let Some(error) = chunk.error {
-            let message =
-                error.get("message").and_then(Value::as_str).map_or_else(|| error.to_string(), str::to_string);
-            return Err(failed(format!("model stream reported an error: {}", clip(&message, CHUNK_SNIPPET_BYTES))));
-        }
-        if chunk.model.is_some() {
-            self.model = chunk.model;
-        }
-        if chunk.usage.is_some() {
-            self.usage = chunk.usage;
-        }
-        let mut text = String::new();
-        for choice in chunk.choices.unwrap_or_default() {
-            if let Some(reason) = choice.finish_reason {
-                self.finish_reason = Some(reason);
-            }
-            let Some(delta) = choice.delta else { continue };
-            if let Some(piece) = delta.content {
-                text.push_str(&piece);
-            }
-            for (position, call) in delta.tool_calls.unwrap_or_default().into_iter().enumerate() {
-                let so_far = self.calls.entry(call.index.unwrap_or(position as u64)).or_default();
-                if let Some(id) = call.id.filter(|id| !id.is_empty()) {
-                    so_far.id = id;
-                }
-                let function = call.function.unwrap_or(FunctionDelta { name: None, arguments: None });
-                if let Some(name) = function.name.filter(|n| !n.is_empty()) {
-                    so_far.name = name;
-                }
-                if let Some(arguments) = function.arguments {
-                    self.bytes += arguments.len();
-                    so_far.arguments.push_str(&arguments);
-                }
-            }
-        }
-        self.bytes += text.len();
-        if self.bytes > REPLY_BYTES_MAX {
-            return Err(failed(format!("model reply exceeds {REPLY_BYTES_MAX} bytes")));
-        }
-        if text.is_empty() {
-            return Ok(None);
-        }
-        self.content.push_str(&text);
-        Ok(Some(text))
-    }
-
-    fn finish(self, configured_model: &str) -> Result<Answer, HostError> {
-        let mut tool_calls = Vec::with_capacity(self.calls.len());
-        for (index, call) in self.calls {
-            if call.name.is_empty() {
-                return Err(failed(format!("model asked for tool call #{index} without a name")));
-            }
-            let id = if call.id.is_empty() { format!("call_{index}") } else { call.id };
-            tool_calls.push(AnswerCall { id, name: call.name, arguments: call.arguments });
-        }
-        // Some servers say "stop" even when the reply is tool calls.
-        let finish_reason = match self.finish_reason.as_deref() {
-            None | Some("stop") if !tool_calls.is_empty() => "tool_calls".to_string(),
-            None => "stop".to_string(),
-            Some(reason) => reason.to_string(),
-        };
-        Ok(Answer {
-            content: self.content,
-            tool_calls,
-            finish_reason,
-            usage: self.usage,
-            model: self.model.unwrap_or_else(|| configured_model.to_string()),
-        })
     }
 }
 
