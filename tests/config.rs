@@ -6,7 +6,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use agent_host::config::{Cli, ConfigError};
+use agent_host::cli::args::{Cli, ConfigError};
 use agent_host::sandbox::INSTANCES_MAX;
 use clap::Parser;
 
@@ -242,7 +242,7 @@ fn completions_print_a_script_for_the_shell() {
 #[test]
 fn the_cli_reference_page_is_what_the_code_generates() {
     let page = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/src/reference/cli.md");
-    let generated = agent_host::cli_doc::cli_reference();
+    let generated = agent_host::cli::doc::cli_reference();
     if std::env::var_os("AGENT_HOST_BLESS").is_some() {
         std::fs::write(&page, &generated).unwrap();
     }

@@ -14,7 +14,8 @@ use sqlx::PgPool;
 
 pub use agent_host::agent::{Agent, AgentError, AgentRegistry, Components, HostError, RunHost, RunInput};
 pub use agent_host::api::{router, AppState};
-pub use agent_host::config::{DbArgs, ServeArgs};
+pub use agent_host::cli::args::{DbArgs, ServeArgs};
+pub use agent_host::cli::serve::{connect_and_migrate, open_database, serve};
 pub use agent_host::db::enqueue::Enqueued;
 pub use agent_host::db::events::{CONTENT_DELTA, ENQUEUE_SEQS, RUN_QUEUED, RUN_RESUMED, USER_MESSAGE_CREATED};
 pub use agent_host::db::lifecycle::ClaimedRun;
@@ -25,7 +26,6 @@ pub use agent_host::hub::Hub;
 pub use agent_host::run::journal::FLUSH_DEFAULT as JOURNAL_FLUSH_DEFAULT;
 pub use agent_host::run::manifest::TOOL_CALLS_CEILING;
 pub use agent_host::sandbox::{Manifest, Sandbox, INSTANCES_MAX};
-pub use agent_host::server::{connect_and_migrate, open_database, serve};
 pub use agent_host::service::quota::{QuotaConfig, Quotas, TENANT_MAX_STREAMS_DEFAULT, USER_MAX_STREAMS_DEFAULT};
 pub use agent_host::service::submit::{LocalWorker, Policy};
 pub use agent_host::stream::decode::SseDecoder;

@@ -6,16 +6,14 @@
 
 pub mod agent;
 pub mod api;
-pub mod cli_doc;
-pub mod client;
-pub mod config;
+pub mod cli;
+pub mod cluster;
 pub mod db;
 pub mod error;
 pub mod hub;
 pub mod metrics;
 pub mod run;
 pub mod sandbox;
-pub mod server;
 pub mod service;
 pub mod stream;
 pub mod text;

@@ -6,9 +6,10 @@
 use clap::{CommandFactory, Parser};
 use tracing_subscriber::EnvFilter;
 
-use agent_host::client;
-use agent_host::config::{Cli, Command, PluginsCommand};
-use agent_host::{db, server};
+use agent_host::cli::args::{Cli, Command, PluginsCommand};
+use agent_host::cli::client;
+use agent_host::cli::serve as server;
+use agent_host::db;
 
 /// Where the benchmark went when it left the host's binary.
 const BENCH_MOVED: &str = "the benchmark is no longer part of agent-host: it is its own binary, \

@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use agent_host::agent::AgentRegistry;
-use agent_host::db::cluster::{Cluster, ClusterOptions};
+use agent_host::cluster::{Cluster, ClusterOptions};
 use agent_host::db::enqueue::{self, Enqueued, NewRun, Owner};
 use agent_host::db::{self, lifecycle, ConversationId, RunId};
 use agent_host::hub::Hub;

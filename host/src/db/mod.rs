@@ -31,7 +31,6 @@ pub mod artifacts;
 pub mod audit;
 pub mod calls;
 pub mod claimed;
-pub mod cluster;
 pub mod conversations;
 pub mod enqueue;
 pub mod events;

@@ -93,9 +93,9 @@ fn reply(args: &LlmArgs) -> Answer {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::tools::test_support::{call, Collect};
     use crate::tools::{LlmConfig, ToolRegistry, LLM_TOOL};
-    use super::*;
 
     async fn ask(args: Value) -> (Result<Value, HostError>, Collect) {
         let config = LlmConfig {

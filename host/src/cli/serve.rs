@@ -10,8 +10,9 @@ use sqlx::PgPool;
 
 use crate::agent::AgentRegistry;
 use crate::api::{self, AppState};
-use crate::config::{DbArgs, ServeArgs};
-use crate::db::{self, cluster::Cluster, cluster::ClusterOptions};
+use crate::cli::args::{DbArgs, ServeArgs};
+use crate::cluster::{self, Cluster, ClusterOptions};
+use crate::db;
 use crate::hub::Hub;
 use crate::worker::Worker;
 
@@ -34,13 +35,10 @@ pub async fn open_database(args: &DbArgs) -> anyhow::Result<Database> {
             let mut cluster = tokio::task::spawn_blocking(move || Cluster::start(&opts))
                 .await?
                 .context("starting the private PostgreSQL cluster")?;
-            cluster
-                .ensure_database(db::cluster::DATABASE)
-                .await
-                .context("creating the database in the private cluster")?;
+            cluster.ensure_database(cluster::DATABASE).await.context("creating the database in the private cluster")?;
             // Not the URL: it holds the password.
             tracing::info!(port = cluster.port(), "private PostgreSQL cluster running on 127.0.0.1");
-            (cluster.url(db::cluster::DATABASE), Some(cluster))
+            (cluster.url(cluster::DATABASE), Some(cluster))
         }
     };
     let listen_url = args.listen_database_url.clone().unwrap_or_else(|| url.clone());
@@ -377,8 +375,8 @@ pub async fn plugins_list(db_args: &DbArgs, tenant: Option<&str>) -> anyhow::Res
 /// `tokens create | list | revoke`: the operator's command line, audited
 /// as `cli`. A list never prints a secret; only `create` prints one, once.
 /// `tenants`: the operator's settings per tenant, audited.
-pub async fn tenants(db_args: &DbArgs, command: crate::config::TenantsCommand) -> anyhow::Result<()> {
-    use crate::config::TenantsCommand;
+pub async fn tenants(db_args: &DbArgs, command: crate::cli::args::TenantsCommand) -> anyhow::Result<()> {
+    use crate::cli::args::TenantsCommand;
     with_pool(db_args, |pool| async move {
         match command {
             TenantsCommand::Share { tenant, pct, clear: _ } => {
@@ -425,8 +423,8 @@ pub async fn tenants(db_args: &DbArgs, command: crate::config::TenantsCommand) -
     .await
 }
 
-pub async fn tokens(db_args: &DbArgs, command: crate::config::TokensCommand) -> anyhow::Result<()> {
-    use crate::config::TokensCommand;
+pub async fn tokens(db_args: &DbArgs, command: crate::cli::args::TokensCommand) -> anyhow::Result<()> {
+    use crate::cli::args::TokensCommand;
     with_pool(db_args, |pool| async move {
         let actor = db::audit::Actor::cli();
         match command {

@@ -9,11 +9,11 @@ use clap::CommandFactory;
 
 /// The page, in Markdown.
 pub fn cli_reference() -> String {
-    let mut cmd = crate::config::Cli::command();
+    let mut cmd = crate::cli::args::Cli::command();
     cmd.build();
     let mut out = String::from(
         "# Command line\n\n\
-         <!-- Generated from the clap definitions (host/src/config.rs) by host/src/cli_doc.rs; \
+         <!-- Generated from the clap definitions (host/src/cli/args.rs) by host/src/cli/doc.rs; \
          do not edit: run the tests with AGENT_HOST_BLESS=1 to write it again. -->\n\n\
          Every flag may also come from its environment variable; durations are in milliseconds \
          unless the name says otherwise.\n",

@@ -13,7 +13,7 @@ use anyhow::{bail, Context};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-use crate::config::{ApiArgs, ApprovalsCommand, ConversationsCommand, RunsCommand, SchedulesCommand};
+use crate::cli::args::{ApiArgs, ApprovalsCommand, ConversationsCommand, RunsCommand, SchedulesCommand};
 use crate::db::events;
 use crate::stream::decode::SseDecoder;
 
