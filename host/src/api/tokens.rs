@@ -64,7 +64,7 @@ pub async fn create(
         }
     }
     if let Some(s) = b.expires_in_s {
-        if !(1..=crate::cli::args::EXPIRES_IN_MAX_S).contains(&s) {
+        if !(1..=crate::service::tokens::EXPIRES_IN_MAX_S).contains(&s) {
             return Err(ApiError::invalid("expires_in_s must be between 1 and 315360000 (ten years)"));
         }
     }

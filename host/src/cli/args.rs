@@ -342,8 +342,7 @@ fn parse_ceiling(raw: &str) -> Result<(String, u64), String> {
     Ok((name.to_string(), value))
 }
 
-/// Longest `--expires-in`: ten years.
-pub const EXPIRES_IN_MAX_S: i64 = 10 * 365 * 86_400;
+pub use crate::service::tokens::EXPIRES_IN_MAX_S;
 
 /// `90s`, `15m`, `12h`, `30d` (or plain seconds) as seconds, 1 s to 10 years.
 pub fn parse_duration_s(raw: &str) -> Result<i64, String> {

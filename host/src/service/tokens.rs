@@ -8,6 +8,9 @@ use uuid::Uuid;
 use crate::db::audit::{self, action, Actor};
 use crate::db::tokens::{self, CreateError, NewToken, Scope, TokenInfo};
 
+/// Longest `--expires-in`: ten years.
+pub const EXPIRES_IN_MAX_S: i64 = 10 * 365 * 86_400;
+
 /// Creates a token; its row and its secret (shown this once).
 /// Refused ([`CreateError::OtherTenant`]) for a user id of another tenant.
 pub async fn create(pool: &PgPool, actor: &Actor, new: &NewToken<'_>) -> Result<(TokenInfo, String), CreateError> {
