@@ -243,7 +243,19 @@ pub async fn submit_within(
     rate_wait_max: std::time::Duration,
     local: Option<&dyn LocalWorker>,
 ) -> Result<Submitted, SubmitError> {
-    // Before anything reaches the database, text it cannot store.
+    let config = validate(policy, s)?;
+    let registered = pin(pool, agents, s).await?;
+    // What a replay is compared with.
+    let request = json!({ "content": s.content, "plugin": s.plugin, "conversation_id": s.conversation_id, "config": config,
+                "webhook": s.webhook, "multitask_strategy": s.strategy });
+    let pinned = Pinned { registered: registered.map(|p| (p.digest, p.manifest)), config, request };
+    enqueue(pool, policy, s, pinned, rate_wait_max, local).await
+}
+
+/// A submission's checks, before anything reaches the database: text it
+/// cannot store, the webhook allow-list, the content, the config and the
+/// idempotency key. Returns the config (`{}` when none was given).
+fn validate(policy: &Policy, s: &Submission) -> Result<Value, SubmitError> {
     text::refuse_text("content", &s.content)?;
     text::refuse_text("plugin", &s.plugin)?;
     if let Some(config) = &s.config {
@@ -251,6 +263,9 @@ pub async fn submit_within(
     }
     if let Some(key) = &s.idempotency_key {
         text::refuse_text("idempotency key", key)?;
+        if !valid_idempotency_key(key) {
+            return Err(SubmitError::BadIdempotencyKey);
+        }
     }
     if let Some(url) = &s.webhook {
         text::refuse_text("webhook", url)?;
@@ -265,10 +280,26 @@ pub async fn submit_within(
     if chars > CONTENT_CHARS_MAX {
         return Err(SubmitError::ContentTooLong(chars));
     }
-    // A registered plugin, pinned now to the digest (and manifest) its name
-    // points at, so re-pointing the name later changes nothing for this run;
-    // the tenant's own first, then a published one (another tenant's is not
-    // there); else a built-in agent of that name.
+    let config = s.config.clone().unwrap_or_else(|| json!({}));
+    if !config.is_object() {
+        return Err(SubmitError::ConfigNotObject);
+    }
+    let config_bytes = config.to_string().len();
+    if config_bytes > CONFIG_BYTES_MAX {
+        return Err(SubmitError::ConfigTooLarge(config_bytes));
+    }
+    Ok(config)
+}
+
+/// A registered plugin, pinned now to the digest (and manifest) its name
+/// points at, so re-pointing the name later changes nothing for this run;
+/// the tenant's own first, then a published one (another tenant's is not
+/// there); `None` for a built-in agent of that name; refused when neither.
+async fn pin(
+    pool: &PgPool,
+    agents: &AgentRegistry,
+    s: &Submission,
+) -> Result<Option<crate::db::plugins::PluginRow>, SubmitError> {
     let tenant = &s.owner.tenant_id;
     let registered = match agents.sandbox() {
         Some(_) => crate::db::plugins::resolve(pool, tenant, &s.plugin).await?,
@@ -282,56 +313,62 @@ pub async fn submit_within(
         available.dedup();
         return Err(SubmitError::UnknownPlugin { plugin: s.plugin.clone(), available });
     }
-    let config = s.config.clone().unwrap_or_else(|| json!({}));
-    if !config.is_object() {
-        return Err(SubmitError::ConfigNotObject);
-    }
-    let config_bytes = config.to_string().len();
-    if config_bytes > CONFIG_BYTES_MAX {
-        return Err(SubmitError::ConfigTooLarge(config_bytes));
-    }
-    let key = s.idempotency_key.as_deref();
-    if key.is_some_and(|k| !valid_idempotency_key(k)) {
-        return Err(SubmitError::BadIdempotencyKey);
-    }
-    // What a replay is compared with.
-    let request = json!({ "content": s.content, "plugin": s.plugin, "conversation_id": s.conversation_id, "config": config,
-                "webhook": s.webhook, "multitask_strategy": s.strategy });
-    let new = NewRun {
-        plugin_digest: registered.as_ref().map(|p| p.digest.as_str()),
-        plugin_manifest: registered.as_ref().map(|p| &p.manifest),
-        ..new_run(s, &config, &request)
-    };
-    // A replay is answered as its first request was, before the tenant's
-    // rate (it starts nothing, so takes no token); a concurrent first use
-    // of the key is caught by the enqueue below.
-    if let Some(key) = key {
-        if let Some((first, first_request)) = runs::find_by_idempotency_key(pool, &s.owner.user_id, key).await? {
-            if first_request.is_some_and(|r| r != request) {
-                return Err(SubmitError::IdempotencyKeyReused { key: key.to_string(), run: first.run_id });
-            }
-            return Ok(Submitted::Replayed(first));
+    Ok(registered)
+}
+
+/// A validated submission with its plugin pinned: what the enqueue writes.
+#[derive(Clone)]
+struct Pinned {
+    /// The digest and manifest of a registered plugin (none: a built-in).
+    registered: Option<(String, Value)>,
+    config: Value,
+    /// The request snapshot a replay is compared with.
+    request: Value,
+}
+
+impl Pinned {
+    fn new_run<'a>(&'a self, s: &'a Submission) -> NewRun<'a> {
+        NewRun {
+            plugin_digest: self.registered.as_ref().map(|(digest, _)| digest.as_str()),
+            plugin_manifest: self.registered.as_ref().map(|(_, manifest)| manifest),
+            ..new_run(s, &self.config, &self.request)
         }
     }
+}
+
+/// The one door of a submission into the queue: created (queued, or started
+/// in its enqueue by this process's worker when it has a free slot),
+/// replayed (the key's first run, for the same request) or refused (the key
+/// used for another request, the tenant's rate or queue quota, a busy
+/// conversation).
+async fn enqueue(
+    pool: &PgPool,
+    policy: &Policy,
+    s: &Submission,
+    pinned: Pinned,
+    rate_wait_max: std::time::Duration,
+    local: Option<&dyn LocalWorker>,
+) -> Result<Submitted, SubmitError> {
+    // A replay is answered as its first request was, before the tenant's
+    // rate (it starts nothing, so takes no token); a concurrent first use
+    // of the key is caught by the enqueue's unique index below.
+    if let Some(replayed) = replay(pool, s, &pinned.request).await? {
+        return Ok(replayed);
+    }
+    let tenant = &s.owner.tenant_id;
     // The tenant's rate: a burst waits for its tokens, up to a bound.
     policy.quotas.enqueue_token_within(tenant, rate_wait_max).await?;
     let max_queued = policy.quotas.config.tenant_max_queued;
     let enqueued = match local.and_then(|w| w.start_slot(tenant)) {
-        None => lifecycle::enqueue_with(pool, &new, s.strategy, max_queued, None).await.map(|(e, _)| e),
+        None => lifecycle::enqueue_with(pool, &pinned.new_run(s), s.strategy, max_queued, None).await.map(|(e, _)| e),
         Some(slot) => {
             // In a task of its own, which owns what it needs: a run that
             // started in the enqueue reaches this worker's run task even if
             // the caller stops waiting (a client that hung up mid-request),
             // instead of being left to the reaper.
-            let (pool, s) = (pool.clone(), s.clone());
-            let registered = registered.as_ref().map(|p| (p.digest.clone(), p.manifest.clone()));
-            let (config, request) = (config.clone(), request.clone());
+            let (pool, s, pinned) = (pool.clone(), s.clone(), pinned.clone());
             let task = tokio::spawn(async move {
-                let new = NewRun {
-                    plugin_digest: registered.as_ref().map(|(digest, _)| digest.as_str()),
-                    plugin_manifest: registered.as_ref().map(|(_, manifest)| manifest),
-                    ..new_run(&s, &config, &request)
-                };
+                let new = pinned.new_run(&s);
                 let (enqueued, started) =
                     lifecycle::enqueue_with(&pool, &new, s.strategy, max_queued, Some(&slot.claim())).await?;
                 if let Some(run) = started {
@@ -355,8 +392,29 @@ pub async fn submit_within(
         Err(StrategyError::Busy(run)) => {
             Err(SubmitError::Busy { conversation: s.conversation_id.expect("busy needs a conversation"), run })
         }
-        Err(StrategyError::Enqueue(e)) => enqueue_failed(pool, s, key, &request, e).await,
+        // The key was used by a concurrent first request that won: answer
+        // like it if this is the same request, else refuse.
+        Err(StrategyError::Enqueue(e)) if runs::is_idempotency_conflict(&e) => {
+            replay(pool, s, &pinned.request).await?.ok_or(SubmitError::IdempotencyKeyInUse)
+        }
+        Err(StrategyError::Enqueue(EnqueueError::ConversationNotFound(id))) => {
+            Err(SubmitError::ConversationNotFound(id))
+        }
+        Err(StrategyError::Enqueue(EnqueueError::Db(e))) => Err(e.into()),
     }
+}
+
+/// The run the submission's idempotency key started before, if any: the
+/// same request is answered with it, another is refused.
+async fn replay(pool: &PgPool, s: &Submission, request: &Value) -> Result<Option<Submitted>, SubmitError> {
+    let Some(key) = s.idempotency_key.as_deref() else { return Ok(None) };
+    let Some((first, first_request)) = runs::find_by_idempotency_key(pool, &s.owner.user_id, key).await? else {
+        return Ok(None);
+    };
+    if first_request.is_some_and(|r| &r != request) {
+        return Err(SubmitError::IdempotencyKeyReused { key: key.to_string(), run: first.run_id });
+    }
+    Ok(Some(Submitted::Replayed(first)))
 }
 
 /// The run `s` asks for, with its config and request snapshot, its plugin
@@ -404,32 +462,6 @@ pub enum RetryRefused {
     Quota(#[from] QuotaExceeded),
     #[error(transparent)]
     Retry(lifecycle::RetryError),
-}
-
-/// An enqueue that failed: the idempotency replay, or the refusal.
-async fn enqueue_failed(
-    pool: &PgPool,
-    s: &Submission,
-    key: Option<&str>,
-    request: &Value,
-    e: EnqueueError,
-) -> Result<Submitted, SubmitError> {
-    match e {
-        // The key was used before (or by a concurrent retry that won): answer
-        // like the first request if this is the same request, else refuse.
-        e if runs::is_idempotency_conflict(&e) => {
-            let key = key.unwrap_or_default();
-            let Some((first, first_request)) = runs::find_by_idempotency_key(pool, &s.owner.user_id, key).await? else {
-                return Err(SubmitError::IdempotencyKeyInUse);
-            };
-            if first_request.is_some_and(|r| &r != request) {
-                return Err(SubmitError::IdempotencyKeyReused { key: key.to_string(), run: first.run_id });
-            }
-            Ok(Submitted::Replayed(first))
-        }
-        EnqueueError::ConversationNotFound(id) => Err(SubmitError::ConversationNotFound(id)),
-        EnqueueError::Db(e) => Err(e.into()),
-    }
 }
 
 /// 1 to [`IDEMPOTENCY_KEY_BYTES_MAX`] bytes of visible ASCII (what an HTTP
