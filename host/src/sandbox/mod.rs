@@ -526,45 +526,55 @@ pub struct WasmAgent {
 }
 
 impl WasmAgent {
+    /// A fresh store for one guest: nothing granted (no preopens, no
+    /// environment, no network), its memories limited, its CPU counted in
+    /// epoch ticks (interrupted past `cpu_ticks_max`, yielding every tick).
+    fn store(
+        &self,
+        host: &RunHost,
+        stdout: &output::CappedOutput,
+        stderr: &output::CappedOutput,
+        cpu_ticks_max: u64,
+    ) -> Store<Guest> {
+        let limits = &self.limits;
+        let mut wasi = WasiCtx::builder();
+        wasi.stdout(stdout.clone()).stderr(stderr.clone());
+        // One call's random bytes are an allocation of the host's.
+        wasi.max_random_size(RANDOM_BYTES_MAX);
+        // A resumable run's clocks and random numbers replay on resume.
+        clocks::install(&mut wasi, host);
+        let guest = Guest {
+            wasi: wasi.build(),
+            table: resource_table(),
+            limiter: MemoryLimiter::new(limits.memory_bytes as usize),
+            host: host.clone(),
+            cpu_ticks: 0,
+            cpu_exceeded: false,
+        };
+        let mut store = Store::new(&self.engine, guest);
+        store.limiter(|g| &mut g.limiter);
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |mut ctx| {
+            let g = ctx.data_mut();
+            g.cpu_ticks += 1;
+            if g.cpu_ticks > cpu_ticks_max {
+                g.cpu_exceeded = true;
+                return Ok(UpdateDeadline::Interrupt);
+            }
+            // Yield to the host every tick: the run's future can then be
+            // dropped (claim lost, drain) and other runs get the thread.
+            Ok(UpdateDeadline::Yield(1))
+        });
+        store
+    }
+
     /// Runs one turn of the prepared component under `limits`.
     async fn execute(&self, host: &RunHost, input: RunInput) -> Result<String, AgentError> {
         let (pre, limits) = (&self.pre, &self.limits);
         let stdout = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
         let stderr = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
-        let cpu_ms = limits.cpu_ms;
-        let cpu_ticks_max = cpu_ms.div_ceil(EPOCH_TICK.as_millis() as u64).max(1);
-        let new_store = || {
-            // Nothing is granted: no preopens, no environment, no network.
-            let mut wasi = WasiCtx::builder();
-            wasi.stdout(stdout.clone()).stderr(stderr.clone());
-            // One call's random bytes are an allocation of the host's.
-            wasi.max_random_size(RANDOM_BYTES_MAX);
-            // A resumable run's clocks and random numbers replay on resume.
-            clocks::install(&mut wasi, host);
-            let guest = Guest {
-                wasi: wasi.build(),
-                table: resource_table(),
-                limiter: MemoryLimiter::new(limits.memory_bytes as usize),
-                host: host.clone(),
-                cpu_ticks: 0,
-                cpu_exceeded: false,
-            };
-            let mut store = Store::new(&self.engine, guest);
-            store.limiter(|g| &mut g.limiter);
-            store.set_epoch_deadline(1);
-            store.epoch_deadline_callback(move |mut ctx| {
-                let g = ctx.data_mut();
-                g.cpu_ticks += 1;
-                if g.cpu_ticks > cpu_ticks_max {
-                    g.cpu_exceeded = true;
-                    return Ok(UpdateDeadline::Interrupt);
-                }
-                // Yield to the host every tick: the run's future can then be
-                // dropped (claim lost, drain) and other runs get the thread.
-                Ok(UpdateDeadline::Yield(1))
-            });
-            store
-        };
+        let cpu_ticks_max = limits.cpu_ms.div_ceil(EPOCH_TICK.as_millis() as u64).max(1);
+        let new_store = || self.store(host, &stdout, &stderr, cpu_ticks_max);
         let mut store = new_store();
         let pool_waits = &self.pool_waits.pool_waits;
         // An exhausted pooling allocator (every slot of some kind in use by
@@ -635,31 +645,7 @@ impl WasmAgent {
         let run_id = input.run_id;
         log_output(run_id, "stdout", &stdout);
         log_output(run_id, "stderr", &stderr);
-        let data = store.data();
-        let limit = |what: String| AgentError::failed(FailReason::Limit, what);
-        // What the guest did, as the sandbox saw it: a limit it hit here
-        // wins over whatever it did next. The host's own verdict (a limit
-        // of its calls, a divergence) is weighed once, by the run task's
-        // `settle`.
-        let hit = data.cpu_exceeded.then(|| limit(format!("cpu time budget of {cpu_ms} ms exceeded")));
-        let result = match outcome {
-            Err(_) => Err(limit(format!("wall time of {} ms exceeded", limits.wall_ms))),
-            Ok(Err(trap)) => Err(match (hit, data.limiter.denied) {
-                (Some(f), _) => f,
-                (None, true) => limit(format!("memory of {} bytes exceeded", limits.memory_bytes)),
-                (None, false) => AgentError::failed(FailReason::Trap, trap.root_cause().to_string()),
-            }),
-            Ok(Ok(answer)) => match (hit, answer) {
-                (Some(f), _) => Err(f),
-                (None, Ok(answer)) => Ok(answer),
-                // A runtime that turns a refused growth into its own error
-                // (Python's MemoryError, a JS RangeError) hit the limit all the same.
-                (None, Err(_)) if data.limiter.denied => {
-                    Err(limit(format!("memory of {} bytes exceeded", limits.memory_bytes)))
-                }
-                (None, Err(message)) => Err(AgentError::failed(FailReason::Plugin, message)),
-            },
-        };
+        let result = guest_verdict(outcome, store.data(), limits);
         drop(store);
         let (text, calls) = result?;
         // A run the host failed ends with that failure: its client calls
@@ -667,15 +653,53 @@ impl WasmAgent {
         if let Some(failure) = host.failure() {
             return Err(failure);
         }
-        check_client_calls(&calls, &names).map_err(|m| AgentError::failed(FailReason::Plugin, m))?;
-        // The calls of client functions the turn ends with, journaled in
-        // order (the Responses API shows them as `function_call` items).
-        for call in calls {
-            let payload =
-                serde_json::json!({ "call_id": call.call_id, "name": call.name, "arguments": call.arguments });
-            host.journal_function_call(payload).await?;
-        }
+        journal_client_calls(host, calls, &names).await?;
         Ok(text)
+    }
+}
+
+/// The calls of client functions a turn ends with, checked, then journaled
+/// in order (the Responses API shows them as `function_call` items).
+async fn journal_client_calls(
+    host: &RunHost,
+    calls: Vec<wit_types_v2::ClientCall>,
+    names: &[String],
+) -> Result<(), AgentError> {
+    check_client_calls(&calls, names).map_err(|m| AgentError::failed(FailReason::Plugin, m))?;
+    for call in calls {
+        let payload = serde_json::json!({ "call_id": call.call_id, "name": call.name, "arguments": call.arguments });
+        host.journal_function_call(payload).await?;
+    }
+    Ok(())
+}
+
+/// What a guest's turn came to, as the sandbox saw it: a limit it hit here
+/// (CPU first, then memory) wins over whatever it did next; a trap or its
+/// own error fails the run. The host's own verdict (a limit of its calls, a
+/// divergence) is weighed once, by the run task's `settle`.
+fn guest_verdict<T>(
+    outcome: Result<Result<Result<T, String>, wasmtime::Error>, tokio::time::error::Elapsed>,
+    data: &Guest,
+    limits: &Limits,
+) -> Result<T, AgentError> {
+    let limit = |what: String| AgentError::failed(FailReason::Limit, what);
+    let memory = || limit(format!("memory of {} bytes exceeded", limits.memory_bytes));
+    let hit = data.cpu_exceeded.then(|| limit(format!("cpu time budget of {} ms exceeded", limits.cpu_ms)));
+    match outcome {
+        Err(_) => Err(limit(format!("wall time of {} ms exceeded", limits.wall_ms))),
+        Ok(Err(trap)) => Err(match (hit, data.limiter.denied) {
+            (Some(f), _) => f,
+            (None, true) => memory(),
+            (None, false) => AgentError::failed(FailReason::Trap, trap.root_cause().to_string()),
+        }),
+        Ok(Ok(answer)) => match (hit, answer) {
+            (Some(f), _) => Err(f),
+            (None, Ok(answer)) => Ok(answer),
+            // A runtime that turns a refused growth into its own error
+            // (Python's MemoryError, a JS RangeError) hit the limit all the same.
+            (None, Err(_)) if data.limiter.denied => Err(memory()),
+            (None, Err(message)) => Err(AgentError::failed(FailReason::Plugin, message)),
+        },
     }
 }
 
