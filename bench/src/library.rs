@@ -245,7 +245,7 @@ pub async fn run_guest(
 /// The probe's input for one guest turn: the claimed run's, with other
 /// content and config.
 pub fn guest_input(run: &RunInput, content: &str, config: Value) -> RunInput {
-    RunInput { content: content.to_string(), config, ..run.clone() }
+    RunInput { content: content.to_string(), config: agent_host::run::config::RunConfig::parse(config), ..run.clone() }
 }
 
 /// An agent's failure, for the benchmark's own probes.

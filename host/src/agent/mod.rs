@@ -13,7 +13,6 @@ pub mod registry;
 
 use async_trait::async_trait;
 use serde::Serialize;
-use serde_json::Value;
 
 use crate::db::{ConversationId, RunId};
 pub use crate::error::{AgentError, FailReason, HostError};
@@ -36,8 +35,9 @@ pub struct RunInput {
     pub conversation_id: ConversationId,
     /// The user's message this turn answers.
     pub content: String,
-    /// The run's config, a JSON object.
-    pub config: Value,
+    /// The run's config, a JSON object (parsed once: the host's own keys
+    /// typed, the whole object the agent's).
+    pub config: crate::run::config::RunConfig,
     /// The conversation before this turn, oldest first (complete and partial
     /// messages, the most recent [`registry::HISTORY_MESSAGES_MAX`]).
     pub history: Vec<Message>,

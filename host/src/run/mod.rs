@@ -9,6 +9,7 @@
 
 /// Refusals and failure reasons: a leaf of the crate, re-exported here.
 pub use crate::error;
+pub mod config;
 pub mod host;
 pub mod journal;
 pub mod manifest;

@@ -54,6 +54,7 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 use crate::agent::registry::{CompileStats, Compiled, Components, InvalidComponent};
 use crate::agent::{Agent, AgentError, FailReason, RunHost, RunInput};
 use crate::db;
+use crate::run::config::RunConfig;
 pub use crate::run::manifest::{self as manifest, Limits, Manifest};
 pub use engine::{EPOCH_TICK, INSTANCES_MAX};
 
@@ -87,23 +88,11 @@ enum Pre {
     V2(AgentPreV2<Guest>),
 }
 
-/// Client functions a turn's config names (`client_tools`, described in
-/// `tools`), as the 0.2.0 world gives them.
-fn client_tools(config: &serde_json::Value) -> Vec<wit_types_v2::ClientTool> {
-    let names = config.get("client_tools").and_then(|c| c.as_array()).cloned().unwrap_or_default();
-    let tools = config.get("tools").and_then(|t| t.as_array()).cloned().unwrap_or_default();
-    names
-        .iter()
-        .filter_map(|n| n.as_str())
-        .map(|name| {
-            let tool = tools.iter().find(|t| t.get("name").and_then(|n| n.as_str()) == Some(name));
-            let field = |k: &str| tool.and_then(|t| t.get(k));
-            wit_types_v2::ClientTool {
-                name: name.to_string(),
-                description: field("description").and_then(|d| d.as_str()).map(str::to_string),
-                parameters: field("parameters").map_or_else(|| "{}".to_string(), |p| p.to_string()),
-            }
-        })
+/// A turn's client functions, as the 0.2.0 world gives them.
+fn client_tools(config: &RunConfig) -> Vec<wit_types_v2::ClientTool> {
+    let tools = config.client_tools.iter().cloned();
+    tools
+        .map(|t| wit_types_v2::ClientTool { name: t.name, description: t.description, parameters: t.parameters })
         .collect()
 }
 

@@ -34,6 +34,7 @@ use crate::agent::AgentRegistry;
 use crate::db::enqueue::Owner;
 use crate::db::responses::{self as rows, ResponseRow};
 use crate::db::ConversationId;
+use crate::run::config::RunConfig;
 use crate::stream::responses::{function_calls, parse_response_id, view, REQUEST_KEY};
 use crate::stream::tail::{TailError, Tails};
 use crate::tools::{valid_tool_name, TOOL_NAME_BYTES_MAX};
@@ -191,14 +192,7 @@ pub async fn create(
     }
     if !offered.is_empty() {
         // Beside any tools the plugin's own config (extra_body) offers.
-        let mut all = match config.get("tools") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(t)) => t.clone(),
-            Some(_) => return Err(invalid("config", "config.tools must be a list")),
-        };
-        all.extend(offered);
-        config.insert("tools".into(), json!(all));
-        config.insert("client_tools".into(), json!(client_tools));
+        RunConfig::offer_client_tools(&mut config, offered, client_tools).map_err(|m| invalid("config", m))?;
     }
     // One user message is the turn's content itself; anything more goes as messages.
     let single_user = turn.messages.len() == 1 && turn.messages[0]["role"] == "user";

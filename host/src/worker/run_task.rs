@@ -15,6 +15,7 @@ use tracing::Instrument;
 use crate::agent::registry::HISTORY_MESSAGES_MAX;
 use crate::agent::{Agent, AgentError, FailReason, HostError, Message, Resolved, RunHost, RunInput, Usage};
 use crate::db::{self, lifecycle::ClaimedRun, lifecycle::Ending, RunStatus};
+use crate::run::config::RunConfig;
 use crate::run::host::RunHostParts;
 use crate::run::journal::{Journal, JournalConfig, FIRST_RUN_SEQ};
 use crate::run::record::{Recording, RecordingParts};
@@ -225,6 +226,8 @@ async fn prepare(
         lost.clone(),
         shared.journal_stats.clone(),
     );
+    // The config, parsed once: the host's own keys typed, the rest the agent's.
+    let config = RunConfig::parse(row.config.clone());
     let host = RunHost::new(RunHostParts {
         run_id: row.id,
         journal,
@@ -232,7 +235,7 @@ async fn prepare(
         tools: shared.agents.tools().clone(),
         manifest,
         recording,
-        require_approval: require_approval(&row.config),
+        require_approval: config.require_approval.clone(),
         plugin_tenant,
     });
     if let Err(outcome) = journal_resumed(shared, row, &host).await {
@@ -242,7 +245,7 @@ async fn prepare(
         run_id: row.id,
         conversation_id: row.conversation_id,
         content: row.content.clone(),
-        config: row.config.clone(),
+        config,
         history,
     };
     Ok((agent, host, input))
@@ -444,13 +447,6 @@ async fn hand_back(shared: &Shared, row: &ClaimedRun, host: &RunHost) -> Outcome
             Outcome::Lost
         }
     }
-}
-
-/// The run config's `require_approval`: tool names whose calls wait for a
-/// person's approval on this run (more than the manifest asks, never less).
-fn require_approval(config: &serde_json::Value) -> Vec<String> {
-    let names = config.get("require_approval").and_then(serde_json::Value::as_array);
-    names.into_iter().flatten().filter_map(|n| n.as_str().map(str::to_string)).take(256).collect()
 }
 
 /// A run that could not start here. A resumable one whose start failed on
