@@ -8,24 +8,27 @@
 //! - [`enqueue`]: a new turn in one transaction (message, queued run, seq
 //!   1-2, wake), conversations created on the way, the idempotency lookup.
 //! - [`lifecycle`]: every change of a run's status (claim, finish, backstop,
-//!   reap, cancel, stop, retry), the lease and the stop flag, with the run and
-//!   message state machines written down beside the trigger they mirror.
+//!   reap, cancel, stop, suspend, decide, wake, retry), the lease and the
+//!   stop flag, with the run and message state machines written down beside
+//!   the trigger they mirror (and `TRANSITIONS`, walked against it).
 //! - [`calls`]: the recorded call log of resumable runs, fenced like the
 //!   journal, and what an earlier attempt journaled.
 //! - [`journal`]: fenced appends, reads from a cursor, a finalizer's
 //!   `complete`, the terminal state tails synthesize from, retention's trim.
-//! - [`suspensions`]: waiting runs (approvals, durable waits): suspend,
-//!   decide, the scheduler's wake.
+//! - [`suspensions`] (in `lifecycle`): waiting runs (approvals, durable
+//!   waits): suspend, decide, the scheduler's wake.
 //! - [`conversations`]: ownership, transcript order, history, conversation reads.
 //! - [`runs`]: run reads as clients see them; [`responses`]: the Responses
 //!   API's reads of a run and its deletion mark.
 //! - [`plugins`]: content-addressed components and the names pointing at them.
-//! - [`tenants`]: operator settings per tenant (its share of a process's slots).
+//! - [`tenants`]: operator settings per tenant (its share of a process's
+//!   slots, the ceilings of its own plugins' limits).
 //! - [`tokens`]: bearer tokens (expiry, revocation) and stream tickets.
 //! - [`audit`]: the append-only audit trail.
 //! - [`webhooks`]: the completion-webhook outbox; [`schedules`]: cron
 //!   schedules and their firings.
-//! - [`cluster`]: the private PostgreSQL cluster; [`bench`]: the benchmark's SQL.
+//! - [`bench`]: the benchmark's SQL. (The private cluster's supervisor is
+//!   `crate::cluster`.)
 
 pub mod artifacts;
 pub mod audit;

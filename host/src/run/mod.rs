@@ -1,8 +1,8 @@
 //! A run's host side: what a claimed run may do. The layers import only
-//! those before them: (`crate::error`) -> `text` -> `manifest` -> `journal`
-//! -> (`crate::tools`) -> `host`.
+//! those before them: (`crate::error`, `crate::text`) -> `config`,
+//! `manifest` -> `journal` -> `record` -> (`crate::tools`) -> `host`.
 //!
-//! - [`text`]: the rule that makes guest, tool and model text storable.
+//! - [`config`]: [`config::RunConfig`], a run's config parsed once at claim.
 //! - [`manifest`]: a plugin's grants and limits, with defaults and ceilings.
 //! - [`journal`]: the run's journal writer (coalesced deltas, fenced flushes).
 //! - [`host`]: [`host::RunHost`], every import a run can make.

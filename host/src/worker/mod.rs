@@ -1,5 +1,7 @@
-//! The worker side of a process: dispatcher (claim loop), run tasks,
-//! heartbeat, reaper, and the two-phase drain.
+//! The worker side of a process: dispatcher (claim loop), run tasks (whose
+//! ending `settle` decides), finisher (group-committed endings), heartbeat,
+//! reaper, the waiting runs' scheduler (`suspensions`), retention, webhooks,
+//! schedules, and the two-phase drain.
 
 mod canceller;
 mod dispatcher;
