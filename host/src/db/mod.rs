@@ -27,8 +27,9 @@
 //! - [`audit`]: the append-only audit trail.
 //! - [`webhooks`]: the completion-webhook outbox; [`schedules`]: cron
 //!   schedules and their firings.
-//! - [`bench`]: the benchmark's SQL. (The private cluster's supervisor is
-//!   `crate::cluster`.)
+//!
+//! The private cluster's supervisor is `crate::cluster`; the benchmark's
+//! own SQL is in `bench/src/sql.rs`.
 
 pub mod artifacts;
 pub mod audit;
