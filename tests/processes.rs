@@ -819,41 +819,24 @@ async fn the_hostile_tenant_suite_on_two_hosts() {
     assert_eq!(refused.status(), 429, "the 65th stream");
     // Grants: an upload granting the operator's webhook.
     let wasm = plugin_wasm("fixtures");
-    let manifest = json!({ "tools": ["ops"] }).to_string();
-    let (ct, body) = crate::support::http::multipart(&[
-        ("name", b"exfil".as_slice()),
-        ("component", wasm.as_slice()),
-        ("manifest", manifest.as_bytes()),
-    ]);
-    let upload = http
-        .post(format!("http://{}/v1/plugins", b.addr))
-        .bearer_auth(&evil_admin)
-        .header("content-type", ct)
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(upload.status(), 422, "an upload granting the operator's tool");
+    let upload = |host: &HostProcess, name: &'static str, manifest: serde_json::Value| {
+        let (ct, body) = crate::support::http::multipart(&[
+            ("name", name.as_bytes()),
+            ("component", wasm.as_slice()),
+            ("manifest", manifest.to_string().as_bytes()),
+        ]);
+        let request = http.post(format!("http://{}/v1/plugins", host.addr)).bearer_auth(&evil_admin);
+        request.header("content-type", ct).body(body).send()
+    };
+    let refused = upload(&b, "exfil", json!({ "tools": ["ops"] })).await.unwrap();
+    assert_eq!(refused.status(), 422, "an upload granting the operator's tool");
     // Limits: an upload asking for more than the ceilings the operator set evil.
     let ceiling = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
         .args(["--database-url", &db.url, "tenants", "ceiling", "evil", "wall_ms=60000"])
         .output()
         .unwrap();
     assert!(ceiling.status.success(), "{}", String::from_utf8_lossy(&ceiling.stderr));
-    let manifest = json!({ "limits": { "wall_ms": 86_400_000 } }).to_string();
-    let (ct, body) = crate::support::http::multipart(&[
-        ("name", b"forever".as_slice()),
-        ("component", wasm.as_slice()),
-        ("manifest", manifest.as_bytes()),
-    ]);
-    let upload = http
-        .post(format!("http://{}/v1/plugins", a.addr))
-        .bearer_auth(&evil_admin)
-        .header("content-type", ct)
-        .body(body)
-        .send()
-        .await
-        .unwrap();
+    let upload = upload(&a, "forever", json!({ "limits": { "wall_ms": 86_400_000 } })).await.unwrap();
     assert_eq!(upload.status(), 422, "an upload asking for limits above evil's ceilings");
     let refusal: serde_json::Value = upload.json().await.unwrap();
     assert!(refusal["error"]["message"].as_str().unwrap().contains("wall_ms 86400000 > 60000"), "{refusal}");
