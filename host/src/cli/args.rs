@@ -717,35 +717,55 @@ impl ServeArgs {
     }
 }
 
+/// A zero that would make a loop spin.
+const SPIN: &str = "its loop would spin without pause";
+
+/// The flag behind each of the worker's settings that must not be zero, and
+/// what a zero would do: the checks themselves are the worker's
+/// ([`WorkerConfig::validate`]), written once.
+const WORKER_FLAGS: &[(&str, &str, &str, &str)] = &[
+    ("max runs", "--max-runs", "AGENT_HOST_MAX_RUNS", "this process would never start a run"),
+    ("lease", "--lease-ms", "AGENT_HOST_LEASE_MS", "every claim would lapse the moment it is made"),
+    ("heartbeat", "--heartbeat-ms", "AGENT_HOST_HEARTBEAT_MS", SPIN),
+    ("reap interval", "--reap-interval-ms", "AGENT_HOST_REAP_INTERVAL_MS", SPIN),
+    ("poll tick", "--poll-tick-ms", "AGENT_HOST_POLL_TICK_MS", SPIN),
+    ("journal flush", "--journal-flush-ms", "AGENT_HOST_JOURNAL_FLUSH_MS", SPIN),
+    ("retention interval", "--retention-interval-ms", "AGENT_HOST_RETENTION_INTERVAL_MS", SPIN),
+    ("schedule tick", "--schedule-tick-ms", "AGENT_HOST_SCHEDULE_TICK_MS", SPIN),
+    ("resume attempts", "--resume-attempts", "AGENT_HOST_RESUME_ATTEMPTS", "a resumable run could never start"),
+    (
+        "tenant max running",
+        "--tenant-max-running",
+        "AGENT_HOST_TENANT_MAX_RUNNING",
+        "no tenant could ever run (leave it unset for no cap)",
+    ),
+    ("webhook attempts", "--webhook-attempts", "AGENT_HOST_WEBHOOK_ATTEMPTS", "no webhook would be sent"),
+    ("webhook backoff", "--webhook-backoff-ms", "AGENT_HOST_WEBHOOK_BACKOFF_MS", SPIN),
+    ("webhook poll", "--webhook-poll-ms", "AGENT_HOST_WEBHOOK_POLL_MS", SPIN),
+];
+
 impl WorkerArgs {
+    /// The worker's own checks of the configuration these flags make (one
+    /// validator, [`WorkerConfig::validate`]), said in the flags' words;
+    /// then the completion webhooks' secret and allow-list.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let spin = "its loop would spin without pause";
-        for (value, flag, env, why) in [
-            (self.max_runs as u64, "--max-runs", "AGENT_HOST_MAX_RUNS", "this process would never start a run"),
-            (self.lease_ms, "--lease-ms", "AGENT_HOST_LEASE_MS", "every claim would lapse the moment it is made"),
-            (self.heartbeat_ms, "--heartbeat-ms", "AGENT_HOST_HEARTBEAT_MS", spin),
-            (self.reap_interval_ms, "--reap-interval-ms", "AGENT_HOST_REAP_INTERVAL_MS", spin),
-            (self.poll_tick_ms, "--poll-tick-ms", "AGENT_HOST_POLL_TICK_MS", spin),
-            (self.journal_flush_ms, "--journal-flush-ms", "AGENT_HOST_JOURNAL_FLUSH_MS", spin),
-            (self.retention_interval_ms, "--retention-interval-ms", "AGENT_HOST_RETENTION_INTERVAL_MS", spin),
-            (
-                self.resume_attempts.into(),
-                "--resume-attempts",
-                "AGENT_HOST_RESUME_ATTEMPTS",
-                "a resumable run could never start",
-            ),
-            (
-                self.webhook_attempts.into(),
-                "--webhook-attempts",
-                "AGENT_HOST_WEBHOOK_ATTEMPTS",
-                "no webhook would be sent",
-            ),
-            (self.webhook_backoff_ms, "--webhook-backoff-ms", "AGENT_HOST_WEBHOOK_BACKOFF_MS", spin),
-            (self.webhook_poll_ms, "--webhook-poll-ms", "AGENT_HOST_WEBHOOK_POLL_MS", spin),
-            (self.schedule_tick_ms, "--schedule-tick-ms", "AGENT_HOST_SCHEDULE_TICK_MS", spin),
-        ] {
-            non_zero(value, flag, env, why)?;
-        }
+        use crate::worker::ConfigError as Worker;
+        let zero = |name: &str| match WORKER_FLAGS.iter().find(|f| f.0 == name) {
+            Some(&(_, flag, env, why)) => ConfigError::Zero { flag, env, why },
+            None => ConfigError::Refused(format!("{name} must be greater than zero")),
+        };
+        self.to_config().validate().map_err(|e| match e {
+            Worker::Zero(name) => zero(name),
+            Worker::MaxRuns(0) => zero("max runs"),
+            Worker::MaxRuns(max_runs) => {
+                ConfigError::MaxRunsAboveInstances { max_runs, instances: crate::sandbox::INSTANCES_MAX }
+            }
+            Worker::HeartbeatNotBelowLease { heartbeat, lease } => ConfigError::HeartbeatNotBelowLease {
+                heartbeat_ms: heartbeat.as_millis() as u64,
+                lease_ms: lease.as_millis() as u64,
+            },
+            other => ConfigError::Refused(other.to_string()),
+        })?;
         match (&self.webhook_secret, self.completion_webhook_allow.is_empty()) {
             (None, false) => {
                 return Err(ConfigError::Refused(
@@ -763,26 +783,6 @@ impl WorkerArgs {
             return Err(ConfigError::Refused(format!(
                 "--completion-webhook-allow {p:?} must be an http:// or https:// URL prefix"
             )));
-        }
-        if let Some(cap) = self.tenant_max_running {
-            non_zero(
-                cap.into(),
-                "--tenant-max-running",
-                "AGENT_HOST_TENANT_MAX_RUNNING",
-                "no tenant could ever run (leave it unset for no cap)",
-            )?;
-        }
-        // Overcommit: each running Wasm run holds one instance of the
-        // sandbox's pool; runs past it would fail to instantiate.
-        let instances = crate::sandbox::INSTANCES_MAX;
-        if self.max_runs > instances as usize {
-            return Err(ConfigError::MaxRunsAboveInstances { max_runs: self.max_runs, instances });
-        }
-        if self.heartbeat_ms >= self.lease_ms {
-            return Err(ConfigError::HeartbeatNotBelowLease {
-                heartbeat_ms: self.heartbeat_ms,
-                lease_ms: self.lease_ms,
-            });
         }
         Ok(())
     }

@@ -201,6 +201,16 @@ impl WorkerConfig {
         if self.finish_window > FINISH_WINDOW_MAX {
             return Err(ConfigError::FinishWindow(self.finish_window));
         }
+        if let Some(w) = &self.webhooks {
+            if w.attempts_max == 0 {
+                return Err(ConfigError::Zero("webhook attempts"));
+            }
+            for (name, d) in [("webhook backoff", w.backoff), ("webhook poll", w.poll)] {
+                if d.is_zero() {
+                    return Err(ConfigError::Zero(name));
+                }
+            }
+        }
         Ok(())
     }
 }
