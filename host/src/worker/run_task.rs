@@ -82,38 +82,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                 });
             // A suspended run did not end: its conversation's next turn waits.
             let ended = !matches!(outcome, Outcome::Suspended);
-            match outcome {
-                Outcome::Finalized => {
-                    shared.stats.finished.fetch_add(1, Ordering::Relaxed);
-                }
-                Outcome::Lost => {
-                    shared.stats.fenced.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!("run lost to the fence; standing down");
-                }
-                Outcome::HandedBack => {
-                    shared.stats.handed_back.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!("drain budget spent; resumable run handed back to the queue");
-                }
-                Outcome::Suspended => {
-                    shared.stats.suspended.fetch_add(1, Ordering::Relaxed);
-                }
-                // A resumable run's task died (or its ending could not be
-                // written): back to the queue, resumed from its log. With the
-                // database unreachable it is left running: its lease lapses
-                // and the reaper resumes it (a backstop landing once the
-                // database is back would end it failed instead).
-                Outcome::Unfinalized(reason) if resumable => {
-                    match db::lifecycle::hand_back(&shared.pool, id, token, shared.config.resume_attempts).await {
-                        Ok(true) => {
-                            shared.stats.handed_back.fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(%reason, "resumable run ended without a terminal write; handed back to the queue");
-                        }
-                        Ok(false) => backstop(&shared, id, token, &reason).await,
-                        Err(e) => tracing::warn!(%reason, error = %e, "resumable run ended without a terminal write and could not be handed back; the reaper will resume it"),
-                    }
-                }
-                Outcome::Unfinalized(reason) => backstop(&shared, id, token, &reason).await,
-            }
+            close_out(&shared, outcome, id, token, resumable).await;
             release(&shared, id, token);
             // The slot, unless the finisher passed it on to a run it claimed.
             drop(slot.lock().unwrap().take());
@@ -124,6 +93,45 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
         }
         .instrument(span),
     );
+}
+
+/// What a run task's outcome leaves to do: counted, and a run with no
+/// ending written handed back (resumable) or ended by the backstop.
+async fn close_out(shared: &Shared, outcome: Outcome, id: db::RunId, token: db::ClaimToken, resumable: bool) {
+    match outcome {
+        Outcome::Finalized => {
+            shared.stats.finished.fetch_add(1, Ordering::Relaxed);
+        }
+        Outcome::Lost => {
+            shared.stats.fenced.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("run lost to the fence; standing down");
+        }
+        Outcome::HandedBack => {
+            shared.stats.handed_back.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("drain budget spent; resumable run handed back to the queue");
+        }
+        Outcome::Suspended => {
+            shared.stats.suspended.fetch_add(1, Ordering::Relaxed);
+        }
+        // A resumable run's task died (or its ending could not be
+        // written): back to the queue, resumed from its log. With the
+        // database unreachable it is left running: its lease lapses
+        // and the reaper resumes it (a backstop landing once the
+        // database is back would end it failed instead).
+        Outcome::Unfinalized(reason) if resumable => {
+            match db::lifecycle::hand_back(&shared.pool, id, token, shared.config.resume_attempts).await {
+                Ok(true) => {
+                    shared.stats.handed_back.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(%reason, "resumable run ended without a terminal write; handed back to the queue");
+                }
+                Ok(false) => backstop(shared, id, token, &reason).await,
+                Err(e) => {
+                    tracing::warn!(%reason, error = %e, "resumable run ended without a terminal write and could not be handed back; the reaper will resume it")
+                }
+            }
+        }
+        Outcome::Unfinalized(reason) => backstop(shared, id, token, &reason).await,
+    }
 }
 
 /// The backstop: a run never stays running because its task died.
