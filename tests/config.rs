@@ -31,8 +31,8 @@ fn the_defaults_are_accepted() {
 fn every_zero_that_would_spin_or_stall_is_refused_naming_its_flag() {
     let cases: &[(&[&str], &str)] = &[
         (&["serve", "--sse-keepalive-ms", "0"], "--sse-keepalive-ms"),
-        (&["--db-pool-max", "0", "serve"], "--db-pool-max"),
-        (&["--db-pool-max", "0", "migrate"], "--db-pool-max"),
+        (&["serve", "--db-pool-max", "0"], "--db-pool-max"),
+        (&["migrate", "--db-pool-max", "0"], "--db-pool-max"),
         (&["serve", "--max-runs", "0"], "--max-runs"),
         (&["serve", "--lease-ms", "0"], "--lease-ms"),
         (&["serve", "--heartbeat-ms", "0"], "--heartbeat-ms"),
@@ -80,7 +80,7 @@ fn a_heartbeat_not_below_the_lease_is_still_refused() {
 /// database can name the flag. Returns (exit code, stderr).
 fn run_binary(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_agent-host"));
-    cmd.args(["--database-url", "postgres://postgres@127.0.0.1:1/refused"]).args(args);
+    cmd.env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/refused").args(args);
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -107,7 +107,7 @@ fn the_binary_refuses_at_start_with_the_flag_in_its_message() {
     let over = (INSTANCES_MAX + 1).to_string();
     let cases: &[(&[&str], &[(&str, &str)], &str)] = &[
         (&["serve", "--sse-keepalive-ms", "0"], &[], "--sse-keepalive-ms"),
-        (&["--db-pool-max", "0", "serve"], &[], "--db-pool-max"),
+        (&["serve", "--db-pool-max", "0"], &[], "--db-pool-max"),
         (&["serve", "--max-runs", &over], &[], "--max-runs"),
         // The environment fallback is checked like the flag.
         (&["serve"], &[("AGENT_HOST_POLL_TICK_MS", "0")], "--poll-tick-ms"),
@@ -236,22 +236,29 @@ fn completions_print_a_script_for_the_shell() {
     assert!(script.contains("_agent__host()") && script.contains("tenants"), "{}", &script[..script.len().min(400)]);
 }
 
-/// Issue 39: the command line's reference page cannot go stale: it is
-/// generated from the clap definitions, and the committed page must be what
-/// the code generates (`AGENT_HOST_BLESS=1` writes it again).
+/// Issue 39: the generated reference pages cannot go stale: the command
+/// line from the clap definitions, the manifest and the tools file from JSON
+/// Schemas derived from their Rust types; each committed file must be what
+/// the code generates (`AGENT_HOST_BLESS=1` writes them again).
 #[test]
-fn the_cli_reference_page_is_what_the_code_generates() {
-    let page = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/src/reference/cli.md");
-    let generated = agent_host::cli::doc::cli_reference();
-    if std::env::var_os("AGENT_HOST_BLESS").is_some() {
-        std::fs::write(&page, &generated).unwrap();
+fn the_generated_reference_pages_are_what_the_code_generates() {
+    let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/src");
+    let mut stale = Vec::new();
+    for (path, generated) in agent_host::cli::doc::generated_pages() {
+        let file = docs.join(path);
+        if std::env::var_os("AGENT_HOST_BLESS").is_some() {
+            std::fs::write(&file, &generated).unwrap();
+        }
+        let undocumented: Vec<&str> =
+            generated.lines().filter(|l| l.starts_with("| `") && (l.ends_with("|  |") || l.ends_with("| |"))).collect();
+        assert!(undocumented.is_empty(), "{path}: entries without a doc comment:\n{}", undocumented.join("\n"));
+        if std::fs::read_to_string(&file).unwrap_or_default() != generated {
+            stale.push(path);
+        }
     }
-    let undocumented: Vec<&str> = generated.lines().filter(|l| l.starts_with("| `") && l.ends_with("|  |")).collect();
-    assert!(undocumented.is_empty(), "arguments without a doc comment:\n{}", undocumented.join("\n"));
-    let committed = std::fs::read_to_string(&page).unwrap_or_default();
     assert!(
-        committed == generated,
-        "docs/src/reference/cli.md differs from what the clap definitions generate: run \
-         `AGENT_HOST_BLESS=1 cargo test -p agent-host --test it config::` and commit the page"
+        stale.is_empty(),
+        "docs/src/{stale:?} differ from what the code generates: run \
+         `AGENT_HOST_BLESS=1 cargo test -p agent-host --test it config::` and commit them"
     );
 }

@@ -341,7 +341,7 @@ async fn a_process_that_never_saw_a_python_plugin_runs_it_without_compiling() {
 
     // A key too short to be a secret is refused at start, naming the rule.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-        .args(["--database-url", &db.url, "--cache-dir", &cache_d, "serve", "--listen", "127.0.0.1:0"])
+        .args(["serve", "--database-url", &db.url, "--cache-dir", &cache_d, "--listen", "127.0.0.1:0"])
         .env("AGENT_HOST_ARTIFACT_KEY", "hunter2")
         .output()
         .unwrap();

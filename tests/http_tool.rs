@@ -220,7 +220,7 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
 
     // Without the variable, the host does not start, and says which.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-        .args(["--database-url", &db.url, "serve", "--listen", "127.0.0.1:0"])
+        .args(["serve", "--database-url", &db.url, "--listen", "127.0.0.1:0"])
         .args(["--tools-file", &tools_file.display().to_string()])
         .env_remove("AGENT_HOST_TEST_WEATHER_KEY")
         .env("AGENT_HOST_TEST_MCP_TOKEN", MCP_SECRET)

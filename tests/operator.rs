@@ -113,7 +113,7 @@ async fn tenants_shares_and_ceilings_at_the_command_line() {
     let db = TestDb::new().await;
     let cli = |args: &[&str]| {
         std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-            .args(["--database-url", &db.url, "tenants"])
+            .args(["tenants", "--database-url", &db.url])
             .args(args)
             .output()
             .unwrap()
@@ -157,7 +157,7 @@ async fn tokens_expire_and_the_list_never_shows_a_secret() {
     let db = TestDb::new().await;
     let cli = |args: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-            .args(["--database-url", &db.url, "tokens"])
+            .args(["tokens", "--database-url", &db.url])
             .args(args)
             .output()
             .unwrap();
@@ -170,7 +170,7 @@ async fn tokens_expire_and_the_list_never_shows_a_secret() {
     let long = long.trim().to_string();
     assert!(short.starts_with("ah_") && long.starts_with("ah_"));
     let bad = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-        .args(["--database-url", &db.url, "tokens", "create", "--user", "u", "--tenant", "t", "--expires-in", "soon"])
+        .args(["tokens", "--database-url", &db.url, "create", "--user", "u", "--tenant", "t", "--expires-in", "soon"])
         .output()
         .unwrap();
     assert!(!bad.status.success(), "a malformed duration is refused");
@@ -598,7 +598,7 @@ async fn every_audited_action_leaves_one_row_without_secrets() {
     }
     // The command line reads the same trail.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-        .args(["--database-url", &db.url, "audit", "--tenant", "acme"])
+        .args(["audit", "--database-url", &db.url, "--tenant", "acme"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -622,7 +622,7 @@ async fn a_user_id_belongs_to_one_tenant() {
     assert_eq!(code, StatusCode::CONFLICT, "{body}");
     assert_eq!(body["error"]["code"], "conflict", "{body}");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-        .args(["--database-url", &db.url, "tokens", "create", "--user", "alice", "--tenant", "evil"])
+        .args(["tokens", "--database-url", &db.url, "create", "--user", "alice", "--tenant", "evil"])
         .output()
         .unwrap();
     assert!(!out.status.success(), "the command line refuses it too");

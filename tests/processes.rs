@@ -360,6 +360,23 @@ async fn the_runs_cli_streams_tails_cancels_and_stops_over_http() {
     assert!(out.status.success());
     assert_eq!(text(&out.stdout), rest);
 
+    // Read back: one run, the caller's runs and conversations, as lines and as JSON.
+    let out = cli(&["runs", "get", &id]).await.unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("status\tcompleted"), "{}", text(&out.stdout));
+    let out = cli(&["runs", "get", &id, "--json"]).await.unwrap();
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((got["id"].as_str(), got["status"].as_str()), (Some(id.as_str()), Some("completed")));
+    let out = cli(&["runs", "list", "--status", "completed", "--json"]).await.unwrap();
+    let listed: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(listed.len(), 1, "{}", text(&out.stdout));
+    assert_eq!(listed[0]["id"].as_str(), Some(id.as_str()));
+    let out = cli(&["runs", "list", "--status", "nope"]).await.unwrap();
+    assert!(!out.status.success() && text(&out.stderr).contains("400"), "{}", text(&out.stderr));
+    let out = cli(&["conversations", "list"]).await.unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains(&id), "the conversation's latest run: {}", text(&out.stdout));
+
     // A long run, cancelled from a second CLI while the first streams it.
     let streaming = cli(&["runs", "create", "--plugin", "sleep", "--config", FOREVER, "count"]);
     let watcher = tokio::spawn(streaming);
@@ -398,9 +415,38 @@ async fn the_runs_cli_streams_tails_cancels_and_stops_over_http() {
     let out = cli(&["conversations", "stop", &conversation.to_string()]).await.unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("\"drafts\":[]"), "{}", text(&out.stdout));
+    // The cancelled run's turn again: a new run, queued.
+    let out = cli(&["runs", "retry", &id.to_string()]).await.unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let retried: agent_host::db::RunId = text(&out.stdout).trim().parse().unwrap();
+    assert_ne!(retried, id);
+    let out = cli(&["runs", "cancel", &retried.to_string()]).await.unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
     let out = cli(&["runs", "tail", "not-a-run"]).await.unwrap();
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("400"), "{}", text(&out.stderr));
+
+    // A tenant admin uploads a plugin over HTTP; a user who is not one may not.
+    let echo = std::env::temp_dir().join(format!("agent-host-upload-{}.wasm", std::process::id()));
+    std::fs::write(&echo, plugin_wasm("echo")).unwrap();
+    let out = cli(&["plugins", "upload", "mine", echo.to_str().unwrap()]).await.unwrap();
+    assert!(!out.status.success() && text(&out.stderr).contains("403"), "{}", text(&out.stderr));
+    let admin = agent_host::db::tokens::create(&db.pool, "ada", "acme", true).await.unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+        .args(["plugins", "upload", "mine", echo.to_str().unwrap(), "--url", &url, "--token", &admin])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).starts_with("mine -> sha256:") && text(&out.stdout).contains("tenant acme"),
+        "{}",
+        text(&out.stdout)
+    );
+    let _ = std::fs::remove_file(&echo);
+    let out = cli(&["runs", "create", "--plugin", "mine", "uploaded"]).await.unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "uploaded");
     let out = cli(&["runs", "create", "--plugin", "nope", "hi"]).await.unwrap();
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("422"), "{}", text(&out.stderr));

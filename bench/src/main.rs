@@ -191,7 +191,7 @@ async fn main() -> anyhow::Result<()> {
     match &cli.role {
         Some(Role::Serve(args)) => {
             args.validate()?;
-            library::serve(&cli.db, args).await
+            library::serve(&args.db, args).await
         }
         Some(Role::Waiter) => approvals::waiter(&cli.db).await,
         None if cli.bench.tools_only => tools::tools(&cli.bench).await,

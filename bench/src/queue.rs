@@ -455,9 +455,9 @@ pub async fn wait_status(
 pub fn spawn_serve(url: &str, db_args: &DbArgs) -> anyhow::Result<std::process::Child> {
     use std::io::BufRead;
     let mut child = std::process::Command::new(std::env::current_exe()?)
-        .args(["--database-url", url, "--cache-dir"])
+        .args(["serve", "--database-url", url, "--cache-dir"])
         .arg(&db_args.cache_dir)
-        .args(["serve", "--listen", "127.0.0.1:0", "--worker-id", "bench-victim", "--lease-ms", "1000"])
+        .args(["--listen", "127.0.0.1:0", "--worker-id", "bench-victim", "--lease-ms", "1000"])
         .args(["--heartbeat-ms", "200", "--reap-grace-ms", "300"])
         // Its runs are the built-in `sleep` agent's.
         .arg("--builtin-agents")

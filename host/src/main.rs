@@ -28,26 +28,31 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match cli.command {
-        Command::Serve(args) => server::serve(&cli.db, &args).await,
-        Command::Migrate => {
-            server::with_pool(&cli.db, |_| async {
+        Command::Serve(args) => server::serve(&args.db, &args).await,
+        Command::Migrate { db } => {
+            server::with_pool(&db, |_| async {
                 println!("migrations applied ({} in all)", db::MIGRATOR.iter().count());
                 Ok(())
             })
             .await
         }
-        Command::Tokens(command) => server::tokens(&cli.db, command).await,
-        Command::Tenants(command) => server::tenants(&cli.db, command).await,
+        Command::Tokens { db, command } => server::tokens(&db, command).await,
+        Command::Tenants { db, command } => server::tenants(&db, command).await,
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "agent-host", &mut std::io::stdout());
             Ok(())
         }
-        Command::Audit { tenant, after, limit } => server::audit(&cli.db, tenant.as_deref(), after, limit).await,
+        Command::Audit { db, tenant, after, limit } => server::audit(&db, tenant.as_deref(), after, limit).await,
         Command::Bench { .. } => Cli::command().error(clap::error::ErrorKind::InvalidSubcommand, BENCH_MOVED).exit(),
-        Command::Plugins(PluginsCommand::Add { name, file, manifest, tenant }) => {
-            server::plugins_add(&cli.db, &name, &file, manifest.as_deref(), tenant.as_deref()).await
+        Command::Plugins(PluginsCommand::Add { db, name, file, manifest, tenant }) => {
+            server::plugins_add(&db, &name, &file, manifest.as_deref(), tenant.as_deref()).await
         }
-        Command::Plugins(PluginsCommand::List { tenant }) => server::plugins_list(&cli.db, tenant.as_deref()).await,
+        Command::Plugins(PluginsCommand::List { db, tenant, json }) => {
+            server::plugins_list(&db, tenant.as_deref(), json).await
+        }
+        Command::Plugins(PluginsCommand::Upload { api, name, file, manifest }) => {
+            client::plugins_upload(&api, &name, &file, manifest.as_deref()).await
+        }
         Command::Runs { api, command } => client::runs(&api, command).await,
         Command::Conversations { api, command } => client::conversations(&api, command).await,
         Command::Approvals { api, command } => client::approvals(&api, command).await,

@@ -56,7 +56,7 @@ impl HostProcess {
         env: &[(&str, &str)],
     ) -> HostProcess {
         let mut child = Command::new(env!("CARGO_BIN_EXE_agent-host"))
-            .args(["--database-url", database_url, "--db-pool-max", "8", "serve", "--listen", "127.0.0.1:0"])
+            .args(["serve", "--database-url", database_url, "--db-pool-max", "8", "--listen", "127.0.0.1:0"])
             .args(["--worker-id", worker_id, "--builtin-agents"])
             .args(defaults)
             .args(args)

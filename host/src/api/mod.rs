@@ -33,6 +33,7 @@ use sqlx::PgPool;
 
 pub use error::{ApiError, ErrorCode};
 pub use extract::{Admin, ApiJson, ApiQuery, Auth, OrNotFound, PathId, Resource};
+pub use paging::LIMIT_MAX;
 pub use routes::{openapi, Route, ROUTES};
 
 use crate::agent::AgentRegistry;

@@ -2,6 +2,7 @@
 //! through `service::plugins`) and the paged listing of what the caller
 //! may run.
 
+use axum::extract::multipart::MultipartRejection;
 use axum::extract::{Multipart, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
@@ -25,8 +26,15 @@ const FIELD_BYTES_MAX: usize = 64 * 1024;
 pub async fn upload(
     State(state): State<AppState>,
     Auth(p): Auth,
-    mut form: Multipart,
+    form: Result<Multipart, MultipartRejection>,
 ) -> Result<impl IntoResponse, ApiError> {
+    // Not multipart/form-data (or no boundary): the JSON error shape too.
+    let mut form = form.map_err(|e| {
+        ApiError::new(
+            super::ErrorCode::UnsupportedMediaType,
+            format!("the body must be multipart/form-data with a boundary: {}", e.body_text()),
+        )
+    })?;
     if !p.admin {
         return Err(ApiError::forbidden("uploading plugins needs an admin token"));
     }

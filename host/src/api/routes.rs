@@ -2,7 +2,16 @@
 //! is generated from it, so the document cannot drift from what is served.
 
 use axum::routing::{delete, get, post, MethodRouter};
+use schemars::{JsonSchema, SchemaGenerator};
 use serde_json::{json, Map, Value};
+
+use crate::db::conversations::{ConversationSummary, ConversationView, MessageView};
+use crate::db::enqueue::Enqueued;
+use crate::db::lifecycle::suspensions::Pending;
+use crate::db::lifecycle::Stopped;
+use crate::db::runs::{RunSummary, RunView};
+use crate::db::{audit::AuditEvent, schedules::Schedule, tokens::TokenInfo};
+use crate::db::{ConversationId, RunId, RunStatus};
 
 use super::paging::LIMIT_MAX;
 use super::{
@@ -29,7 +38,75 @@ pub struct Route {
     pub query: &'static [Param],
     /// Request body: (content type, its JSON schema).
     pub body: Option<(&'static str, Schema)>,
+    /// What the success answer's body is (its schema derived from the type
+    /// the handler answers with, where there is one).
+    pub answer: Answer,
     pub handler: fn() -> MethodRouter<AppState>,
+}
+
+/// The JSON Schema of an answer, from a generator that collects the types'
+/// definitions into `components/schemas`.
+pub type Response = fn(&mut SchemaGenerator) -> Value;
+
+/// A success answer's body.
+pub enum Answer {
+    Json(Response),
+    /// JSON, or `text/event-stream` when the client asks for a stream.
+    JsonOrSse(Response),
+    /// Not JSON: its content type.
+    Text(&'static str),
+    /// No body (204).
+    Empty,
+}
+
+/// The schema of `T`: a reference into `components/schemas` for a named type.
+fn of<T: JsonSchema>(g: &mut SchemaGenerator) -> Value {
+    g.subschema_for::<T>().to_value()
+}
+
+/// An object with every one of `props` required (a nullable one says so in
+/// its own schema).
+fn object(props: Vec<(&str, Value)>) -> Value {
+    let required: Vec<&str> = props.iter().map(|(k, _)| *k).collect();
+    let properties: Map<String, Value> = props.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    json!({ "type": "object", "required": required, "properties": properties })
+}
+
+/// A page of a list: `{<key>: [T], next_cursor}`.
+fn page<T: JsonSchema>(g: &mut SchemaGenerator, key: &str) -> Value {
+    object(vec![(key, json!({ "type": "array", "items": of::<T>(g) })), ("next_cursor", nullable("string"))])
+}
+
+fn nullable(kind: &str) -> Value {
+    json!({ "type": [kind, "null"] })
+}
+
+fn string() -> Value {
+    json!({ "type": "string" })
+}
+
+fn boolean() -> Value {
+    json!({ "type": "boolean" })
+}
+
+fn timestamp() -> Value {
+    json!({ "type": "string", "format": "date-time" })
+}
+
+/// A Responses API object (`object: "response"`): the fields every answer
+/// carries; the rest follow OpenAI's shape.
+fn response_object(_: &mut SchemaGenerator) -> Value {
+    json!({ "type": "object", "required": ["id", "object", "status", "model", "output"], "properties": {
+        "id": { "type": "string" }, "object": { "const": "response" }, "status": { "type": "string" },
+        "model": { "type": "string" }, "output": { "type": "array" }, "created_at": { "type": "integer" } } })
+}
+
+/// A plugin as the API shows it (an upload's answer, a list's item).
+fn plugin(_: &mut SchemaGenerator) -> Value {
+    json!({ "type": "object", "required": ["name", "digest", "language", "manifest"], "properties": {
+        "name": { "type": "string" }, "digest": { "type": ["string", "null"] }, "language": { "type": "string" },
+        "manifest": {}, "tenant_id": { "type": ["string", "null"] }, "published": { "type": "boolean" },
+        "builtin": { "type": "boolean" } } })
 }
 
 /// One query parameter: name, JSON type, what it means.
@@ -146,6 +223,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404, 409, 413, 415, 422, 429],
         query: &[],
         body: Some(("application/json", run_body)),
+        answer: Answer::Json(of::<Enqueued>),
         handler: || post(runs::create_run),
     },
     Route {
@@ -161,6 +239,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(of::<RunView>),
         handler: || get(runs::get_run),
     },
     Route {
@@ -182,6 +261,16 @@ pub const ROUTES: &[Route] = &[
             ),
         ],
         body: None,
+        answer: Answer::JsonOrSse(|_| {
+            object(vec![
+                (
+                    "events",
+                    json!({ "type": "array", "items": { "type": "object", "required": ["seq", "type"], "properties": { "seq": { "type": "integer" }, "type": { "type": "string" } } } }),
+                ),
+                ("next_from", json!({ "type": "integer" })),
+                ("terminal", boolean()),
+            ])
+        }),
         handler: || get(events::events),
     },
     Route {
@@ -193,6 +282,9 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(|g| {
+            object(vec![("id", of::<RunId>(g)), ("status", of::<RunStatus>(g)), ("cancel_requested", boolean())])
+        }),
         handler: || post(runs::cancel_run),
     },
     Route {
@@ -206,6 +298,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404, 409, 413, 415, 503],
         query: &[],
         body: Some(("application/json", responses_body)),
+        answer: Answer::JsonOrSse(response_object),
         handler: || post(responses::create),
     },
     Route {
@@ -218,6 +311,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[],
         query: &[],
         body: None,
+        answer: Answer::Json(|_| json!({ "type": "object" })),
         handler: || post(responses::compact),
     },
     Route {
@@ -233,6 +327,7 @@ pub const ROUTES: &[Route] = &[
             ("starting_after", "integer", "with stream: only the events whose sequence_number is greater"),
         ],
         body: None,
+        answer: Answer::JsonOrSse(response_object),
         handler: || get(responses::get),
     },
     Route {
@@ -244,6 +339,13 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(|_| {
+            object(vec![
+                ("id", string()),
+                ("object", json!({ "const": "response" })),
+                ("deleted", json!({ "const": true })),
+            ])
+        }),
         handler: || delete(responses::delete),
     },
     Route {
@@ -255,6 +357,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(response_object),
         handler: || post(responses::cancel),
     },
     Route {
@@ -266,6 +369,15 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(|_| {
+            object(vec![
+                ("object", json!({ "const": "list" })),
+                ("data", json!({ "type": "array" })),
+                ("first_id", nullable("string")),
+                ("last_id", nullable("string")),
+                ("has_more", boolean()),
+            ])
+        }),
         handler: || get(responses::input_items),
     },
     Route {
@@ -282,6 +394,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 415, 422],
         query: &[],
         body: Some(("application/json", schedule_body)),
+        answer: Answer::Json(of::<Schedule>),
         handler: || post(schedules::create),
     },
     Route {
@@ -297,6 +410,7 @@ pub const ROUTES: &[Route] = &[
             ("all", "boolean", "true: every schedule the caller may change (admins: the tenant's; operators: all)"),
         ],
         body: None,
+        answer: Answer::Json(|g| page::<Schedule>(g, "schedules")),
         handler: || get(schedules::list),
     },
     Route {
@@ -308,6 +422,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(of::<Schedule>),
         handler: || post(schedules::pause),
     },
     Route {
@@ -319,6 +434,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(of::<Schedule>),
         handler: || post(schedules::resume),
     },
     Route {
@@ -330,6 +446,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(of::<Schedule>),
         handler: || get(schedules::get_one),
     },
     Route {
@@ -341,6 +458,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Empty,
         handler: || delete(schedules::delete),
     },
     Route {
@@ -360,6 +478,7 @@ pub const ROUTES: &[Route] = &[
             ("all", "boolean", "true: the pending approvals the caller may decide (admins: its tenant's)"),
         ],
         body: None,
+        answer: Answer::Json(|g| page::<Pending>(g, "approvals")),
         handler: || get(approvals::list_approvals),
     },
     Route {
@@ -373,6 +492,13 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 403, 404, 409, 422],
         query: &[],
         body: Some(("application/json", decision_body)),
+        answer: Answer::Json(|g| {
+            object(vec![
+                ("run_id", of::<RunId>(g)),
+                ("status", json!({ "const": "queued" })),
+                ("decision", json!({ "type": "object" })),
+            ])
+        }),
         handler: || post(approvals::decide),
     },
     Route {
@@ -384,7 +510,27 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404, 409],
         query: &[],
         body: None,
+        answer: Answer::Json(of::<Enqueued>),
         handler: || post(runs::retry_run),
+    },
+    Route {
+        method: "get",
+        path: "/v1/runs",
+        summary: "The caller's runs, newest first, 100 a page unless ?limit says otherwise",
+        auth: true,
+        ok: (
+            200,
+            "{runs: [{id, conversation_id, status, plugin, error, created_at, started_at, finished_at}], next_cursor}",
+        ),
+        errors: &[400],
+        query: &[
+            ("limit", "integer", "items on this page, 1 to 1000 (default: the list's page size)"),
+            ("after", "string", "the next_cursor of the previous page"),
+            ("status", "string", "only runs in this status"),
+        ],
+        body: None,
+        answer: Answer::Json(|g| page::<RunSummary>(g, "runs")),
+        handler: || get(runs::list_runs),
     },
     Route {
         method: "post",
@@ -395,6 +541,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[],
         query: &[],
         body: None,
+        answer: Answer::Json(|g| object(vec![("id", of::<ConversationId>(g)), ("created_at", timestamp())])),
         handler: || post(conversations::create_conversation),
     },
     Route {
@@ -406,6 +553,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400],
         query: PAGING,
         body: None,
+        answer: Answer::Json(|g| page::<ConversationSummary>(g, "conversations")),
         handler: || get(conversations::list_conversations),
     },
     Route {
@@ -417,6 +565,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(of::<ConversationView>),
         handler: || get(conversations::get_conversation),
     },
     Route {
@@ -428,6 +577,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: PAGING,
         body: None,
+        answer: Answer::Json(|g| page::<MessageView>(g, "messages")),
         handler: || get(conversations::conversation_messages),
     },
     Route {
@@ -439,6 +589,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404, 409, 413, 415, 422, 429],
         query: &[],
         body: Some(("application/json", turn_body)),
+        answer: Answer::Json(of::<Enqueued>),
         handler: || post(runs::create_run_in_conversation),
     },
     Route {
@@ -450,6 +601,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(of::<Stopped>),
         handler: || post(conversations::stop_conversation),
     },
     Route {
@@ -465,6 +617,12 @@ pub const ROUTES: &[Route] = &[
         errors: &[400],
         query: PAGING,
         body: None,
+        answer: Answer::Json(|g| {
+            object(vec![
+                ("plugins", json!({ "type": "array", "items": plugin(g) })),
+                ("next_cursor", nullable("string")),
+            ])
+        }),
         handler: || get(plugins::list),
     },
     Route {
@@ -477,6 +635,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 403, 413, 415, 422],
         query: &[],
         body: Some(("multipart/form-data", plugin_form)),
+        answer: Answer::Json(plugin),
         handler: || {
             post(plugins::upload)
                 .layer(axum::extract::DefaultBodyLimit::max(crate::service::plugins::COMPONENT_BYTES_MAX + 64 * 1024))
@@ -491,6 +650,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(|_| object(vec![("ticket", string()), ("expires_at", timestamp()), ("url", string())])),
         handler: || post(tokens::stream_ticket),
     },
     Route {
@@ -506,6 +666,9 @@ pub const ROUTES: &[Route] = &[
         errors: &[403],
         query: &[],
         body: None,
+        answer: Answer::Json(|g| {
+            object(vec![("tokens", json!({ "type": "array", "items": of::<TokenInfo>(g) })), ("truncated", boolean())])
+        }),
         handler: || get(tokens::list),
     },
     Route {
@@ -517,6 +680,11 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 403, 415, 422],
         query: &[],
         body: Some(("application/json", token_body)),
+        answer: Answer::Json(|g| {
+            let mut t = of::<TokenInfo>(g);
+            t = json!({ "allOf": [t, { "type": "object", "required": ["token"], "properties": { "token": { "type": "string" } } }] });
+            t
+        }),
         handler: || post(tokens::create),
     },
     Route {
@@ -529,6 +697,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[400, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(|_| object(vec![("id", string()), ("revoked", json!({ "const": true }))])),
         handler: || post(tokens::revoke),
     },
     Route {
@@ -540,6 +709,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[403, 404],
         query: &[],
         body: None,
+        answer: Answer::Json(|_| object(vec![("tenant_id", string()), ("key", string())])),
         handler: || get(webhooks::signing_key),
     },
     Route {
@@ -558,6 +728,7 @@ pub const ROUTES: &[Route] = &[
             ("after", "integer", "the next_cursor of the previous page"),
         ],
         body: None,
+        answer: Answer::Json(|g| page::<AuditEvent>(g, "events")),
         handler: || get(audit::list),
     },
     Route {
@@ -569,6 +740,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[],
         query: &[],
         body: None,
+        answer: Answer::Json(|_| object(vec![("status", json!({ "const": "ok" }))])),
         handler: || get(|| async { axum::Json(json!({ "status": "ok" })) }),
     },
     Route {
@@ -580,6 +752,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[503],
         query: &[],
         body: None,
+        answer: Answer::Json(|_| object(vec![("status", json!({ "const": "ready" }))])),
         handler: || get(super::readyz),
     },
     Route {
@@ -591,6 +764,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[],
         query: &[],
         body: None,
+        answer: Answer::Text("text/plain"),
         handler: || get(metrics::metrics),
     },
     Route {
@@ -602,6 +776,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[],
         query: &[],
         body: None,
+        answer: Answer::Text("text/html"),
         handler: || console_file("text/html; charset=utf-8", CONSOLE_HTML),
     },
     Route {
@@ -613,6 +788,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[],
         query: &[],
         body: None,
+        answer: Answer::Text("text/javascript"),
         handler: || console_file("text/javascript; charset=utf-8", CONSOLE_JS),
     },
     Route {
@@ -624,6 +800,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[],
         query: &[],
         body: None,
+        answer: Answer::Text("text/css"),
         handler: || console_file("text/css; charset=utf-8", CONSOLE_CSS),
     },
     Route {
@@ -635,6 +812,7 @@ pub const ROUTES: &[Route] = &[
         errors: &[],
         query: &[],
         body: None,
+        answer: Answer::Json(|_| json!({ "type": "object", "required": ["openapi", "paths"] })),
         handler: || get(|| async { axum::Json(openapi()) }),
     },
 ];
@@ -658,16 +836,23 @@ fn reason(status: u16) -> &'static str {
     }
 }
 
-/// The OpenAPI 3.1 document of [`ROUTES`].
+/// The OpenAPI 3.1 document of [`ROUTES`]: every path parameter declared,
+/// every answer's schema (named types under `components/schemas`, derived
+/// from the Rust types the handlers answer with), every error the Error shape.
 pub fn openapi() -> Value {
+    let mut g = schemars::generate::SchemaSettings::draft2020_12()
+        .with(|s| s.definitions_path = "/components/schemas".into())
+        .into_generator();
     let error = json!({ "description": "", "content": { "application/json": { "schema": { "$ref": "#/components/schemas/Error" } } } });
     let codes: Vec<&str> = ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
     let mut paths = Map::new();
     for r in ROUTES {
         let mut responses = Map::new();
-        responses.insert(r.ok.0.to_string(), json!({ "description": r.ok.1 }));
+        responses.insert(r.ok.0.to_string(), success(&mut g, r));
         let auth_errors: &[u16] = if r.auth { &[401] } else { &[] };
-        for status in r.errors.iter().chain(auth_errors) {
+        // A body a handler cannot parse is refused before it runs.
+        let body_errors: &[u16] = if r.body.is_some() { &[400, 413, 415, 422] } else { &[] };
+        for status in r.errors.iter().chain(auth_errors).chain(body_errors) {
             let mut e = error.clone();
             e["description"] = json!(reason(*status));
             responses.insert(status.to_string(), e);
@@ -680,15 +865,7 @@ pub fn openapi() -> Value {
         if r.auth {
             op["security"] = json!([{ "bearer": [] }]);
         }
-        let mut parameters = Vec::new();
-        if r.path.contains("{id}") {
-            // A response id is `resp_` and hex (a run id is accepted too).
-            let schema = match r.path.starts_with("/v1/responses/") {
-                true => json!({ "type": "string", "pattern": "^(resp_)?[0-9a-fA-F-]{32,36}$" }),
-                false => json!({ "type": "string", "format": "uuid" }),
-            };
-            parameters.push(json!({ "name": "id", "in": "path", "required": true, "schema": schema }));
-        }
+        let mut parameters = path_parameters(r.path);
         for (name, kind, description) in r.query {
             let mut schema = json!({ "type": kind });
             if *name == "limit" {
@@ -707,15 +884,55 @@ pub fn openapi() -> Value {
         let item = paths.entry(r.path).or_insert_with(|| json!({}));
         item[r.method] = op;
     }
+    let mut schemas = g.take_definitions(true);
+    schemas.insert(
+        "Error".to_string(),
+        json!({ "type": "object", "required": ["error"], "properties": { "error": {
+            "type": "object", "required": ["code", "message"],
+            "properties": { "code": { "type": "string", "enum": codes }, "message": { "type": "string" } } } } }),
+    );
     json!({
         "openapi": "3.1.0",
         "info": { "title": "agent-host", "version": env!("CARGO_PKG_VERSION") },
         "paths": paths,
         "components": {
             "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } },
-            "schemas": { "Error": { "type": "object", "required": ["error"], "properties": { "error": {
-                "type": "object", "required": ["code", "message"],
-                "properties": { "code": { "type": "string", "enum": codes }, "message": { "type": "string" } } } } } }
+            "schemas": schemas,
         }
     })
+}
+
+/// The success answer of `r`: its description and content.
+fn success(g: &mut SchemaGenerator, r: &Route) -> Value {
+    let json_of = |schema: Value| json!({ "application/json": { "schema": schema } });
+    let content = match &r.answer {
+        Answer::Json(schema) => json_of(schema(g)),
+        Answer::JsonOrSse(schema) => {
+            let mut c = json_of(schema(g));
+            c["text/event-stream"] = json!({ "schema": { "type": "string" } });
+            c
+        }
+        Answer::Text(content_type) => json!({ *content_type: { "schema": { "type": "string" } } }),
+        Answer::Empty => return json!({ "description": r.ok.1 }),
+    };
+    json!({ "description": r.ok.1, "content": content })
+}
+
+/// Every `{name}` of `path`, declared: a response id is `resp_` and hex (a
+/// run id is accepted too), an approval's `call_id` a non-negative integer,
+/// any other id a UUID.
+fn path_parameters(path: &str) -> Vec<Value> {
+    path.split('/')
+        .filter_map(|seg| seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')))
+        .map(|name| {
+            let schema = match name {
+                "call_id" => json!({ "type": "integer", "minimum": 0, "maximum": i32::MAX }),
+                _ if path.starts_with("/v1/responses/") => {
+                    json!({ "type": "string", "pattern": "^(resp_)?[0-9a-fA-F-]{32,36}$" })
+                }
+                _ => json!({ "type": "string", "format": "uuid" }),
+            };
+            json!({ "name": name, "in": "path", "required": true, "schema": schema })
+        })
+        .collect()
 }

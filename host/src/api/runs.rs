@@ -14,7 +14,8 @@ use crate::db::tokens::Principal;
 use crate::db::{ConversationId, RunId, RunStatus};
 use crate::service::submit::{self, Busy, RetryRefused, Submission};
 
-use super::{audit, ApiError, ApiJson, AppState, Auth, OrNotFound, PathId};
+use super::paging::PageQuery;
+use super::{audit, ApiError, ApiJson, ApiQuery, AppState, Auth, OrNotFound, PathId};
 use crate::db::audit::action;
 
 #[derive(Debug, Deserialize)]
@@ -95,6 +96,39 @@ pub async fn get_run(
     id: PathId<RunId>,
 ) -> Result<impl IntoResponse, ApiError> {
     Ok(Json(runs::get_run(&state.pool, id.0, &p.user_id).await?.or_not_found(id)?))
+}
+
+/// Runs a page of `GET /v1/runs` holds unless `limit` says otherwise.
+const RUNS_PAGE_DEFAULT: usize = 100;
+
+/// The query of `GET /v1/runs`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListRuns {
+    limit: Option<String>,
+    after: Option<String>,
+    status: Option<String>,
+}
+
+/// `GET /v1/runs?status&limit&after`: the caller's runs, newest first; the
+/// cursor is the last run's id.
+pub async fn list_runs(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    ApiQuery(q): ApiQuery<ListRuns>,
+) -> Result<impl IntoResponse, ApiError> {
+    let page = PageQuery::new(q.limit, q.after).page(RUNS_PAGE_DEFAULT)?;
+    let after = page.after_as::<RunId>()?;
+    let status = match q.status.as_deref() {
+        None => None,
+        Some(s) => Some(s.parse::<RunStatus>().map_err(|_| {
+            let all: Vec<&str> = RunStatus::ALL.iter().map(|s| s.as_str()).collect();
+            ApiError::bad_request(format!("status must be one of {}, not {s:?}", all.join(", ")))
+        })?),
+    };
+    let mut rows = runs::list(&state.pool, &p.user_id, status, after, page.fetch()).await?;
+    let next_cursor = page.finish(&mut rows, |r| r.id.to_string());
+    Ok(Json(json!({ "runs": rows, "next_cursor": next_cursor })))
 }
 
 /// `POST /v1/runs/{id}/cancel`: a durable stop request. 202 while the run

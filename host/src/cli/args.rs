@@ -13,15 +13,26 @@ use clap::{Args, Parser, Subcommand};
 use crate::worker::WorkerConfig;
 
 #[derive(Debug, Parser)]
-#[command(name = "agent-host", version, about = "Durable AI-agent runs on plain PostgreSQL", args_override_self = true)]
+#[command(
+    name = "agent-host",
+    version,
+    about = "Durable AI-agent runs on plain PostgreSQL",
+    args_override_self = true,
+    after_help = "Examples:\n  \
+      agent-host serve --demo                        # a host on a private cluster, with a demo run\n  \
+      agent-host tokens create --user ada --tenant acme --admin\n  \
+      agent-host runs create --plugin chat \"What time is it?\"   # with AGENT_HOST_URL and AGENT_HOST_TOKEN\n  \
+      agent-host plugins upload my-agent my-agent.wasm --manifest manifest.json\n\n\
+      serve, migrate, tokens, tenants, plugins add|list and audit open the database (--database-url, \
+      --data-dir, ...); the other commands talk to a running host over HTTP (--url, --token)."
+)]
 pub struct Cli {
-    #[command(flatten)]
-    pub db: DbArgs,
     #[command(subcommand)]
     pub command: Command,
 }
 
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Database")]
 pub struct DbArgs {
     /// PostgreSQL URL. Without it, a private cluster is started in --data-dir.
     #[arg(long, env = "DATABASE_URL", global = true)]
@@ -53,15 +64,30 @@ pub struct DbArgs {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the HTTP API and a worker (dispatcher, heartbeat, reaper).
+    #[command(after_help = "Examples:\n  \
+      agent-host serve --demo\n  \
+      DATABASE_URL=postgres://agent@db/agents agent-host serve --listen 0.0.0.0:8080 --max-runs 64\n  \
+      agent-host serve --tools-file tools.toml --llm-base-url https://api.openai.com/v1")]
     Serve(Box<ServeArgs>),
     /// Apply the embedded migrations and exit.
-    Migrate,
+    Migrate {
+        #[command(flatten)]
+        db: DbArgs,
+    },
     /// Manage API tokens.
-    #[command(subcommand)]
-    Tokens(TokensCommand),
+    Tokens {
+        #[command(flatten)]
+        db: DbArgs,
+        #[command(subcommand)]
+        command: TokensCommand,
+    },
     /// Operator settings per tenant.
-    #[command(subcommand)]
-    Tenants(TenantsCommand),
+    Tenants {
+        #[command(flatten)]
+        db: DbArgs,
+        #[command(subcommand)]
+        command: TenantsCommand,
+    },
     /// Print a shell completion script (e.g. `agent-host completions bash >
     /// /etc/bash_completion.d/agent-host`).
     Completions {
@@ -80,6 +106,8 @@ pub enum Command {
     Plugins(PluginsCommand),
     /// The audit trail, oldest first: who did what and when.
     Audit {
+        #[command(flatten)]
+        db: DbArgs,
         /// Only this tenant's rows (and the operator-wide ones).
         #[arg(long)]
         tenant: Option<String>,
@@ -134,6 +162,10 @@ pub struct ApiArgs {
 #[derive(Debug, Subcommand)]
 pub enum RunsCommand {
     /// Enqueue a run and print its stream live until it ends.
+    #[command(after_help = "Examples:\n  \
+      agent-host runs create --plugin chat \"What time is it?\"\n  \
+      agent-host runs create --plugin chat --conversation ID \"and then?\"\n  \
+      id=$(agent-host runs create --plugin chat --no-follow \"hi\") && agent-host runs tail \"$id\"")]
     Create {
         /// The user's message.
         content: String,
@@ -149,6 +181,32 @@ pub enum RunsCommand {
         /// Print the run id and return without streaming.
         #[arg(long)]
         no_follow: bool,
+    },
+    /// Print one run: status, plugin, times, error, usage.
+    Get {
+        /// The run's id.
+        id: String,
+        /// Print the API's JSON instead of lines.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The caller's runs, newest first: id, status, plugin, created, conversation.
+    List {
+        /// Only runs in this status (queued, running, waiting, completed, failed, cancelled).
+        #[arg(long)]
+        status: Option<String>,
+        /// Runs at most.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        /// Print one JSON object per run instead of columns.
+        #[arg(long)]
+        json: bool,
+    },
+    /// A new run for a failed or cancelled run's message (the latest turn
+    /// of its conversation); prints the new run's id.
+    Retry {
+        /// The failed or cancelled run's id.
+        id: String,
     },
     /// Print a run's stream from a cursor, live until it ends.
     Tail {
@@ -188,7 +246,11 @@ pub enum RunsCommand {
 #[derive(Debug, Subcommand)]
 pub enum SchedulesCommand {
     /// The caller's schedules: id, cron, time zone, plugin, paused, next firing.
-    List,
+    List {
+        /// Print one JSON object per line instead of columns.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run PLUGIN with CONTENT on a cron expression.
     Create {
         /// The user's message each firing posts.
@@ -229,11 +291,25 @@ pub enum SchedulesCommand {
 #[derive(Debug, Subcommand)]
 pub enum ApprovalsCommand {
     /// The caller's pending approvals: run, call, tool, arguments, deadline.
-    List,
+    List {
+        /// Print one JSON object per line instead of columns.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
 pub enum ConversationsCommand {
+    /// The caller's conversations, newest first: id, created, latest run and
+    /// its status, title.
+    List {
+        /// Conversations at most.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        /// Print one JSON object per line instead of columns.
+        #[arg(long)]
+        json: bool,
+    },
     /// Stop every queued and running turn; prints the drafts handed back.
     Stop {
         /// The conversation's id.
@@ -245,6 +321,8 @@ pub enum ConversationsCommand {
 pub enum PluginsCommand {
     /// Validate a component and point NAME at it (with its manifest).
     Add {
+        #[command(flatten)]
+        db: DbArgs,
         /// The name runs ask for (a-z, 0-9, _ and -, starting with a letter).
         name: String,
         /// The component (.wasm) built for the agent-host:plugin world.
@@ -260,9 +338,27 @@ pub enum PluginsCommand {
     /// List plugins: name, digest, size, manifest (published ones, or what
     /// a tenant may run).
     List {
+        #[command(flatten)]
+        db: DbArgs,
         /// What this tenant may run (default: the published plugins).
         #[arg(long)]
         tenant: Option<String>,
+        /// Print one JSON object per line instead of columns.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Upload a component over the HTTP API with a tenant admin's token
+    /// (no database access needed): the tenant's own plugin NAME.
+    Upload {
+        #[command(flatten)]
+        api: ApiArgs,
+        /// The name runs ask for (a-z, 0-9, _ and -, starting with a letter).
+        name: String,
+        /// The component (.wasm) built for the agent-host:plugin world.
+        file: PathBuf,
+        /// The manifest (JSON): granted tools and limits.
+        #[arg(long)]
+        manifest: Option<PathBuf>,
     },
 }
 
@@ -293,6 +389,9 @@ pub enum TokensCommand {
         /// Only this tenant's.
         #[arg(long)]
         tenant: Option<String>,
+        /// Print one JSON object per line instead of columns.
+        #[arg(long)]
+        json: bool,
     },
     /// Revoke a token by its id: every process refuses it at once.
     Revoke {
@@ -332,7 +431,11 @@ pub enum TenantsCommand {
         clear: bool,
     },
     /// The tenants with settings of their own: tenant, share percent, ceilings.
-    List,
+    List {
+        /// Print one JSON object per line instead of columns.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `NAME=VALUE` of `tenants ceiling`.
@@ -367,27 +470,29 @@ pub fn parse_duration_s(raw: &str) -> Result<i64, String> {
 
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
     /// Address of the HTTP API (port 0 picks a free port).
-    #[arg(long, env = "AGENT_HOST_LISTEN", default_value = "127.0.0.1:8080")]
+    #[arg(long, help_heading = "HTTP API", env = "AGENT_HOST_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     /// Create a demo token, enqueue a demo run and print how to watch it
     /// (and its ending). Implies --builtin-agents.
-    #[arg(long)]
+    #[arg(long, help_heading = "HTTP API")]
     pub demo: bool,
     /// Offer the built-in agents (`noop`, `echo`, `sleep`: for demos, tests
     /// and benchmarks) to every tenant. Off by default: on a shared host
     /// they are agents nobody uploaded.
-    #[arg(long, env = "AGENT_HOST_BUILTIN_AGENTS")]
+    #[arg(long, help_heading = "HTTP API", env = "AGENT_HOST_BUILTIN_AGENTS")]
     pub builtin_agents: bool,
     /// SSE keepalive, which is also a tail's fallback poll when no wake arrives.
-    #[arg(long, env = "AGENT_HOST_SSE_KEEPALIVE_MS", default_value_t = 15_000)]
+    #[arg(long, help_heading = "HTTP API", env = "AGENT_HOST_SSE_KEEPALIVE_MS", default_value_t = 15_000)]
     pub sse_keepalive_ms: u64,
     /// Live SSE tails this process serves at most; past it a new one answers 503 `too_many_streams`.
-    #[arg(long, env = "AGENT_HOST_SSE_TAILS_MAX", default_value_t = crate::stream::tail::LIVE_TAILS_MAX_DEFAULT)]
+    #[arg(long, help_heading = "HTTP API", env = "AGENT_HOST_SSE_TAILS_MAX", default_value_t = crate::stream::tail::LIVE_TAILS_MAX_DEFAULT)]
     pub sse_tails_max: usize,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Worker")]
     pub worker: WorkerArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Tools and models")]
     pub tools: ToolArgs,
 }
 
@@ -497,72 +602,77 @@ pub struct WorkerArgs {
     pub resume_attempts: u32,
     /// URL prefixes a run's completion webhook may start with (repeat the
     /// flag, or separate with commas); none: runs may not ask for webhooks.
-    #[arg(long, env = "AGENT_HOST_COMPLETION_WEBHOOK_ALLOW", value_delimiter = ',')]
+    #[arg(
+        long,
+        help_heading = "Completion webhooks",
+        env = "AGENT_HOST_COMPLETION_WEBHOOK_ALLOW",
+        value_delimiter = ','
+    )]
     pub completion_webhook_allow: Vec<String>,
     /// The completion webhooks' signing secret (`whsec_<base64>`, or at least
     /// 16 bytes); required with `--completion-webhook-allow`.
-    #[arg(long, env = "AGENT_HOST_WEBHOOK_SECRET", hide_env_values = true)]
+    #[arg(long, help_heading = "Completion webhooks", env = "AGENT_HOST_WEBHOOK_SECRET", hide_env_values = true)]
     pub webhook_secret: Option<String>,
     /// Attempts per completion webhook before its delivery is `failed`.
-    #[arg(long, env = "AGENT_HOST_WEBHOOK_ATTEMPTS", default_value_t = 8)]
+    #[arg(long, help_heading = "Completion webhooks", env = "AGENT_HOST_WEBHOOK_ATTEMPTS", default_value_t = 8)]
     pub webhook_attempts: u32,
     /// The first retry's pause; each next one doubles it (at most 10 min).
-    #[arg(long, env = "AGENT_HOST_WEBHOOK_BACKOFF_MS", default_value_t = 1_000)]
+    #[arg(long, help_heading = "Completion webhooks", env = "AGENT_HOST_WEBHOOK_BACKOFF_MS", default_value_t = 1_000)]
     pub webhook_backoff_ms: u64,
     /// How often this process looks for webhook deliveries to send.
-    #[arg(long, env = "AGENT_HOST_WEBHOOK_POLL_MS", default_value_t = 1_000)]
+    #[arg(long, help_heading = "Completion webhooks", env = "AGENT_HOST_WEBHOOK_POLL_MS", default_value_t = 1_000)]
     pub webhook_poll_ms: u64,
     /// How often this process fires due schedules.
-    #[arg(long, env = "AGENT_HOST_SCHEDULE_TICK_MS", default_value_t = millis(crate::worker::SCHEDULE_TICK_DEFAULT))]
+    #[arg(long, help_heading = "Schedules", env = "AGENT_HOST_SCHEDULE_TICK_MS", default_value_t = millis(crate::worker::SCHEDULE_TICK_DEFAULT))]
     pub schedule_tick_ms: u64,
     /// Schedules one tenant may have at most (its users together); past it
     /// a new one is refused (422).
-    #[arg(long, env = "AGENT_HOST_TENANT_MAX_SCHEDULES", default_value_t = crate::service::schedules::TENANT_MAX_SCHEDULES_DEFAULT,
+    #[arg(long, help_heading = "Tenants and quotas", env = "AGENT_HOST_TENANT_MAX_SCHEDULES", default_value_t = crate::service::schedules::TENANT_MAX_SCHEDULES_DEFAULT,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub tenant_max_schedules: u32,
     /// Who decides a tool call the operator gates (a tools-file entry's
     /// `approval`): its requester, or an admin of its tenant other than the
     /// requester.
-    #[arg(long, env = "AGENT_HOST_OPERATOR_APPROVALS", value_enum, default_value_t = OperatorApprovals::Requester)]
+    #[arg(long, help_heading = "Approvals", env = "AGENT_HOST_OPERATOR_APPROVALS", value_enum, default_value_t = OperatorApprovals::Requester)]
     pub operator_approvals: OperatorApprovals,
     /// A decision on a call the operator gates may not edit its arguments.
-    #[arg(long, env = "AGENT_HOST_OPERATOR_APPROVALS_NO_EDIT")]
+    #[arg(long, help_heading = "Approvals", env = "AGENT_HOST_OPERATOR_APPROVALS_NO_EDIT")]
     pub operator_approvals_no_edit: bool,
     /// The shortest time between two firings of one schedule, in seconds:
     /// a cron expression that would fire more often is refused (422).
-    #[arg(long, env = "AGENT_HOST_SCHEDULE_MIN_INTERVAL_S", default_value_t = crate::service::schedules::MIN_INTERVAL_DEFAULT.as_secs(),
+    #[arg(long, help_heading = "Schedules", env = "AGENT_HOST_SCHEDULE_MIN_INTERVAL_S", default_value_t = crate::service::schedules::MIN_INTERVAL_DEFAULT.as_secs(),
           value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub schedule_min_interval_s: u64,
     /// Running runs one tenant may have at most, across all processes (unset: no cap).
-    #[arg(long, env = "AGENT_HOST_TENANT_MAX_RUNNING")]
+    #[arg(long, help_heading = "Tenants and quotas", env = "AGENT_HOST_TENANT_MAX_RUNNING")]
     pub tenant_max_running: Option<u32>,
     /// The share of this process's run slots one tenant may hold, in
     /// percent (rounded up, at least one slot; below 100, never every slot
     /// of a process with two or more): the rest stay free for the other
     /// tenants, so no tenant holds every slot. A tenant's own share is
     /// set with `agent-host tenants share` (read on each heartbeat).
-    #[arg(long, env = "AGENT_HOST_TENANT_SLOT_SHARE_PCT", default_value_t = crate::worker::TENANT_SLOT_SHARE_PCT_DEFAULT,
+    #[arg(long, help_heading = "Tenants and quotas", env = "AGENT_HOST_TENANT_SLOT_SHARE_PCT", default_value_t = crate::worker::TENANT_SLOT_SHARE_PCT_DEFAULT,
           value_parser = clap::value_parser!(u8).range(1..=100))]
     pub tenant_slot_share_pct: u8,
     /// Queued runs one tenant may have at most, across all processes; past
     /// it an enqueue answers 429 `quota_exceeded` (unset: no quota).
-    #[arg(long, env = "AGENT_HOST_TENANT_MAX_QUEUED")]
+    #[arg(long, help_heading = "Tenants and quotas", env = "AGENT_HOST_TENANT_MAX_QUEUED")]
     pub tenant_max_queued: Option<u32>,
     /// Enqueues per second one tenant may make, per process (a token bucket;
     /// a burst waits up to 2 s for its tokens, then 429). Unset: no limit.
-    #[arg(long, env = "AGENT_HOST_TENANT_ENQUEUE_PER_S")]
+    #[arg(long, help_heading = "Tenants and quotas", env = "AGENT_HOST_TENANT_ENQUEUE_PER_S")]
     pub tenant_enqueue_per_s: Option<std::num::NonZeroU32>,
     /// The enqueue bucket's size (default: one second's worth).
-    #[arg(long, env = "AGENT_HOST_TENANT_ENQUEUE_BURST")]
+    #[arg(long, help_heading = "Tenants and quotas", env = "AGENT_HOST_TENANT_ENQUEUE_BURST")]
     pub tenant_enqueue_burst: Option<std::num::NonZeroU32>,
     /// Live event streams and waiting Responses requests one user may hold
     /// at most, per process; past it 429 `quota_exceeded`.
-    #[arg(long, env = "AGENT_HOST_USER_MAX_STREAMS", default_value_t = crate::service::quota::USER_MAX_STREAMS_DEFAULT,
+    #[arg(long, help_heading = "Tenants and quotas", env = "AGENT_HOST_USER_MAX_STREAMS", default_value_t = crate::service::quota::USER_MAX_STREAMS_DEFAULT,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub user_max_streams: u32,
     /// Live event streams and waiting Responses requests one tenant's users
     /// may hold at most, per process; past it 429 `quota_exceeded`.
-    #[arg(long, env = "AGENT_HOST_TENANT_MAX_STREAMS", default_value_t = crate::service::quota::TENANT_MAX_STREAMS_DEFAULT,
+    #[arg(long, help_heading = "Tenants and quotas", env = "AGENT_HOST_TENANT_MAX_STREAMS", default_value_t = crate::service::quota::TENANT_MAX_STREAMS_DEFAULT,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub tenant_max_streams: u32,
     /// Group commit of endings: how long a batch of terminal writes waits for
@@ -684,11 +794,15 @@ fn non_zero(value: u64, flag: &'static str, env: &'static str, why: &'static str
 impl Cli {
     /// Every check that can be made before anything is opened.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.db.validate()?;
-        if let Command::Serve(args) = &self.command {
-            args.validate()?;
+        match &self.command {
+            Command::Serve(args) => args.validate(),
+            Command::Migrate { db }
+            | Command::Tokens { db, .. }
+            | Command::Tenants { db, .. }
+            | Command::Audit { db, .. }
+            | Command::Plugins(PluginsCommand::Add { db, .. } | PluginsCommand::List { db, .. }) => db.validate(),
+            _ => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -712,6 +826,7 @@ impl ServeArgs {
             "AGENT_HOST_SSE_KEEPALIVE_MS",
             "every SSE tail would send keepalives and re-read its run in a busy loop",
         )?;
+        self.db.validate()?;
         self.worker.validate()?;
         self.tools.validate()
     }

@@ -68,6 +68,48 @@ pub async fn runs(args: &ApiArgs, command: RunsCommand) -> anyhow::Result<()> {
             }
             follow(&api, &id, 0).await
         }
+        RunsCommand::Get { id, json } => {
+            let run = api.call(reqwest::Method::GET, &format!("/v1/runs/{}", segment(&id)), None).await?;
+            if json {
+                println!("{run}");
+                return Ok(());
+            }
+            for key in ["id", "status", "plugin", "conversation_id", "created_at", "started_at", "finished_at", "error"]
+            {
+                if !run[key].is_null() {
+                    println!("{key}\t{}", text(&run[key]));
+                }
+            }
+            for key in ["attempt", "last_seq", "usage", "pending_approval", "webhook"] {
+                if !run[key].is_null() {
+                    println!("{key}\t{}", run[key]);
+                }
+            }
+            Ok(())
+        }
+        RunsCommand::List { status, limit, json } => {
+            let path = match status {
+                Some(s) => format!("/v1/runs?status={}", segment(&s)),
+                None => "/v1/runs".to_string(),
+            };
+            let columns = |r: &Value| {
+                format!(
+                    "{}\t{}\t{}\t{}\t{}",
+                    text(&r["id"]),
+                    text(&r["status"]),
+                    text(&r["plugin"]),
+                    text(&r["created_at"]),
+                    text(&r["conversation_id"])
+                )
+            };
+            list(&api, &path, "runs", Some(limit), json, columns).await
+        }
+        RunsCommand::Retry { id } => {
+            let run = api.call(reqwest::Method::POST, &format!("/v1/runs/{}/retry", segment(&id)), None).await?;
+            eprintln!("run {} queued (a retry of {id})", text(&run["run_id"]));
+            println!("{}", text(&run["run_id"]));
+            Ok(())
+        }
         RunsCommand::Tail { id, from } => follow(&api, &id, from).await,
         RunsCommand::Cancel { id } => {
             let answer = api.call(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"), None).await?;
@@ -100,27 +142,19 @@ pub async fn schedules(args: &ApiArgs, command: SchedulesCommand) -> anyhow::Res
     let api = &api;
     let post = |path: String| async move { api.call(reqwest::Method::POST, &path, None).await };
     let answer = match command {
-        SchedulesCommand::List => {
-            let mut after: Option<String> = None;
-            loop {
-                let path = after.as_ref().map_or("/v1/schedules".to_string(), |c| format!("/v1/schedules?after={c}"));
-                let page = api.call(reqwest::Method::GET, &path, None).await?;
-                for s in page["schedules"].as_array().into_iter().flatten() {
-                    println!(
-                        "{}\t{}\t{}\t{}\t{}\tnext {}",
-                        s["id"].as_str().unwrap_or("?"),
-                        s["cron"].as_str().unwrap_or("?"),
-                        s["timezone"].as_str().unwrap_or("?"),
-                        s["plugin"].as_str().unwrap_or("?"),
-                        if s["paused"].as_bool() == Some(true) { "paused" } else { "active" },
-                        s["next_fire_at"].as_str().unwrap_or("?"),
-                    );
-                }
-                match page["next_cursor"].as_str() {
-                    Some(c) => after = Some(c.to_string()),
-                    None => return Ok(()),
-                }
-            }
+        SchedulesCommand::List { json } => {
+            let columns = |s: &Value| {
+                format!(
+                    "{}\t{}\t{}\t{}\t{}\tnext {}",
+                    text(&s["id"]),
+                    text(&s["cron"]),
+                    text(&s["timezone"]),
+                    text(&s["plugin"]),
+                    if s["paused"].as_bool() == Some(true) { "paused" } else { "active" },
+                    text(&s["next_fire_at"]),
+                )
+            };
+            return list(api, "/v1/schedules", "schedules", None, json, columns).await;
         }
         SchedulesCommand::Create { content, plugin, cron, timezone, config, conversation } => {
             let mut body = json!({ "content": content, "plugin": plugin, "cron": cron });
@@ -149,29 +183,18 @@ pub async fn schedules(args: &ApiArgs, command: SchedulesCommand) -> anyhow::Res
 pub async fn approvals(args: &ApiArgs, command: ApprovalsCommand) -> anyhow::Result<()> {
     let api = Api::new(args);
     match command {
-        ApprovalsCommand::List => {
-            let mut after: Option<String> = None;
-            loop {
-                let path = match &after {
-                    None => "/v1/approvals".to_string(),
-                    Some(c) => format!("/v1/approvals?after={c}"),
-                };
-                let page = api.call(reqwest::Method::GET, &path, None).await?;
-                for a in page["approvals"].as_array().into_iter().flatten() {
-                    println!(
-                        "{}\t{}\t{}\t{}\t{}",
-                        a["run_id"].as_str().unwrap_or("?"),
-                        a["call_id"],
-                        a["tool"].as_str().unwrap_or("?"),
-                        a["args"],
-                        a["expires_at"].as_str().unwrap_or("?")
-                    );
-                }
-                match page["next_cursor"].as_str() {
-                    Some(c) => after = Some(c.to_string()),
-                    None => return Ok(()),
-                }
-            }
+        ApprovalsCommand::List { json } => {
+            let columns = |a: &Value| {
+                format!(
+                    "{}\t{}\t{}\t{}\t{}",
+                    text(&a["run_id"]),
+                    a["call_id"],
+                    text(&a["tool"]),
+                    a["args"],
+                    text(&a["expires_at"])
+                )
+            };
+            list(&api, "/v1/approvals", "approvals", None, json, columns).await
         }
     }
 }
@@ -179,10 +202,114 @@ pub async fn approvals(args: &ApiArgs, command: ApprovalsCommand) -> anyhow::Res
 pub async fn conversations(args: &ApiArgs, command: ConversationsCommand) -> anyhow::Result<()> {
     let api = Api::new(args);
     match command {
+        ConversationsCommand::List { limit, json } => {
+            let columns = |c: &Value| {
+                format!(
+                    "{}\t{}\t{}\t{}\t{}",
+                    text(&c["id"]),
+                    text(&c["created_at"]),
+                    text(&c["latest_run_id"]),
+                    text(&c["latest_status"]),
+                    text(&c["title"])
+                )
+            };
+            list(&api, "/v1/conversations", "conversations", Some(limit), json, columns).await
+        }
         ConversationsCommand::Stop { id } => {
             let answer = api.call(reqwest::Method::POST, &format!("/v1/conversations/{id}/stop"), None).await?;
             println!("{answer}");
             Ok(())
+        }
+    }
+}
+
+/// `plugins upload`: `POST /v1/plugins` with a tenant admin's token, for a
+/// team with no access to the database; prints the plugin's name and digest.
+pub async fn plugins_upload(
+    args: &ApiArgs,
+    name: &str,
+    file: &std::path::Path,
+    manifest: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let api = Api::new(args);
+    let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+    let mut form = reqwest::multipart::Form::new()
+        .text("name", name.to_string())
+        .part("component", reqwest::multipart::Part::bytes(bytes).file_name("component.wasm"));
+    if let Some(path) = manifest {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        serde_json::from_str::<Value>(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+        form = form.text("manifest", text);
+    }
+    let res = api
+        .http
+        .post(format!("{}/v1/plugins", api.url))
+        .bearer_auth(&api.token)
+        .multipart(form)
+        .send()
+        .await
+        .with_context(|| format!("cannot reach {}", api.url))?;
+    let status = res.status();
+    let body: Value = res.json().await.unwrap_or(Value::Null);
+    if !status.is_success() {
+        bail!("{status}: {}", body["error"]["message"].as_str().unwrap_or("no message"));
+    }
+    let scope = body["tenant_id"].as_str().map_or("published".to_string(), |t| format!("tenant {t}"));
+    println!("{} -> {} ({scope}, uploaded to {})", text(&body["name"]), text(&body["digest"]), api.url);
+    Ok(())
+}
+
+/// A string field as it reads (`-` when absent), any other value as JSON.
+fn text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// `s` percent-encoded for one path segment or query value.
+fn segment(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+}
+
+/// Prints a paged list (`{<key>: [...], next_cursor}`), page after page,
+/// until `max` items (all without it): one JSON object a line with `json`,
+/// else `columns` of each.
+async fn list(
+    api: &Api,
+    path: &str,
+    key: &str,
+    max: Option<u32>,
+    json: bool,
+    columns: impl Fn(&Value) -> String,
+) -> anyhow::Result<()> {
+    let mut left = max.map(|m| m.max(1));
+    let mut after: Option<String> = None;
+    let sep = if path.contains('?') { '&' } else { '?' };
+    loop {
+        let mut url = path.to_string();
+        let mut push = |k: &str, v: String| {
+            url.push(if url == path { sep } else { '&' });
+            url.push_str(&format!("{k}={v}"));
+        };
+        if let Some(n) = left {
+            push("limit", n.min(crate::api::LIMIT_MAX as u32).to_string());
+        }
+        if let Some(c) = &after {
+            push("after", segment(c));
+        }
+        let page = api.call(reqwest::Method::GET, &url, None).await?;
+        for item in page[key].as_array().into_iter().flatten() {
+            if left == Some(0) {
+                return Ok(());
+            }
+            println!("{}", if json { item.to_string() } else { columns(item) });
+            left = left.map(|n| n - 1);
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) if left != Some(0) => after = Some(c.to_string()),
+            _ => return Ok(()),
         }
     }
 }

@@ -354,12 +354,16 @@ const PLUGINS_LIST_PAGE: i64 = 1000;
 
 /// `plugins list`: every published plugin (or every one `tenant` may run),
 /// a page at a time.
-pub async fn plugins_list(db_args: &DbArgs, tenant: Option<&str>) -> anyhow::Result<()> {
+pub async fn plugins_list(db_args: &DbArgs, tenant: Option<&str>, json: bool) -> anyhow::Result<()> {
     with_pool(db_args, |pool| async move {
         let mut after: Option<String> = None;
         loop {
             let page = db::plugins::list(&pool, tenant, after.as_deref(), PLUGINS_LIST_PAGE).await?;
             for p in &page {
+                if json {
+                    println!("{}", serde_json::to_string(p)?);
+                    continue;
+                }
                 let scope = p.tenant_id.as_deref().unwrap_or("published");
                 println!("{}\t{}\t{} bytes\t{scope}\t{}", p.name, p.digest, p.size_bytes, p.manifest);
             }
@@ -409,9 +413,16 @@ pub async fn tenants(db_args: &DbArgs, command: crate::cli::args::TenantsCommand
                     }
                 }
             }
-            TenantsCommand::List => {
-                println!("tenant\tslot_share_pct\tceilings");
+            TenantsCommand::List { json } => {
+                if !json {
+                    println!("tenant\tslot_share_pct\tceilings");
+                }
                 for (tenant, pct, ceilings) in db::tenants::list(&pool).await? {
+                    if json {
+                        let row = json!({ "tenant": tenant, "slot_share_pct": pct, "ceilings": ceilings.0 });
+                        println!("{row}");
+                        continue;
+                    }
                     let pct = pct.map_or("-".to_string(), |p| p.to_string());
                     let set: Vec<String> = ceilings.0.iter().map(|(k, v)| format!("{k}={v}")).collect();
                     println!("{tenant}\t{pct}\t{}", if set.is_empty() { "-".to_string() } else { set.join(" ") });
@@ -442,8 +453,10 @@ pub async fn tokens(db_args: &DbArgs, command: crate::cli::args::TokensCommand) 
                 eprintln!("token {} for {}/{}", info.id, info.tenant_id, info.user_id);
                 println!("{secret}");
             }
-            TokensCommand::List { tenant } => {
-                println!("id\tuser\ttenant\tadmin\tcreated\tlast_used\texpires\trevoked");
+            TokensCommand::List { tenant, json } => {
+                if !json {
+                    println!("id\tuser\ttenant\tadmin\tcreated\tlast_used\texpires\trevoked");
+                }
                 let when = |t: Option<chrono::DateTime<chrono::Utc>>| t.map_or("-".to_string(), |t| t.to_rfc3339());
                 let scope = db::tokens::Scope { tenant: tenant.as_deref(), ..Default::default() };
                 let mut rows = db::tokens::list(&pool, scope, db::tokens::LIST_MAX + 1).await?;
@@ -452,6 +465,10 @@ pub async fn tokens(db_args: &DbArgs, command: crate::cli::args::TokensCommand) 
                     eprintln!("(the first {} tokens only: narrow with --tenant)", db::tokens::LIST_MAX);
                 }
                 for t in rows {
+                    if json {
+                        println!("{}", serde_json::to_string(&t)?);
+                        continue;
+                    }
                     let role = if t.operator {
                         "operator"
                     } else if t.admin {

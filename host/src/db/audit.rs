@@ -51,7 +51,7 @@ impl From<&Principal> for Actor {
     }
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, schemars::JsonSchema)]
 pub struct AuditEvent {
     pub id: i64,
     pub at: DateTime<Utc>,

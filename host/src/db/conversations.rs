@@ -60,7 +60,7 @@ pub async fn history(
 /// Messages one transcript read returns at most.
 pub const MESSAGES_PAGE_MAX: i64 = 1000;
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
 pub struct ConversationView {
     pub id: ConversationId,
     pub created_at: DateTime<Utc>,
@@ -68,7 +68,7 @@ pub struct ConversationView {
     pub queued_run_ids: Vec<RunId>,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, schemars::JsonSchema)]
 pub struct MessageView {
     pub id: MessageId,
     pub role: String,
@@ -104,7 +104,7 @@ pub async fn get(
 }
 
 /// A conversation in a list: its latest turn's opening words and state.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, schemars::JsonSchema)]
 pub struct ConversationSummary {
     pub id: ConversationId,
     pub created_at: DateTime<Utc>,

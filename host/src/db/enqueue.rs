@@ -38,7 +38,7 @@ pub struct NewRun<'a> {
     pub webhook: Option<&'a str>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, schemars::JsonSchema)]
 pub struct Enqueued {
     pub run_id: RunId,
     pub status: RunStatus,

@@ -18,7 +18,7 @@ use super::events::{complete_payload, COMPLETE};
 use super::{ClaimToken, RunId, RunStatus};
 
 /// One journal row, as stored.
-#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow, schemars::JsonSchema)]
 pub struct Event {
     pub seq: i32,
     #[sqlx(rename = "type")]

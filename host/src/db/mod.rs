@@ -1,12 +1,17 @@
-//! The only place that holds SQL. Everything else calls these functions with a
-//! pool or a transaction (`impl PgExecutor`). This file owns the pool, the
-//! migrations and the typed ids; each module below owns one job:
+//! Where the host's SQL lives: everything else calls these functions with a
+//! pool or a transaction (`impl PgExecutor`). Three small exceptions hold
+//! their own statements: the `/metrics` counts (`crate::api::metrics`), the
+//! schedule firer's read of the database clock (`crate::service::schedules`)
+//! and the private cluster's setup (`crate::cluster`). This file owns the
+//! pool, the migrations and the typed ids; each module below owns one job:
 //!
 //! - [`status`]: `RunStatus` and `MessageStatus`, typed at the database boundary.
 //! - [`notify`]: every NOTIFY channel, and `notify` inside a transaction.
 //! - [`events`]: every event kind and the one `complete` payload.
 //! - [`enqueue`]: a new turn in one transaction (message, queued run, seq
-//!   1-2, wake), conversations created on the way, the idempotency lookup.
+//!   1-2, wake), conversations created on the way, the idempotency lookup;
+//!   the eager start (the run written claimed by the enqueuing process when
+//!   it has a free slot and nothing is queued: [`enqueue::Eager`]).
 //! - [`lifecycle`]: every change of a run's status (claim, finish, backstop,
 //!   reap, cancel, stop, suspend, decide, wake, retry), the lease and the
 //!   stop flag, with the run and message state machines written down beside
@@ -28,8 +33,7 @@
 //! - [`webhooks`]: the completion-webhook outbox; [`schedules`]: cron
 //!   schedules and their firings.
 //!
-//! The private cluster's supervisor is `crate::cluster`; the benchmark's
-//! own SQL is in `bench/src/sql.rs`.
+//! The benchmark's own SQL is in `bench/src/sql.rs`.
 
 pub mod artifacts;
 pub mod audit;
@@ -92,7 +96,7 @@ impl Reach<'_> {
 macro_rules! typed_id {
     ($(#[$doc:meta])* $name:ident) => {
         $(#[$doc])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, sqlx::Type)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, sqlx::Type, schemars::JsonSchema)]
         #[sqlx(transparent)]
         #[serde(transparent)]
         pub struct $name(pub Uuid);

@@ -42,7 +42,7 @@ pub fn language_of(bytes: &[u8]) -> &'static str {
     }
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, schemars::JsonSchema)]
 pub struct PluginRow {
     pub name: String,
     pub digest: String,

@@ -9,7 +9,7 @@ use sqlx::PgExecutor;
 use super::{ConversationId, RunId, RunStatus};
 
 /// A run as clients see it (`GET /v1/runs/{id}`).
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, schemars::JsonSchema)]
 pub struct RunView {
     pub id: RunId,
     pub conversation_id: ConversationId,
@@ -34,6 +34,44 @@ pub struct RunView {
     pub webhook: Option<Value>,
     /// Model calls and tokens, once the run has ended (null without a model call).
     pub usage: Option<Value>,
+}
+
+/// A run in a list (`GET /v1/runs`).
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, schemars::JsonSchema)]
+pub struct RunSummary {
+    pub id: RunId,
+    pub conversation_id: ConversationId,
+    pub status: RunStatus,
+    pub plugin: String,
+    pub error: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub started_at: Option<DateTime<Utc>>,
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+/// The owner's runs, newest first (run ids are time-ordered), at most
+/// `limit`, before the run `after` when given, in `status` when given. Read
+/// backwards along the primary key: a page costs the runs created since its
+/// last one, not every run.
+pub async fn list(
+    db: impl PgExecutor<'_>,
+    owner_id: &str,
+    status: Option<RunStatus>,
+    after: Option<RunId>,
+    limit: i64,
+) -> Result<Vec<RunSummary>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, conversation_id, status, plugin, error, created_at, started_at, finished_at
+         FROM agent_run
+         WHERE owner_id = $1 AND ($2::text IS NULL OR status = $2) AND ($3::uuid IS NULL OR id < $3)
+         ORDER BY id DESC LIMIT $4",
+    )
+    .bind(owner_id)
+    .bind(status.map(|s| s.as_str()))
+    .bind(after)
+    .bind(limit)
+    .fetch_all(db)
+    .await
 }
 
 /// One run as its owner sees it; `None` when missing or someone else's.

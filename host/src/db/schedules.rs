@@ -16,7 +16,7 @@ use super::{ConversationId, RunId};
 pub const SCHEDULES_PAGE_MAX: i64 = 1000;
 
 /// A schedule as its owner sees it.
-#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow, schemars::JsonSchema)]
 pub struct Schedule {
     pub id: Uuid,
     pub plugin: String,

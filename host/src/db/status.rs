@@ -71,7 +71,7 @@ macro_rules! text_enum {
 /// The status of a run, and who owns each transition (every one of them is a
 /// function of [`super::lifecycle`]). The schema's trigger enforces the same
 /// table: terminal states are sticky, and nothing re-queues a started run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum RunStatus {
     /// Written by enqueue (and by retry, as a new run). Left by the
@@ -122,7 +122,7 @@ impl RunStatus {
 /// ```
 ///
 /// Only `complete` and `partial` messages are history an agent is shown.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum MessageStatus {
     /// A user message whose run has not started.

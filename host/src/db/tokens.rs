@@ -27,7 +27,7 @@ pub struct Principal {
 }
 
 /// What `tokens list` shows of a token: never its secret.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, schemars::JsonSchema)]
 pub struct TokenInfo {
     pub id: Uuid,
     pub user_id: String,

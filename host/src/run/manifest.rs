@@ -6,13 +6,14 @@
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
     /// Tools `call-tool` may reach; anything else is `denied`. An MCP
     /// server's tools are `<server>.<tool>`, all of them `<server>.*`.
     #[serde(default)]
     pub tools: Vec<String>,
+    /// What one run may take: memory, CPU, time, events, calls, bytes.
     #[serde(default)]
     pub limits: Limits,
     /// What happens to a run whose worker dies: see [`Durability`].
@@ -29,7 +30,7 @@ pub struct Manifest {
 pub use crate::tools::Approval;
 
 /// What happens to a run whose worker dies (or whose drain budget runs out).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema)]
 pub enum Durability {
     /// The article's stance: the run ends `failed`; a person may retry it.
     #[default]
@@ -41,7 +42,7 @@ pub enum Durability {
     Resume,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
     /// Linear memory of the guest.

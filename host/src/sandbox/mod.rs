@@ -25,6 +25,8 @@
 //! - `engine`: the one place wasmtime is configured (pooling, epochs).
 //! - `imports`: the WIT host interface, translated to [`RunHost`] only.
 //! - `output`: guest stdout and stderr, capped.
+//! - `clocks`: a resumable run's WASI clocks (recorded and replayed through
+//!   the run host) and its seeded random generators.
 //!
 //! Enforcement the guest cannot bypass lives here and in `RunHost`: memory,
 //! CPU (epoch ticks) and wall time here; payload bytes, events, tool calls,

@@ -28,7 +28,13 @@
 //! `content_rollback` (a resumed model call dropped streamed text) cuts the
 //! text of the snapshots and of `output_text.done`; deltas already sent
 //! cannot be taken back on this wire.
+//!
+//! A message's text is bounded like a stored final answer: beyond
+//! [`ANSWER_BYTES_MAX`] it is cut with the same marker as [`crate::text::cut`]
+//! (and the same result), and the fold keeps no more than that bound of it,
+//! however much the journal streamed.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 
 use chrono::{DateTime, Utc};
@@ -41,6 +47,7 @@ use crate::db::journal::Event;
 use crate::db::responses::{self as rows, ResponseRow};
 use crate::db::{RunId, RunStatus};
 use crate::stream::tail::{Item, Reserved, TailError, TailStream, Tails, TooManyTails};
+use crate::text::ANSWER_BYTES_MAX;
 
 /// The prefix of a response id (`resp_` and the run id's 32 hex digits).
 pub const RESPONSE_ID_PREFIX: &str = "resp_";
@@ -87,7 +94,7 @@ pub fn usage_object(usage: Option<&Value>) -> Value {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Output {
     /// Assistant text; `done` once closed (then `status` is final).
-    Message { id: String, text: String, status: &'static str },
+    Message { id: String, text: Text, status: &'static str },
     /// A call of a function the client runs.
     FunctionCall { id: String, call_id: String, name: String, arguments: String },
 }
@@ -96,7 +103,8 @@ impl Output {
     pub fn to_json(&self) -> Value {
         match self {
             Output::Message { id, text, status } => {
-                let content = if *status == "in_progress" && text.is_empty() { json!([]) } else { json!([part(text)]) };
+                let content =
+                    if *status == "in_progress" && text.is_empty() { json!([]) } else { json!([part(&text.shown())]) };
                 json!({ "type": "message", "id": id, "status": status, "role": "assistant", "content": content })
             }
             Output::FunctionCall { id, call_id, name, arguments } => json!({
@@ -109,6 +117,83 @@ impl Output {
 
 fn part(text: &str) -> Value {
     json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": [] })
+}
+
+/// A message's streamed text, kept up to [`ANSWER_BYTES_MAX`] bytes; what
+/// streamed beyond is only counted.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Text {
+    /// The first bytes of the text (up to the bound, at a character boundary).
+    kept: String,
+    /// The bytes and characters streamed after `kept`.
+    over_bytes: usize,
+    over_chars: usize,
+}
+
+impl Text {
+    /// The text as shown: whole, or past the bound cut as [`crate::text::cut`]
+    /// cuts it (at most [`ANSWER_BYTES_MAX`] bytes, with its marker).
+    pub fn shown(&self) -> Cow<'_, str> {
+        let total = self.kept.len() + self.over_bytes;
+        if total <= ANSWER_BYTES_MAX {
+            return Cow::Borrowed(&self.kept);
+        }
+        // As `crate::text::cut`: room for the marker with the widest count it could carry.
+        let mut end = ANSWER_BYTES_MAX.saturating_sub(cut_marker(total).len()).min(self.kept.len());
+        while !self.kept.is_char_boundary(end) {
+            end -= 1;
+        }
+        Cow::Owned(format!("{}{}", &self.kept[..end], cut_marker(total - end)))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.kept.is_empty() && self.over_bytes == 0
+    }
+
+    fn chars(&self) -> usize {
+        self.kept.chars().count() + self.over_chars
+    }
+
+    fn push(&mut self, delta: &str) {
+        if self.over_bytes == 0 {
+            let mut fit = ANSWER_BYTES_MAX.saturating_sub(self.kept.len()).min(delta.len());
+            while !delta.is_char_boundary(fit) {
+                fit -= 1;
+            }
+            self.kept.push_str(&delta[..fit]);
+            if fit == delta.len() {
+                return;
+            }
+            let rest = &delta[fit..];
+            self.over_bytes = rest.len();
+            self.over_chars = rest.chars().count();
+        } else {
+            self.over_bytes += delta.len();
+            self.over_chars += delta.chars().count();
+        }
+    }
+
+    /// Drops the last `n` characters (as many as there are at most); returns
+    /// how many were dropped. Characters past the bound are not kept, so
+    /// dropping some of them counts one byte a character (exact for ASCII).
+    fn drop_last(&mut self, n: usize) -> usize {
+        let over = n.min(self.over_chars);
+        self.over_chars -= over;
+        self.over_bytes =
+            if self.over_chars == 0 { 0 } else { self.over_bytes.saturating_sub(over).max(self.over_chars) };
+        let kept_chars = self.kept.chars().count();
+        let cut = (n - over).min(kept_chars);
+        if cut > 0 {
+            let end = self.kept.char_indices().nth(kept_chars - cut).map_or(self.kept.len(), |(i, _)| i);
+            self.kept.truncate(end);
+        }
+        over + cut
+    }
+}
+
+/// The marker [`crate::text::cut`] appends (checked against it by the tests).
+fn cut_marker(bytes_cut: usize) -> String {
+    format!(" [… {bytes_cut} bytes cut]")
 }
 
 /// How a run ended, for the final snapshot.
@@ -217,7 +302,7 @@ impl View {
             None => {
                 let i = self.output.len();
                 let id = format!("msg_{}_{i}", self.run.0.simple());
-                self.output.push(Output::Message { id: id.clone(), text: String::new(), status: "in_progress" });
+                self.output.push(Output::Message { id: id.clone(), text: Text::default(), status: "in_progress" });
                 self.open = Some(i);
                 let item = self.output[i].to_json();
                 out.push(self.event("response.output_item.added", json!({ "output_index": i, "item": item })));
@@ -229,7 +314,7 @@ impl View {
             }
         };
         let Output::Message { id, text, .. } = &mut self.output[index] else { unreachable!("open is a message") };
-        text.push_str(delta);
+        text.push(delta);
         let id = id.clone();
         out.push(self.event(
             "response.output_text.delta",
@@ -240,22 +325,18 @@ impl View {
 
     /// The answer so far is its first `keep` characters.
     fn rollback(&mut self, keep: usize) {
-        let total: usize = self.texts().map(|t| t.chars().count()).sum();
+        let total: usize = self.texts().map(Text::chars).sum();
         let mut drop = total.saturating_sub(keep);
         for item in self.output.iter_mut().rev() {
             if let Output::Message { text, .. } = item {
-                let n = text.chars().count();
-                let cut = drop.min(n);
-                let kept: String = text.chars().take(n - cut).collect();
-                *text = kept;
-                drop -= cut;
+                drop -= text.drop_last(drop);
             }
         }
     }
 
-    fn texts(&self) -> impl Iterator<Item = &str> {
+    fn texts(&self) -> impl Iterator<Item = &Text> {
         self.output.iter().filter_map(|o| match o {
-            Output::Message { text, .. } => Some(text.as_str()),
+            Output::Message { text, .. } => Some(text),
             _ => None,
         })
     }
@@ -265,7 +346,7 @@ impl View {
         let Some(i) = self.open.take() else { return Vec::new() };
         let Output::Message { id, text, status: s } = &mut self.output[i] else { unreachable!("open is a message") };
         *s = status;
-        let (id, text) = (id.clone(), text.clone());
+        let (id, text) = (id.clone(), text.shown().into_owned());
         let item = self.output[i].to_json();
         vec![
             self.event(
@@ -666,6 +747,55 @@ mod tests {
         let fresh = View::new(&r);
         r.status = RunStatus::Running;
         assert_eq!(fresh.with_status(&r)["status"], "in_progress");
+    }
+
+    #[test]
+    fn the_fold_keeps_a_huge_text_cut_as_a_stored_answer_is() {
+        let mut v = View::new(&row());
+        v.start();
+        v.apply(&ev(3, RUN_STARTED, json!({})));
+        // 3 MiB in 64 KiB deltas, with a two-byte character across the bound.
+        let chunk = format!("é{}", "x".repeat((64 << 10) - 2));
+        let mut full = String::new();
+        for seq in 0..48 {
+            v.apply(&ev(4 + seq, CONTENT_DELTA, json!({ "delta": chunk })));
+            full.push_str(&chunk);
+        }
+        assert!(full.len() > 2 * ANSWER_BYTES_MAX);
+        let Output::Message { text, .. } = &v.output()[0] else { panic!("a message") };
+        assert!(text.kept.len() <= ANSWER_BYTES_MAX, "the fold holds {} bytes", text.kept.len());
+        let shown = text.shown().into_owned();
+        assert!(shown.len() <= ANSWER_BYTES_MAX, "{}", shown.len());
+        assert!(shown.ends_with(" bytes cut]"), "{}", &shown[shown.len() - 40..]);
+        // The same text the transcript stores for the answer.
+        assert_eq!(shown, crate::text::cut(&full, ANSWER_BYTES_MAX));
+        let end = v.finish(Ending {
+            status: RunStatus::Completed,
+            error: None,
+            usage: None,
+            finished_at: None,
+            answer: None,
+        });
+        assert_eq!(end[0]["text"], json!(shown));
+        assert_eq!(end.last().unwrap()["response"]["output"][0]["content"][0]["text"], json!(shown));
+    }
+
+    #[test]
+    fn a_rollback_past_the_bound_keeps_the_text_a_prefix() {
+        let mut v = View::new(&row());
+        v.start();
+        let big = "a".repeat(ANSWER_BYTES_MAX + 10);
+        v.apply(&ev(4, CONTENT_DELTA, json!({ "delta": big })));
+        v.apply(&ev(5, CONTENT_DELTA, json!({ "delta": "bbbb" })));
+        // Drop the 4 b's and 5 of the a's past the bound: still 5 over.
+        v.apply(&ev(6, CONTENT_ROLLBACK, json!({ "keep_chars": ANSWER_BYTES_MAX + 5 })));
+        let Output::Message { text, .. } = &v.output()[0] else { panic!("a message") };
+        assert_eq!(text.shown(), crate::text::cut(&big[..ANSWER_BYTES_MAX + 5], ANSWER_BYTES_MAX));
+        // Back under the bound: the text is whole again, and grows again.
+        v.apply(&ev(7, CONTENT_ROLLBACK, json!({ "keep_chars": 3 })));
+        v.apply(&ev(8, CONTENT_DELTA, json!({ "delta": "c" })));
+        let Output::Message { text, .. } = &v.output()[0] else { panic!("a message") };
+        assert_eq!(text.shown(), "aaac");
     }
 
     #[test]

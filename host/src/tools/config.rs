@@ -76,21 +76,24 @@ const WEBHOOK_RESPONSE_BYTES_DEFAULT: u64 = 1 << 20;
 const HOST_HEADERS: &[&str] = &["content-type", "content-length", "host", "idempotency-key", "transfer-encoding"];
 
 /// One operator-defined webhook tool (a `[[webhook]]` table of the tools file).
-#[derive(Clone, Deserialize)]
+#[derive(Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookConfig {
     /// The name guests call it by (and manifests grant).
     pub name: String,
     /// The only URL this tool ever calls.
     pub url: String,
+    /// One call, end to end, in milliseconds.
     #[serde(default = "webhook_timeout_ms_default")]
     pub timeout_ms: u64,
+    /// Bytes of one answer; a longer one fails the call.
     #[serde(default = "webhook_response_bytes_default")]
     pub max_response_bytes: u64,
     /// Sent with every call (credentials such as `Authorization`); never
     /// shown to guests.
     #[serde(default)]
     pub headers: BTreeMap<String, String>,
+    /// What the tool does, as the model reads it.
     #[serde(default)]
     pub description: Option<String>,
     /// The receiver honours the `Idempotency-Key`: a resumed run whose call
@@ -167,13 +170,18 @@ impl WebhookConfig {
     }
 }
 
-#[derive(Deserialize)]
+/// The operator's tools file (`--tools-file`, TOML): webhook tools, MCP
+/// servers, `http` destinations and the secrets they may use.
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-struct ToolsFile {
+pub struct ToolsFile {
+    /// Webhook tools: each a name guests call and the one URL it posts to.
     #[serde(default)]
     webhook: Vec<WebhookConfig>,
+    /// MCP servers (Streamable HTTP) whose tools guests may call as `<server>.<tool>`.
     #[serde(default)]
     mcp: Vec<super::mcp::McpConfig>,
+    /// Destinations the `http` tool may reach, with their methods, paths and secrets.
     #[serde(default)]
     http: Vec<super::http::HttpRule>,
     /// Named secrets (`name = "${env:VAR}"`) a guest may place in an `http`
@@ -263,16 +271,30 @@ fn parse_tools_file(text: &str) -> Result<Vec<WebhookConfig>, String> {
 }
 
 /// Resolves `${env:NAME}` in an entry's URL (not a secret: hosts and ports
-/// are not redacted) and in its header values (secrets).
+/// are not redacted) and in its header values (secrets). A header value
+/// written literally in the file is a secret too (and so is its credential,
+/// after a scheme such as `Bearer `), when it is at least
+/// [`SECRET_BYTES_MIN`] bytes; headers that carry no credential (`Accept`,
+/// `User-Agent`, ...) are not, lest their common values be cut out of answers.
 fn expand_entry(
     url: &mut String,
     headers: &mut BTreeMap<String, String>,
     env: &dyn Fn(&str) -> Option<String>,
     secrets: &mut Secrets,
 ) -> Result<(), String> {
+    const PLAIN: &[&str] = &["accept", "accept-encoding", "accept-language", "cache-control", "user-agent"];
     *url = expand_env(url, env, None).map_err(|e| format!("url: {e}"))?;
     for (k, v) in headers.iter_mut() {
+        let literal = !v.contains("${env:") && !PLAIN.contains(&k.to_ascii_lowercase().as_str());
         *v = expand_env(v, env, Some(secrets)).map_err(|e| format!("header {k:?}: {e}"))?;
+        if literal {
+            let credential = v.split_once(' ').map(|(_, c)| c.trim());
+            for value in std::iter::once(v.as_str()).chain(credential) {
+                if value.len() >= SECRET_BYTES_MIN {
+                    secrets.add_value(value);
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -496,6 +518,33 @@ secrets = ["weather_key"]
         assert!(e.contains("does not name an environment variable"), "{e}");
     }
 
+    /// Issue 40: a header value written in the file itself is redacted like
+    /// one from the environment (and so is its credential after `Bearer `).
+    #[test]
+    fn literal_header_values_are_redacted() {
+        let file = r#"
+[[webhook]]
+name = "hook"
+url = "http://127.0.0.1:9/hook"
+headers = { Authorization = "Bearer literal-hook-token", X-Short = "abc", Accept = "application/json" }
+
+[[mcp]]
+name = "docs"
+url = "http://127.0.0.1:9/mcp"
+headers = { X-Api-Key = "mcp-literal-key" }
+"#;
+        let c = parse_tools_file_with(file, &|_| None).unwrap();
+        assert_eq!(c.webhooks[0].headers["Authorization"], "Bearer literal-hook-token");
+        let said =
+            "sent Bearer literal-hook-token, echoed literal-hook-token, key mcp-literal-key, abc, application/json";
+        assert_eq!(c.secrets.redact(said), "sent <redacted>, echoed <redacted>, key <redacted>, abc, application/json");
+        let answer = serde_json::json!({ "k": "mcp-literal-key" });
+        assert_eq!(c.secrets.redact_value(answer), serde_json::json!({ "k": "<redacted>" }));
+        // Without the literal values there is nothing to redact.
+        let c = parse_tools_file_with("[[webhook]]\nname = \"w\"\nurl = \"http://x/\"\n", &|_| None).unwrap();
+        assert!(c.secrets.is_empty());
+    }
+
     #[test]
     fn an_http_rule_may_bind_only_known_secrets() {
         let text = "[[http]]\nurl = \"https://a.example\"\nsecrets = [\"nope\"]\n";
@@ -506,7 +555,7 @@ secrets = ["weather_key"]
 
 /// Whether a tool's calls wait for a person's approval: a tools-file entry's
 /// `approval`, and a manifest's `approval` map.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Approval {
     Always,

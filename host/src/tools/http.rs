@@ -36,7 +36,7 @@ const HOST_HEADERS: &[&str] = &["host", "content-length", "transfer-encoding", "
 const REQUEST_HEADERS_MAX: usize = 64;
 
 /// One `[[http]]` rule of the tools file.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct HttpRule {
     /// `scheme://host[:port]`, nothing more: the destination.
@@ -54,8 +54,10 @@ pub struct HttpRule {
     /// Ranges (CIDR) the host's name may resolve to that are otherwise refused.
     #[serde(default)]
     pub allow_ranges: Vec<String>,
+    /// One call, end to end, in milliseconds.
     #[serde(default = "timeout_default")]
     pub timeout_ms: u64,
+    /// Bytes of one answer; a longer one fails the call.
     #[serde(default = "bytes_default")]
     pub max_response_bytes: u64,
     /// The tenants whose own plugins may call this destination (`["*"]`: every tenant);
@@ -642,5 +644,29 @@ mod tests {
             tenants: None,
         };
         assert!(r.check(&Secrets::default()).unwrap_err().contains("only scheme://host[:port]"));
+    }
+
+    /// Issue 40: a rule naming `tenants` admits those tenants' plugins only
+    /// (published plugins, `None`, use every rule), whatever `--tenant-tools` says.
+    #[test]
+    fn a_rule_for_one_tenant_is_not_found_for_another() {
+        let rule = HttpRule {
+            url: "https://api.example".into(),
+            methods: default_methods(),
+            paths: default_paths(),
+            secrets: vec![],
+            allow_ranges: vec![],
+            timeout_ms: 1,
+            max_response_bytes: 1,
+            tenants: Some(vec!["acme".into()]),
+        };
+        let url = Url::parse("https://api.example/v1/items").unwrap();
+        for tenants_default_all in [false, true] {
+            let rules = Rules(vec![rule.compile(&Secrets::default(), tenants_default_all).unwrap()]);
+            assert!(rules.find(&Method::GET, &url, Some("acme")).is_some(), "default_all={tenants_default_all}");
+            assert!(rules.find(&Method::GET, &url, Some("evil")).is_none(), "default_all={tenants_default_all}");
+            assert!(rules.find(&Method::GET, &url, Some("")).is_none());
+            assert!(rules.find(&Method::GET, &url, None).is_some(), "a published plugin");
+        }
     }
 }

@@ -44,7 +44,7 @@ pub const SERVER_TOOLS_MAX: usize = 1024;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Which of a server's calls wait for a person's approval.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum McpApproval {
     /// Every call.
@@ -59,7 +59,7 @@ pub enum McpApproval {
 }
 
 /// One `[[mcp]]` entry of the tools file.
-#[derive(Clone, Deserialize)]
+#[derive(Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct McpConfig {
     /// The server's name: its tools are `<name>.<tool>`.
@@ -86,6 +86,7 @@ pub struct McpConfig {
     /// `list_changed` notification refreshes it sooner).
     #[serde(default = "ttl_default")]
     pub list_ttl_ms: u64,
+    /// Which of the server's calls wait for a person's approval.
     #[serde(default)]
     pub approval: McpApproval,
     /// The tenants whose own plugins may use it (`["*"]`: every tenant);

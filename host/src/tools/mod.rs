@@ -26,7 +26,7 @@ use crate::db::RunId;
 use crate::error::HostError;
 
 pub use checks::{Secrets, TenantScope};
-pub use config::{load_tools_file, parse_tools_file_with, Approval, LlmConfig, ToolsConfig, WebhookConfig};
+pub use config::{load_tools_file, parse_tools_file_with, Approval, LlmConfig, ToolsConfig, ToolsFile, WebhookConfig};
 pub use http::HttpRule;
 pub use llm::{valid_tool_name, TOOL_NAME_BYTES_MAX};
 pub use mcp::{McpApproval, McpConfig};

@@ -1,7 +1,9 @@
 //! The worker side of a process: dispatcher (claim loop), run tasks (whose
-//! ending `settle` decides), finisher (group-committed endings), heartbeat,
-//! reaper, the waiting runs' scheduler (`suspensions`), retention, webhooks,
-//! schedules, and the two-phase drain.
+//! ending `settle` decides), finisher (group-committed endings), `waker`
+//! (the knock for a turn queued behind an ended run), `canceller` (the
+//! cancel fast path), heartbeat, reaper, the waiting runs' scheduler
+//! (`suspensions`), `shares` (a tenant's share of the slots), retention,
+//! webhooks, schedules, and the two-phase drain.
 
 mod canceller;
 mod dispatcher;

@@ -24,7 +24,7 @@
 //! | running | failed    | [`reap_or_resume`] (lease lapsed past the grace, re-checked in the write) | reaper, boot reconciler |
 //! | running | queued    | [`reap_or_resume`], [`hand_back`] (fenced): a resumable run with attempts left, `attempt` raised | reaper, boot reconciler; run task at a drain timeout |
 //! | running | waiting   | [`suspensions::suspend`] (fenced): a resumable run's call needs approval, or waits | run task (the run host) |
-//! | waiting | queued    | [`suspensions::decide`], [`suspensions::wake_due`]: `attempt` raised | HTTP decision; the scheduler (reaper loop) |
+//! | waiting | queued    | [`suspensions::decide`], [`suspensions::wake_due`]: `attempt` raised | HTTP decision; the waiting runs' scheduler (`crate::worker::suspensions`) |
 //! | waiting | cancelled | [`cancel`], [`stop_conversation`] | HTTP cancel, HTTP stop |
 //! | running | (flag)    | [`cancel`], [`stop_conversation`] set `cancel_requested` and NOTIFY; the holder then [`finish`]es `cancelled` | HTTP cancel, HTTP stop |
 //!

@@ -17,14 +17,14 @@ pub enum Cancelled {
 }
 
 /// A user message handed back by a stop.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct Draft {
     pub message_id: MessageId,
     pub content: String,
 }
 
 /// What a conversation stop did.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct Stopped {
     /// Queued runs, cancelled outright.
     pub cancelled: Vec<RunId>,

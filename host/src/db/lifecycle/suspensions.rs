@@ -173,7 +173,7 @@ pub async fn start_approved(
 }
 
 /// A pending approval, as the approver sees it.
-#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow, schemars::JsonSchema)]
 pub struct Pending {
     pub run_id: RunId,
     pub conversation_id: ConversationId,
@@ -360,8 +360,9 @@ async fn requeue_waiting(
     notify(&mut **tx, RUN_ENQUEUED, &conversation.to_string()).await
 }
 
-/// waiting -> queued, for the scheduler (the reaper's periodic loop, on
-/// every process): suspensions whose time came (an approval's timeout
+/// waiting -> queued, for the waiting runs' scheduler
+/// (`crate::worker::suspensions`, on the reaper's interval, on every
+/// process): suspensions whose time came (an approval's timeout
 /// rejects it; a wait has elapsed), at most `limit`, each with its event and
 /// the wake. Rows another process is deciding are skipped. Returns the runs
 /// woken.
