@@ -162,9 +162,9 @@ async fn private_cluster_starts_is_reused_and_stops_with_the_host() {
     let bin = env!("CARGO_BIN_EXE_agent-host");
     let run = |args: &[&str]| {
         std::process::Command::new(bin)
+            .args(args)
             .arg("--data-dir")
             .arg(&dir)
-            .args(args)
             .env_remove("DATABASE_URL")
             .output()
             .unwrap()
@@ -178,9 +178,9 @@ async fn private_cluster_starts_is_reused_and_stops_with_the_host() {
 
     // `serve` makes it, and stops it when it drains on SIGTERM.
     let mut host = std::process::Command::new(bin)
+        .args(["serve", "--listen", "127.0.0.1:0"])
         .arg("--data-dir")
         .arg(&dir)
-        .args(["serve", "--listen", "127.0.0.1:0"])
         .env_remove("DATABASE_URL")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
@@ -215,9 +215,9 @@ async fn private_cluster_starts_is_reused_and_stops_with_the_host() {
 fn missing_postgres_binaries_name_the_package_to_install() {
     let dir = std::env::temp_dir().join(format!("agent-host-nobin-{}", uuid::Uuid::new_v4().simple()));
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
         .arg("--data-dir")
         .arg(&dir)
-        .args(["serve", "--listen", "127.0.0.1:0"])
         .env_remove("DATABASE_URL")
         .env("AGENT_HOST_PG_BIN", "/nonexistent")
         .output()
@@ -296,10 +296,10 @@ async fn plugins_cli_validates_stores_and_lists() {
     std::fs::write(&manifest, r#"{"tools": [], "limits": {"cpu_ms": 1000}}"#).unwrap();
     let cli = |args: &[&str]| {
         std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-            .args(["--database-url", &db.url, "--cache-dir"])
-            .arg(dir.join("cache"))
             .args(["plugins"])
             .args(args)
+            .args(["--database-url", &db.url, "--cache-dir"])
+            .arg(dir.join("cache"))
             .output()
             .unwrap()
     };
@@ -632,7 +632,7 @@ async fn serve_private(dir: &std::path::Path) -> (tokio::process::Child, String)
     serve_child(&["--data-dir".as_ref(), dir.as_os_str()]).await
 }
 
-/// Starts `agent-host <global> serve` at the host's defaults (no built-in
+/// Starts `agent-host serve <global>` at the host's defaults (no built-in
 /// agents); the host and its address, once it listens.
 async fn serve_child(global: &[&std::ffi::OsStr]) -> (tokio::process::Child, String) {
     let (host, addr, _) = serve_child_with(global, &[]).await;
@@ -646,8 +646,8 @@ type Lines = tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>
 /// the one saying where it listens.
 async fn serve_child_with(global: &[&std::ffi::OsStr], args: &[&str]) -> (tokio::process::Child, String, Lines) {
     let mut host = tokio::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-        .args(global)
         .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(global)
         .args(args)
         .env_remove("DATABASE_URL")
         .stdout(std::process::Stdio::piped())
@@ -733,11 +733,12 @@ async fn plugins_add_from_another_directory_reaches_the_host_or_refuses() {
     let add = |data_dir: Option<&std::path::Path>| {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"));
         cmd.current_dir(&elsewhere).env_remove("DATABASE_URL").env_remove("AGENT_HOST_DATA_DIR");
+        cmd.args(["plugins", "add", "echo2"]).arg(&echo);
         cmd.arg("--cache-dir").arg(elsewhere.join("cache"));
         if let Some(d) = data_dir {
             cmd.arg("--data-dir").arg(d);
         }
-        cmd.args(["plugins", "add", "echo2"]).arg(&echo).output().unwrap()
+        cmd.output().unwrap()
     };
     let refused = add(None);
     assert!(!refused.status.success());
@@ -803,24 +804,89 @@ async fn a_guest_cannot_forge_a_log_line() {
     assert!(log.contains(r"ok\n2026-01-01T00:00:00.000000Z  INFO agent_host::worker: forged by a guest"), "{log}");
 }
 
+/// The hostile suite's bound on good's pickup under attack: at most this
+/// many times its worst unattacked, and never less than two seconds (woken
+/// by its enqueue; the poll tick, 0.5 s, bounds a lost wake).
+const PICKUP_FACTOR: f64 = 3.0;
+/// good's turns timed unattacked, and again under attack.
+const PICKUP_SAMPLES: usize = 12;
+/// The suite's queue quota (`--tenant-max-queued`): above anything good
+/// queues, and just above what evil's flood and waits queue.
+const HOSTILE_QUEUED_MAX: &str = "72";
+
+/// Prints good's pickups (median, p99, worst) unattacked and under attack,
+/// and asserts the p99 under attack (of twelve samples, the worst) stays
+/// within max(2 s, [`PICKUP_FACTOR`] × the worst unattacked).
+fn bound_pickups(calm: &[f64], attacked: &[f64]) {
+    let at = |v: &[f64], q: f64| v[((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1];
+    let ms = |v: &[f64]| format!("{:.0} / {:.0} / {:.0} ms", at(v, 0.5) * 1e3, at(v, 0.99) * 1e3, at(v, 1.0) * 1e3);
+    eprintln!(
+        "hostile suite: good's pickup median / p99 / worst over {} turns, unattacked {}, under attack {}",
+        attacked.len(),
+        ms(calm),
+        ms(attacked)
+    );
+    let bound = f64::max(2.0, PICKUP_FACTOR * at(calm, 1.0));
+    assert!(
+        at(attacked, 0.99) <= bound,
+        "good's pickup p99 under attack passed max(2 s, {PICKUP_FACTOR} × worst unattacked) = {bound:.3} s: \
+         unattacked {calm:?}, attacked {attacked:?}"
+    );
+}
+
 /// Issue 40's hostile-tenant suite, with real processes (two hosts, one
-/// database, the host's defaults but for four slots a process): tenant
-/// `evil` attacks on every front at once while tenant `good` runs a steady
-/// trickle of turns. Each attack is refused with a clear 4xx or contained:
-/// endless runs hold at most their share of each process's slots, a
-/// per-second schedule and the 101st schedule are refused, the 65th live
-/// stream of one user is refused, an upload granting the operator's tool or
-/// asking for limits above evil's ceilings is refused. Nothing of `good` is lost, and its pickup under attack stays
-/// within two seconds (beside the same trickle unattacked).
+/// database, the host's defaults but for four slots a process, the
+/// operator's tools, `--operator-approvals admin` and a queue quota of 72
+/// a tenant): tenant `evil` attacks on every front at once while tenant
+/// `good` runs a steady trickle of turns. Each attack is refused with a
+/// clear 4xx or contained:
+/// - a final answer of 4 MiB is stored cut to 1 MiB with its marker;
+/// - evil's user approving its own call of a tool the operator gates: 403;
+/// - endless runs hold at most their share of each process's slots;
+/// - a per-second schedule and the 101st schedule: 422;
+/// - the 65th live stream of one user, and the 65th blocking
+///   `POST /v1/responses` (and the first where its streams are open): 429,
+///   before anything is enqueued;
+/// - an upload granting the operator's tool or asking for limits above
+///   evil's ceilings: 422;
+/// - an anonymous `/metrics` scrape names neither tenant;
+/// - evil's hundred schedules all due (an hour overdue) while its queue is
+///   at its quota: the firings are held and back off, and good's schedule,
+///   due after them, fires on the next tick.
+///
+/// Nothing of `good` is lost, and its pickup p99 under attack stays within
+/// max(2 s, 3 × its worst unattacked), both measured here over 12 turns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hostile_tenant_suite_on_two_hosts() {
+    use agent_host::text::ANSWER_BYTES_MAX;
+    use serde_json::Value;
     let db = TestDb::new().await;
     let dir = std::env::temp_dir().join(format!("agent-host-hostile-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).unwrap();
     let tools = dir.join("tools.toml");
-    std::fs::write(&tools, "[[webhook]]\nname = \"ops\"\nurl = \"http://127.0.0.1:1/ops\"\nheaders = { Authorization = \"Bearer operator-credential\" }\n").unwrap();
+    std::fs::write(
+        &tools,
+        "[[webhook]]\nname = \"ops\"\nurl = \"http://127.0.0.1:1/ops\"\n\
+         headers = { Authorization = \"Bearer operator-credential\" }\n\n\
+         [[webhook]]\nname = \"gated\"\nurl = \"http://127.0.0.1:1/gated\"\napproval = \"always\"\ntenants = [\"evil\"]\n",
+    )
+    .unwrap();
     let tools_arg = tools.to_string_lossy().into_owned();
-    let args = [FAST, &["--max-runs", "4", "--tools-file", &tools_arg]].concat();
+    // Compiled components go to the suite's own directory, not the repository's.
+    let cache_arg = dir.join("cache").to_string_lossy().into_owned();
+    let extra = [
+        "--cache-dir",
+        &cache_arg,
+        "--max-runs",
+        "4",
+        "--tools-file",
+        &tools_arg,
+        "--operator-approvals",
+        "admin",
+        "--tenant-max-queued",
+        HOSTILE_QUEUED_MAX,
+    ];
+    let args = [FAST, &extra].concat();
     let a = HostProcess::spawn_sharing(&db.url, "A", &args);
     let b = HostProcess::spawn_sharing(&db.url, "B", &args);
     let create = |user: &'static str, tenant: &'static str, admin: bool| {
@@ -833,7 +899,54 @@ async fn the_hostile_tenant_suite_on_two_hosts() {
         create("alice", "good", false).await,
     );
     let http = reqwest::Client::new();
-    let calm = trickle(&db, &[&a, &b], &good, 6).await;
+    let post = |host: &HostProcess, token: &str, path: &str, body: Value| {
+        http.post(format!("http://{}{path}", host.addr)).bearer_auth(token.to_string()).json(&body).send()
+    };
+    let wasm = plugin_wasm("fixtures");
+    let upload = |host: &HostProcess, name: &'static str, manifest: Value| {
+        let (ct, body) = crate::support::http::multipart(&[
+            ("name", name.as_bytes()),
+            ("component", wasm.as_slice()),
+            ("manifest", manifest.to_string().as_bytes()),
+        ]);
+        let request = http.post(format!("http://{}/v1/plugins", host.addr)).bearer_auth(&evil_admin);
+        request.header("content-type", ct).body(body).send()
+    };
+    let calm = trickle(&db, &[&a, &b], &good, PICKUP_SAMPLES).await;
+
+    // evil's own plugin (the fixtures), granted the tool the operator gates.
+    let hoax = upload(&a, "hoax", json!({ "tools": ["gated"], "durability": "resume" })).await.unwrap();
+    assert_eq!(hoax.status(), 201, "{}", hoax.text().await.unwrap());
+    // A huge final answer: stored cut, with the marker, not a failed store.
+    let huge = post_run(&a, &evil, "hoax", json!({ "mode": "huge", "bytes": 4 << 20 })).await;
+    let ended = wait_terminal(&db.pool, huge, LONG).await;
+    assert_eq!(ended, "completed", "{}", run_error(&db.pool, huge).await);
+    let answer: String = sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
+        .bind(huge)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(answer.len() <= ANSWER_BYTES_MAX && answer.len() > ANSWER_BYTES_MAX - 100, "{} bytes", answer.len());
+    assert!(answer.ends_with(" bytes cut]"), "{}", &answer[answer.len() - 40..]);
+    // Approvals: evil's user may not approve its own call of a tool the
+    // operator gates (an admin other than the requester decides).
+    let gated = post_run(&b, &evil, "hoax", json!({ "mode": "durable", "tool": "gated", "steps": 1 })).await;
+    wait_status(&db.pool, gated, "waiting", LONG).await;
+    let view: Value = http
+        .get(format!("http://{}/v1/runs/{gated}", a.addr))
+        .bearer_auth(&evil)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let call = view["pending_approval"]["call_id"].as_i64().unwrap_or_else(|| panic!("{view}"));
+    let approve = json!({ "decision": "approve" });
+    let decided = post(&a, &evil, &format!("/v1/runs/{gated}/approvals/{call}"), approve).await.unwrap();
+    let refusal = (decided.status(), decided.text().await.unwrap());
+    assert_eq!(refusal.0, 403, "evil's user approved its own operator-gated call: {}", refusal.1);
+    assert_eq!(status(&db.pool, gated).await, "waiting", "the refused decision changed the run");
 
     // Slots: more endless runs than both processes have slots.
     let endless = json!({ "steps": 100_000, "step_ms": 3_600_000 });
@@ -843,9 +956,6 @@ async fn the_hostile_tenant_suite_on_two_hosts() {
     }
     // Schedules: too often, then past the tenant's cap.
     let schedule = |cron: &str| json!({ "plugin": "echo", "content": "tick", "cron": cron });
-    let post = |host: &HostProcess, token: &str, path: &str, body: serde_json::Value| {
-        http.post(format!("http://{}{path}", host.addr)).bearer_auth(token.to_string()).json(&body).send()
-    };
     let every_second = post(&a, &evil, "/v1/schedules", schedule("* * * * * *")).await.unwrap();
     assert_eq!(every_second.status(), 422, "a per-second schedule");
     for i in 0..100 {
@@ -863,34 +973,108 @@ async fn the_hostile_tenant_suite_on_two_hosts() {
     }
     let refused = http.get(&url).bearer_auth(&evil).header("Accept", "text/event-stream").send().await.unwrap();
     assert_eq!(refused.status(), 429, "the 65th stream");
-    // Grants: an upload granting the operator's webhook.
-    let wasm = plugin_wasm("fixtures");
-    let upload = |host: &HostProcess, name: &'static str, manifest: serde_json::Value| {
-        let (ct, body) = crate::support::http::multipart(&[
-            ("name", name.as_bytes()),
-            ("component", wasm.as_slice()),
-            ("manifest", manifest.to_string().as_bytes()),
-        ]);
-        let request = http.post(format!("http://{}/v1/plugins", host.addr)).bearer_auth(&evil_admin);
-        request.header("content-type", ct).body(body).send()
+    // Blocking Responses requests hold their user's places as streams do:
+    // 64 waiting on B (each for an endless run of its own), then the 65th
+    // is refused before it enqueues anything; on A, where the user's 64
+    // streams are open, the first is.
+    let respond = |host: &HostProcess| {
+        let body = json!({ "model": "sleep", "input": "hold", "config": endless });
+        http.post(format!("http://{}/v1/responses", host.addr)).bearer_auth(&evil).json(&body).send()
     };
+    let waits: Vec<_> = (0..64).map(|_| tokio::spawn(respond(&b))).collect();
+    let waiting = || async {
+        let sql = "SELECT count(*) FROM agent_run WHERE tenant_id = 'evil' AND config ? 'responses'";
+        sqlx::query_scalar::<_, i64>(sql).fetch_one(&db.pool).await.unwrap()
+    };
+    wait_for("evil's 64 blocking responses to wait", LONG, || async { waiting().await == 64 }).await;
+    for (host, what) in [(&b, "the 65th blocking response"), (&a, "a blocking response beside 64 streams")] {
+        let refused = tokio::time::timeout(LONG, respond(host)).await.unwrap_or_else(|_| panic!("{what} waited"));
+        let refused = refused.unwrap();
+        let status = refused.status();
+        let body: Value = refused.json().await.unwrap();
+        assert_eq!(status, 429, "{what}: {body}");
+        assert_eq!(body["error"]["code"], "quota_exceeded", "{what}: {body}");
+    }
+    assert_eq!(waiting().await, 64, "a refused wait enqueued a run");
+    // Grants: an upload granting the operator's webhook.
     let refused = upload(&b, "exfil", json!({ "tools": ["ops"] })).await.unwrap();
     assert_eq!(refused.status(), 422, "an upload granting the operator's tool");
     // Limits: an upload asking for more than the ceilings the operator set evil.
     let ceiling = std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-        .args(["--database-url", &db.url, "tenants", "ceiling", "evil", "wall_ms=60000"])
+        .args(["tenants", "ceiling", "evil", "wall_ms=60000"])
+        .env("DATABASE_URL", &db.url)
         .output()
         .unwrap();
     assert!(ceiling.status.success(), "{}", String::from_utf8_lossy(&ceiling.stderr));
     let upload = upload(&a, "forever", json!({ "limits": { "wall_ms": 86_400_000 } })).await.unwrap();
     assert_eq!(upload.status(), 422, "an upload asking for limits above evil's ceilings");
-    let refusal: serde_json::Value = upload.json().await.unwrap();
+    let refusal: Value = upload.json().await.unwrap();
     assert!(refusal["error"]["message"].as_str().unwrap().contains("wall_ms 86400000 > 60000"), "{refusal}");
+    // Metrics: a scrape without a token names no tenant, though both
+    // processes counted evil's refusals.
+    for host in [&a, &b] {
+        let text = reqwest::get(format!("http://{}/metrics", host.addr)).await.unwrap().text().await.unwrap();
+        assert!(text.contains("agent_host_quota_refusals_total{tenant=\"*\",limit=\"user_streams\"}"), "{text}");
+        let samples = text.lines().filter(|l| !l.starts_with('#'));
+        let named: Vec<&str> = samples.filter(|l| l.contains("evil") || l.contains("good")).collect();
+        assert!(named.is_empty(), "an anonymous scrape of {} names a tenant: {named:?}", host.worker_id);
+    }
+
+    // Schedules held by the queue quota: every one of evil's hundred due
+    // (an hour overdue, ahead of good's), while evil's queue is at most a
+    // few places short of its quota. The firings past it are held and back
+    // off; good's schedule, due after them, fires at once all the same.
+    let created = post(&a, &good, "/v1/schedules", schedule("0 0 1 1 *")).await.unwrap();
+    assert_eq!(created.status(), 201);
+    let good_schedule: uuid::Uuid = created.json::<Value>().await.unwrap()["id"].as_str().unwrap().parse().unwrap();
+    let queued_before = evil_runs(&db, "queued").await;
+    let quota: i64 = HOSTILE_QUEUED_MAX.parse().unwrap();
+    assert!(queued_before <= quota, "{queued_before} queued");
+    let due_at = Instant::now();
+    sqlx::query(
+        "UPDATE schedule SET next_fire_at = CASE tenant_id WHEN 'evil' THEN now() - interval '1 hour'
+                                                           ELSE now() - interval '1 second' END",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let fired = || async {
+        let sql = "SELECT last_run_id FROM schedule WHERE id = $1";
+        sqlx::query_scalar::<_, Option<agent_host::db::RunId>>(sql)
+            .bind(good_schedule)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    wait_for("good's schedule to fire", LONG, || async { fired().await.is_some() }).await;
+    let took = due_at.elapsed();
+    let ticked = fired().await.unwrap();
+    wait_for("evil's due firings to be fired or held", LONG, || async {
+        let sql = "SELECT count(*) FROM schedule WHERE tenant_id = 'evil' AND next_fire_at <= now()";
+        sqlx::query_scalar::<_, i64>(sql).fetch_one(&db.pool).await.unwrap() == 0
+    })
+    .await;
+    let (evil_fired, backed_off): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE last_run_id IS NOT NULL),
+                count(*) FILTER (WHERE last_run_id IS NULL AND next_fire_at > now()
+                                       AND next_fire_at <= now() + interval '31 seconds')
+         FROM schedule WHERE tenant_id = 'evil'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    eprintln!(
+        "hostile suite: good's schedule fired {took:?} after it was due; evil's fired {evil_fired}, held {backed_off}"
+    );
+    assert!(took < Duration::from_secs(5), "good's schedule waited {took:?} behind evil's held ones");
+    assert_eq!(evil_fired, quota - queued_before, "evil's firings past its queue quota");
+    assert_eq!(evil_fired + backed_off, 100, "every held firing backs off (30 s), none is dropped or due");
+    assert_eq!(wait_terminal(&db.pool, ticked, LONG).await, "completed");
 
     // good, meanwhile.
     wait_for("evil to hold its share of both processes", LONG, || async { evil_runs(&db, "running").await == 6 }).await;
-    let attacked = trickle(&db, &[&a, &b], &good, 6).await;
-    report_pickups("hostile suite", &calm, &attacked);
+    let attacked = trickle(&db, &[&a, &b], &good, PICKUP_SAMPLES).await;
+    bound_pickups(&calm, &attacked);
     assert_eq!(evil_runs(&db, "running").await, 6, "evil passed its share");
     let lost: i64 =
         sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE tenant_id = 'good' AND status <> 'completed'")
@@ -898,14 +1082,32 @@ async fn the_hostile_tenant_suite_on_two_hosts() {
             .await
             .unwrap();
     assert_eq!(lost, 0, "every turn of good completed");
+    let done: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE tenant_id = 'good'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(done, 2 * PICKUP_SAMPLES as i64 + 1, "good's turns and its schedule's");
 
+    // evil stops its own: the waits' runs first (each blocking request then
+    // answers, cancelled), then the endless runs and the gated one.
     drop(streams);
-    for run in &flood {
+    let held: Vec<agent_host::db::RunId> =
+        sqlx::query_scalar("SELECT id FROM agent_run WHERE tenant_id = 'evil' AND config ? 'responses'")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    for run in held.iter().chain(&flood).chain([&gated]) {
         let answer =
             http.post(format!("http://{}/v1/runs/{run}/cancel", a.addr)).bearer_auth(&evil).send().await.unwrap();
         assert!(answer.status().is_success(), "{}", answer.status());
     }
-    for run in flood {
+    for wait in waits {
+        let answer = tokio::time::timeout(LONG, wait).await.unwrap().unwrap().unwrap();
+        assert_eq!(answer.status(), 200);
+        let body: Value = answer.json().await.unwrap();
+        assert_eq!(body["status"], "cancelled", "{body}");
+    }
+    for run in flood.into_iter().chain([gated]) {
         assert_eq!(wait_terminal(&db.pool, run, LONG).await, "cancelled");
     }
     drop((a, b));

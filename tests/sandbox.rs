@@ -150,6 +150,55 @@ async fn misbehaving_guests_end_with_named_reasons_and_others_carry_on() {
     w.drain().await;
 }
 
+/// Issue 40: what a guest may take from the host through WASI is bounded.
+/// A call asking for 2 MiB of random bytes (past the cap of 1 MiB a call)
+/// and a guest making 20,000 pollables it never drops (40,000 entries, past
+/// the resource table's 10,000) each end their own run failed with a named
+/// reason (the host names both `trap`), while a neighbour run on the same
+/// host, running beside them, goes on and completes; and a
+/// guest within both caps (1 MiB of random, 4,000 pollables: 8,000 entries)
+/// completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_taking_too_much_random_or_too_many_resources_fails_alone() {
+    use agent_host::sandbox::{RANDOM_BYTES_MAX, RESOURCES_MAX};
+    let env = Env::new().await;
+    env.register("fixtures", "fixtures", json!({})).await;
+    let w = env.worker(fast_config("w")).await;
+    env.register("echo", "echo", json!({})).await;
+    let neighbour = env.run("fixtures", "beside", json!({ "mode": "block", "ms": 2_000 })).await;
+    wait_status(&env.db.pool, neighbour, "running", LONG).await;
+    let random = env.run("fixtures", "take", json!({ "mode": "random", "bytes": 2 * RANDOM_BYTES_MAX })).await;
+    let resources = env.run("fixtures", "take", json!({ "mode": "resources", "count": 2 * RESOURCES_MAX })).await;
+    let cases = [
+        (random, "trap", format!("requested len {} exceeds limit {RANDOM_BYTES_MAX}", 2 * RANDOM_BYTES_MAX)),
+        (resources, "trap", "resource table has no free keys".to_string()),
+    ];
+    for (id, reason, says) in &cases {
+        let (status, error) = env.wait_terminal(*id).await;
+        assert_eq!(status, "failed", "{error}");
+        assert!(error.starts_with(&format!("{reason}: ")), "{error:?} is not named {reason:?}");
+        assert!(error.contains(says.as_str()), "{error:?} does not say {says:?}");
+        assert_journal_sound(&env.db.pool, *id).await;
+    }
+    assert_eq!(status(&env.db.pool, neighbour).await, "running", "the neighbour ended with them");
+    let (status, error) = env.wait_terminal(neighbour).await;
+    assert_eq!(status, "completed", "the neighbour: {error}");
+    let after = env.run("echo", "still here", json!({})).await;
+    assert_eq!(env.wait_terminal(after).await, ("completed".into(), String::new()));
+    // Within the caps, the same modes complete.
+    let within = [
+        json!({ "mode": "random", "bytes": RANDOM_BYTES_MAX }),
+        // A pollable from the clock takes two entries of the table (the
+        // deadline and the pollable over it).
+        json!({ "mode": "resources", "count": RESOURCES_MAX / 2 - 1_000 }),
+    ];
+    for config in within {
+        let id = env.run("fixtures", "take", config.clone()).await;
+        assert_eq!(env.wait_terminal(id).await, ("completed".into(), String::new()), "{config}");
+    }
+    w.drain().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wasi_grants_nothing() {
     let env = Env::new().await;
