@@ -262,3 +262,22 @@ fn the_generated_reference_pages_are_what_the_code_generates() {
          `AGENT_HOST_BLESS=1 cargo test -p agent-host --test it config::` and commit them"
     );
 }
+
+/// Issue 39: the book builds with mdBook (installed by scripts/test, named
+/// by AGENT_HOST_TEST_MDBOOK), and every page its SUMMARY names exists
+/// (`create-missing = false`: a missing page fails the build).
+#[test]
+fn the_book_builds_with_mdbook() {
+    let mdbook = std::env::var("AGENT_HOST_TEST_MDBOOK")
+        .expect("AGENT_HOST_TEST_MDBOOK is not set: run scripts/test, which installs mdbook into a cache");
+    let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
+    let out = std::env::temp_dir().join(format!("agent-host-book-{}", std::process::id()));
+    let built = Command::new(mdbook).arg("build").arg(&docs).arg("-d").arg(&out).output().unwrap();
+    let said = String::from_utf8_lossy(&built.stderr);
+    assert!(built.status.success(), "mdbook build failed:\n{said}");
+    assert!(!said.contains("[WARN]") && !said.contains("[ERROR]"), "{said}");
+    for page in ["index.html", "getting-started.html", "guides/python.html", "reference/routes.html"] {
+        assert!(out.join(page).exists(), "the book has no {page}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
