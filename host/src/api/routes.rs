@@ -32,6 +32,9 @@ pub struct Route {
     pub auth: bool,
     /// (status, what the body holds) of the success answer.
     pub ok: (u16, &'static str),
+    /// Other success statuses, with the same body (a cancel of a run that
+    /// had already ended answers 200, not 202).
+    pub also: &'static [u16],
     /// Error statuses this operation answers besides 401 (with auth) and 5xx.
     pub errors: &'static [u16],
     /// Query parameters.
@@ -221,6 +224,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
         errors: &[400, 404, 409, 413, 415, 422, 429],
+        also: &[],
         query: &[],
         body: Some(("application/json", run_body)),
         answer: Answer::Json(of::<Enqueued>),
@@ -237,6 +241,7 @@ pub const ROUTES: &[Route] = &[
              finished_at, last_seq, attempt, pending_approval, usage}",
         ),
         errors: &[400, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(of::<RunView>),
@@ -251,6 +256,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "SSE frames, or {events, next_from, terminal}"),
         errors: &[400, 404, 429, 503],
+        also: &[],
         query: &[
             ("from", "integer", "the last seq seen (default 0); Last-Event-ID, when sent, wins"),
             (
@@ -280,6 +286,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (202, "{id, status, cancel_requested}"),
         errors: &[400, 404],
+        also: &[200],
         query: &[],
         body: None,
         answer: Answer::Json(|g| {
@@ -296,6 +303,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "the response object, or text/event-stream of response.* events"),
         errors: &[400, 404, 409, 413, 415, 503],
+        also: &[],
         query: &[],
         body: Some(("application/json", responses_body)),
         answer: Answer::JsonOrSse(response_object),
@@ -309,6 +317,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (404, "{error: {message, type, param, code}}"),
         errors: &[],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(|_| json!({ "type": "object" })),
@@ -322,6 +331,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "the response object, or text/event-stream"),
         errors: &[400, 404, 503],
+        also: &[],
         query: &[
             ("stream", "boolean", "stream the response's events (SSE)"),
             ("starting_after", "integer", "with stream: only the events whose sequence_number is greater"),
@@ -337,6 +347,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "{id, object: response, deleted: true}"),
         errors: &[400, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(|_| {
@@ -355,6 +366,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "the response object"),
         errors: &[400, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(response_object),
@@ -367,6 +379,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "{object: list, data: [items], first_id, last_id, has_more}"),
         errors: &[400, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(|_| {
@@ -392,6 +405,7 @@ pub const ROUTES: &[Route] = &[
                    last_fired_at, last_run_id, created_at}",
         ),
         errors: &[400, 415, 422],
+        also: &[],
         query: &[],
         body: Some(("application/json", schedule_body)),
         answer: Answer::Json(of::<Schedule>),
@@ -404,6 +418,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "{schedules: [...], next_cursor}"),
         errors: &[400, 403],
+        also: &[],
         query: &[
             ("limit", "integer", "1-1000 (default 1000)"),
             ("after", "string", "the next_cursor of the previous page"),
@@ -420,6 +435,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "the schedule"),
         errors: &[400, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(of::<Schedule>),
@@ -432,6 +448,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "the schedule"),
         errors: &[400, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(of::<Schedule>),
@@ -444,6 +461,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "the schedule"),
         errors: &[400, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(of::<Schedule>),
@@ -456,6 +474,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (204, "nothing"),
         errors: &[400, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Empty,
@@ -472,6 +491,7 @@ pub const ROUTES: &[Route] = &[
             "{approvals: [{run_id, conversation_id, call_id, tool, args, requested_at, expires_at}], next_cursor}",
         ),
         errors: &[400, 403],
+        also: &[],
         query: &[
             ("limit", "integer", "1-1000 (default 1000)"),
             ("after", "string", "the next_cursor of the previous page"),
@@ -490,6 +510,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "{run_id, status: queued, decision: {call_id, decision, args?, reason?, decided_at}}"),
         errors: &[400, 403, 404, 409, 422],
+        also: &[],
         query: &[],
         body: Some(("application/json", decision_body)),
         answer: Answer::Json(|g| {
@@ -508,6 +529,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
         errors: &[400, 404, 409],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(of::<Enqueued>),
@@ -523,6 +545,7 @@ pub const ROUTES: &[Route] = &[
             "{runs: [{id, conversation_id, status, plugin, error, created_at, started_at, finished_at}], next_cursor}",
         ),
         errors: &[400],
+        also: &[],
         query: &[
             ("limit", "integer", "items on this page, 1 to 1000 (default: the list's page size)"),
             ("after", "string", "the next_cursor of the previous page"),
@@ -539,6 +562,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (201, "{id, created_at}"),
         errors: &[],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(|g| object(vec![("id", of::<ConversationId>(g)), ("created_at", timestamp())])),
@@ -551,6 +575,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "{conversations: [{id, created_at, title, latest_run_id, latest_status}], next_cursor}"),
         errors: &[400],
+        also: &[],
         query: PAGING,
         body: None,
         answer: Answer::Json(|g| page::<ConversationSummary>(g, "conversations")),
@@ -563,6 +588,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "{id, created_at, active_run_id, queued_run_ids}"),
         errors: &[400, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(of::<ConversationView>),
@@ -575,6 +601,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "{messages: [{id, role, content, status, run_id, created_at}], next_cursor}"),
         errors: &[400, 404],
+        also: &[],
         query: PAGING,
         body: None,
         answer: Answer::Json(|g| page::<MessageView>(g, "messages")),
@@ -587,6 +614,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
         errors: &[400, 404, 409, 413, 415, 422, 429],
+        also: &[],
         query: &[],
         body: Some(("application/json", turn_body)),
         answer: Answer::Json(of::<Enqueued>),
@@ -599,6 +627,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "{cancelled: [run ids], cancelling: [run ids], drafts: [{message_id, content}]}"),
         errors: &[400, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(of::<Stopped>),
@@ -615,6 +644,7 @@ pub const ROUTES: &[Route] = &[
             "{plugins: [{name, digest, language, manifest, size_bytes, updated_at, tenant_id, builtin}], next_cursor}",
         ),
         errors: &[400],
+        also: &[],
         query: PAGING,
         body: None,
         answer: Answer::Json(|g| {
@@ -633,6 +663,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (201, "{name, digest, language, manifest}"),
         errors: &[400, 403, 413, 415, 422],
+        also: &[],
         query: &[],
         body: Some(("multipart/form-data", plugin_form)),
         answer: Answer::Json(plugin),
@@ -648,6 +679,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (201, "{ticket, expires_at, url}"),
         errors: &[400, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(|_| object(vec![("ticket", string()), ("expires_at", timestamp()), ("url", string())])),
@@ -664,6 +696,7 @@ pub const ROUTES: &[Route] = &[
             "{tokens: [{id, user_id, tenant_id, admin, operator, created_at, last_used_at, expires_at, revoked_at}]}",
         ),
         errors: &[403],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(|g| {
@@ -678,6 +711,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (201, "{id, user_id, tenant_id, admin, operator, created_at, expires_at, token}"),
         errors: &[400, 403, 415, 422],
+        also: &[],
         query: &[],
         body: Some(("application/json", token_body)),
         answer: Answer::Json(|g| {
@@ -695,6 +729,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "{id, revoked: true}"),
         errors: &[400, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(|_| object(vec![("id", string()), ("revoked", json!({ "const": true }))])),
@@ -707,6 +742,7 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (200, "{tenant_id, key}"),
         errors: &[403, 404],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(|_| object(vec![("tenant_id", string()), ("key", string())])),
@@ -723,6 +759,7 @@ pub const ROUTES: &[Route] = &[
                    next_cursor}",
         ),
         errors: &[400, 403],
+        also: &[],
         query: &[
             ("limit", "integer", "1-1000 (default 1000)"),
             ("after", "integer", "the next_cursor of the previous page"),
@@ -738,6 +775,7 @@ pub const ROUTES: &[Route] = &[
         auth: false,
         ok: (200, "{status: ok}"),
         errors: &[],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(|_| object(vec![("status", json!({ "const": "ok" }))])),
@@ -750,6 +788,7 @@ pub const ROUTES: &[Route] = &[
         auth: false,
         ok: (200, "{status: ready}"),
         errors: &[503],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(|_| object(vec![("status", json!({ "const": "ready" }))])),
@@ -762,6 +801,7 @@ pub const ROUTES: &[Route] = &[
         auth: false,
         ok: (200, "text/plain; version=0.0.4"),
         errors: &[],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Text("text/plain"),
@@ -774,6 +814,7 @@ pub const ROUTES: &[Route] = &[
         auth: false,
         ok: (200, "text/html"),
         errors: &[],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Text("text/html"),
@@ -786,6 +827,7 @@ pub const ROUTES: &[Route] = &[
         auth: false,
         ok: (200, "text/javascript"),
         errors: &[],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Text("text/javascript"),
@@ -798,6 +840,7 @@ pub const ROUTES: &[Route] = &[
         auth: false,
         ok: (200, "text/css"),
         errors: &[],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Text("text/css"),
@@ -810,6 +853,7 @@ pub const ROUTES: &[Route] = &[
         auth: false,
         ok: (200, "OpenAPI 3.1"),
         errors: &[],
+        also: &[],
         query: &[],
         body: None,
         answer: Answer::Json(|_| json!({ "type": "object", "required": ["openapi", "paths"] })),
@@ -848,7 +892,11 @@ pub fn openapi() -> Value {
     let mut paths = Map::new();
     for r in ROUTES {
         let mut responses = Map::new();
-        responses.insert(r.ok.0.to_string(), success(&mut g, r));
+        let ok = success(&mut g, r);
+        for status in r.also {
+            responses.insert(status.to_string(), ok.clone());
+        }
+        responses.insert(r.ok.0.to_string(), ok);
         let auth_errors: &[u16] = if r.auth { &[401] } else { &[] };
         // A body a handler cannot parse is refused before it runs.
         let body_errors: &[u16] = if r.body.is_some() { &[400, 413, 415, 422] } else { &[] };
@@ -909,7 +957,9 @@ fn success(g: &mut SchemaGenerator, r: &Route) -> Value {
         Answer::Json(schema) => json_of(schema(g)),
         Answer::JsonOrSse(schema) => {
             let mut c = json_of(schema(g));
-            c["text/event-stream"] = json!({ "schema": { "type": "string" } });
+            // Each event as a reader sees it: its name, data and id.
+            c["text/event-stream"] = json!({ "schema": { "type": "object", "properties": {
+                "event": { "type": "string" }, "data": { "type": "string" }, "id": { "type": "string" } } } });
             c
         }
         Answer::Text(content_type) => json!({ *content_type: { "schema": { "type": "string" } } }),
