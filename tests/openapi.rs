@@ -116,6 +116,8 @@ async fn fuzz(host: &HostProcess, token: &str, dir: &std::path::Path, config: Op
         .arg("--report-dir")
         .arg(dir.join("report"))
         .env("SCHEMATHESIS_TELEMETRY", "false")
+        // Its example cache goes to its working directory: the scratch one.
+        .current_dir(dir)
         .kill_on_drop(true)
         .output();
     let out = tokio::time::timeout(FUZZ_TIMEOUT, run).await.expect("schemathesis within its time").unwrap();
