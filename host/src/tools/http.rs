@@ -598,20 +598,25 @@ mod tests {
         }
     }
 
-    /// Issue 40: path rules are matched on the decoded, normalised path: an
-    /// encoded `..%2F` cannot climb out of `/v1/*` on the receiving server.
-    #[test]
-    fn path_rules_see_the_decoded_path() {
-        let rule = HttpRule {
-            url: "https://api.example".into(),
+    /// A rule to `url` at the defaults (GET, every path, no secrets).
+    fn rule(url: &str) -> HttpRule {
+        HttpRule {
+            url: url.into(),
             methods: default_methods(),
-            paths: vec!["/v1/*".into()],
+            paths: default_paths(),
             secrets: vec![],
             allow_ranges: vec![],
             timeout_ms: 1,
             max_response_bytes: 1,
             tenants: None,
-        };
+        }
+    }
+
+    /// Issue 40: path rules are matched on the decoded, normalised path: an
+    /// encoded `..%2F` cannot climb out of `/v1/*` on the receiving server.
+    #[test]
+    fn path_rules_see_the_decoded_path() {
+        let rule = HttpRule { paths: vec!["/v1/*".into()], ..rule("https://api.example") };
         let rules = Rules(vec![rule.compile(&Secrets::default(), false).unwrap()]);
         let allowed = |u: &str| rules.find(&Method::GET, &Url::parse(u).unwrap(), None).is_some();
         assert!(allowed("https://api.example/v1/items"));
@@ -633,16 +638,7 @@ mod tests {
 
     #[test]
     fn a_rule_url_has_no_path() {
-        let r = HttpRule {
-            url: "https://a.example/v1".into(),
-            methods: default_methods(),
-            paths: default_paths(),
-            secrets: vec![],
-            allow_ranges: vec![],
-            timeout_ms: 1,
-            max_response_bytes: 1,
-            tenants: None,
-        };
+        let r = rule("https://a.example/v1");
         assert!(r.check(&Secrets::default()).unwrap_err().contains("only scheme://host[:port]"));
     }
 
@@ -650,16 +646,7 @@ mod tests {
     /// (published plugins, `None`, use every rule), whatever `--tenant-tools` says.
     #[test]
     fn a_rule_for_one_tenant_is_not_found_for_another() {
-        let rule = HttpRule {
-            url: "https://api.example".into(),
-            methods: default_methods(),
-            paths: default_paths(),
-            secrets: vec![],
-            allow_ranges: vec![],
-            timeout_ms: 1,
-            max_response_bytes: 1,
-            tenants: Some(vec!["acme".into()]),
-        };
+        let rule = HttpRule { tenants: Some(vec!["acme".into()]), ..rule("https://api.example") };
         let url = Url::parse("https://api.example/v1/items").unwrap();
         for tenants_default_all in [false, true] {
             let rules = Rules(vec![rule.compile(&Secrets::default(), tenants_default_all).unwrap()]);
