@@ -40,23 +40,7 @@ fn command(out: &mut String, cmd: &clap::Command, path: &str) {
         .filter(|a| !a.is_hide_set() && a.get_id() != "help" && a.get_id() != "version")
         .filter(|a| path == "agent-host serve" || a.get_help_heading() != Some("Database"))
         .collect();
-    // One table a help heading, in the order the headings first appear.
-    let mut headings: Vec<Option<&str>> = Vec::new();
-    for a in &args {
-        if !headings.contains(&a.get_help_heading()) {
-            headings.push(a.get_help_heading());
-        }
-    }
-    for heading in headings {
-        if let Some(h) = heading {
-            let _ = write!(out, "**{h}**\n\n");
-        }
-        out.push_str("| argument | environment | default | meaning |\n| --- | --- | --- | --- |\n");
-        for a in args.iter().filter(|a| a.get_help_heading() == heading) {
-            let _ = writeln!(out, "{}", arg_row(a));
-        }
-        out.push('\n');
-    }
+    arg_tables(out, &args);
     if let Some(after) = cmd.get_after_help() {
         let _ = write!(out, "```text\n{}\n```\n", after.to_string().trim());
     }
@@ -76,6 +60,7 @@ pub fn generated_pages() -> Vec<(&'static str, String)> {
     let pretty = |v: &serde_json::Value| serde_json::to_string_pretty(v).expect("a schema is JSON") + "\n";
     vec![
         ("reference/cli.md", cli_reference()),
+        ("reference/configuration.md", configuration_page()),
         (
             "reference/manifest-schema.md",
             schema_page(
@@ -225,6 +210,74 @@ fn variants(p: &serde_json::Value) -> Option<Vec<String>> {
 
 fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// One table of `args` a help heading, in the order the headings first appear.
+fn arg_tables(out: &mut String, args: &[&clap::Arg]) {
+    let mut headings: Vec<Option<&str>> = Vec::new();
+    for a in args {
+        if !headings.contains(&a.get_help_heading()) {
+            headings.push(a.get_help_heading());
+        }
+    }
+    for heading in headings {
+        if let Some(h) = heading {
+            let _ = write!(out, "**{h}**\n\n");
+        }
+        out.push_str("| argument | environment | default | meaning |\n| --- | --- | --- | --- |\n");
+        for a in args.iter().filter(|a| a.get_help_heading() == heading) {
+            let _ = writeln!(out, "{}", arg_row(a));
+        }
+        out.push('\n');
+    }
+}
+
+/// Settings read from the environment alone: (variable, default, meaning).
+const ENVIRONMENT_ONLY: &[(&str, &str, &str)] = &[
+    (
+        "AGENT_HOST_ARTIFACT_KEY",
+        "unset",
+        "the artifact key itself, instead of `--artifact-key-file` (see Compile once)",
+    ),
+    (
+        "AGENT_HOST_PG_BIN",
+        "search",
+        "directory of `initdb` and `pg_ctl` (else `PATH`, then `/usr/lib/postgresql/*/bin`)",
+    ),
+    ("AGENT_HOST_LOG", "`info`", "log filter (`tracing` syntax, e.g. `agent_host=debug`)"),
+];
+
+/// The configuration page: what `serve` refuses, then every flag of
+/// `serve` from the clap definitions, grouped by heading, and the settings
+/// read from the environment alone.
+fn configuration_page() -> String {
+    let mut cmd = <crate::cli::args::Cli as clap::CommandFactory>::command();
+    cmd.build();
+    let serve = cmd.find_subcommand("serve").expect("serve is a command");
+    let mut out = String::from(
+        "# Configuration\n\n<!-- Generated from the clap definitions (host/src/cli/args.rs) by host/src/cli/doc.rs; \
+         do not edit: run the tests with AGENT_HOST_BLESS=1 to write it again. -->\n\n\
+         `agent-host serve` takes every setting as a flag or from its environment variable; durations are \
+         milliseconds unless the name says otherwise. It refuses at start, with a message naming the flag and its \
+         variable, anything that would spin or overcommit: a heartbeat not below the lease; a zero lease, heartbeat, \
+         reap interval, poll tick, journal flush, SSE keepalive, retention interval, resume attempts, webhook \
+         attempts, backoff or poll, schedule tick or pool size; an allow-list without a signing secret, or a secret \
+         that is not one; a tools file entry that does not check, or a `${env:NAME}` it names that is not set; \
+         `--max-runs` of 0 or above the sandbox's instance pool (2,000). The other commands' arguments: \
+         [Command line](cli.md).\n\n",
+    );
+    let args: Vec<&clap::Arg> = serve.get_arguments().filter(|a| !a.is_hide_set() && a.get_id() != "help").collect();
+    arg_tables(&mut out, &args);
+    out.push_str("**The environment alone**\n\n| variable | default | meaning |\n| --- | --- | --- |\n");
+    for (var, default, meaning) in ENVIRONMENT_ONLY {
+        let _ = writeln!(out, "| `{var}` | {default} | {meaning} |");
+    }
+    out.push_str(
+        "\nAs root (as in CI), the private cluster runs as the `postgres` account, which then owns \
+         `<data-dir>/pg`: PostgreSQL refuses to run as root. A guard process holds a pipe to the host and stops \
+         the cluster when the host exits, however it exits.\n",
+    );
+    out
 }
 
 /// One argument's row of the reference: name, environment, default, meaning.
