@@ -26,6 +26,7 @@ mod openapi;
 mod operator;
 mod plans;
 mod processes;
+mod projects;
 mod responses;
 mod resume;
 mod run_core;

@@ -53,6 +53,17 @@ async fn main() -> anyhow::Result<()> {
         Command::Plugins(PluginsCommand::Upload { api, name, file, manifest }) => {
             client::plugins_upload(&api, &name, &file, manifest.as_deref()).await
         }
+        Command::New { name, lang, dir } => {
+            let made = agent_host::cli::project::new(&name, lang, &dir)?;
+            println!("{}", made.display());
+            eprintln!("next: cd {} && agent-host build (see its README.md)", made.display());
+            Ok(())
+        }
+        Command::Build { dir, out } => {
+            let built = agent_host::cli::project::build(&dir, out.as_deref())?;
+            println!("{}", built.display());
+            Ok(())
+        }
         Command::Runs { api, command } => client::runs(&api, command).await,
         Command::Conversations { api, command } => client::conversations(&api, command).await,
         Command::Approvals { api, command } => client::approvals(&api, command).await,

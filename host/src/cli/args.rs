@@ -88,6 +88,36 @@ pub enum Command {
         #[command(subcommand)]
         command: TenantsCommand,
     },
+    /// Make a plugin project in a new directory NAME (or --dir PARENT/NAME):
+    /// a minimal chat agent that streams, calls the granted model and
+    /// honours a stop, its manifest, its ecosystem's project file and a README.
+    #[command(after_help = "Examples:\n  \
+      agent-host new my-agent --lang python && cd my-agent && agent-host build\n  \
+      agent-host new web-agent --lang typescript --dir ~/agents")]
+    New {
+        /// The project's directory and its plugin's name (a-z, 0-9, _ and -,
+        /// starting with a letter).
+        name: String,
+        /// The agent's language.
+        #[arg(long, value_enum)]
+        lang: crate::cli::project::Lang,
+        /// Where to make NAME (default: the current directory).
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+    },
+    /// Build a plugin project into a component, wherever it is: app.py
+    /// (componentize-py), app.js or app.ts (the TypeScript compiler, then
+    /// componentize-js), Cargo.toml (cargo, wasm32-wasip2); each toolchain
+    /// pinned and installed once into ~/.cache/agent-host; an unchanged
+    /// project is not built again. Prints the component's path.
+    Build {
+        /// The project (default: the current directory).
+        #[arg(default_value = ".")]
+        dir: PathBuf,
+        /// The component to write (default: DIR/target/NAME.wasm).
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+    },
     /// Print a shell completion script (e.g. `agent-host completions bash >
     /// /etc/bash_completion.d/agent-host`).
     Completions {
@@ -152,11 +182,11 @@ pub enum Command {
 #[derive(Debug, Clone, Args)]
 pub struct ApiArgs {
     /// Base URL of a running host.
-    #[arg(long, env = "AGENT_HOST_URL", default_value = "http://127.0.0.1:8080")]
+    #[arg(long, env = "AGENT_HOST_URL", default_value = "http://127.0.0.1:8080", global = true)]
     pub url: String,
     /// A bearer token (`agent-host tokens create`).
-    #[arg(long, env = "AGENT_HOST_TOKEN", hide_env_values = true)]
-    pub token: String,
+    #[arg(long, env = "AGENT_HOST_TOKEN", hide_env_values = true, global = true)]
+    pub token: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -27,8 +27,12 @@ struct Api {
 }
 
 impl Api {
-    fn new(args: &ApiArgs) -> Api {
-        Api { http: reqwest::Client::new(), url: args.url.trim_end_matches('/').to_string(), token: args.token.clone() }
+    fn new(args: &ApiArgs) -> anyhow::Result<Api> {
+        let token = args
+            .token
+            .clone()
+            .context("no token: give --token or set AGENT_HOST_TOKEN (`agent-host tokens create`)")?;
+        Ok(Api { http: reqwest::Client::new(), url: args.url.trim_end_matches('/').to_string(), token })
     }
 
     /// A JSON request; an API error becomes its message.
@@ -49,7 +53,7 @@ impl Api {
 }
 
 pub async fn runs(args: &ApiArgs, command: RunsCommand) -> anyhow::Result<()> {
-    let api = Api::new(args);
+    let api = Api::new(args)?;
     match command {
         RunsCommand::Create { content, plugin, conversation, config, no_follow } => {
             let mut body = json!({ "content": content, "plugin": plugin });
@@ -138,7 +142,7 @@ async fn decide(api: &Api, id: &str, call: u32, body: Value) -> anyhow::Result<(
 }
 
 pub async fn schedules(args: &ApiArgs, command: SchedulesCommand) -> anyhow::Result<()> {
-    let api = Api::new(args);
+    let api = Api::new(args)?;
     let api = &api;
     let post = |path: String| async move { api.call(reqwest::Method::POST, &path, None).await };
     let answer = match command {
@@ -181,7 +185,7 @@ pub async fn schedules(args: &ApiArgs, command: SchedulesCommand) -> anyhow::Res
 }
 
 pub async fn approvals(args: &ApiArgs, command: ApprovalsCommand) -> anyhow::Result<()> {
-    let api = Api::new(args);
+    let api = Api::new(args)?;
     match command {
         ApprovalsCommand::List { json } => {
             let columns = |a: &Value| {
@@ -200,7 +204,7 @@ pub async fn approvals(args: &ApiArgs, command: ApprovalsCommand) -> anyhow::Res
 }
 
 pub async fn conversations(args: &ApiArgs, command: ConversationsCommand) -> anyhow::Result<()> {
-    let api = Api::new(args);
+    let api = Api::new(args)?;
     match command {
         ConversationsCommand::List { limit, json } => {
             let columns = |c: &Value| {
@@ -231,7 +235,7 @@ pub async fn plugins_upload(
     file: &std::path::Path,
     manifest: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
-    let api = Api::new(args);
+    let api = Api::new(args)?;
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
     let mut form = reqwest::multipart::Form::new()
         .text("name", name.to_string())

@@ -9,6 +9,10 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
+    /// The manifest's JSON Schema, for an editor (`agent-host new` names
+    /// the one this host was built with); the host ignores it.
+    #[serde(rename = "$schema", default, skip_serializing_if = "Option::is_none")]
+    pub schema: Option<String>,
     /// Tools `call-tool` may reach; anything else is `denied`. An MCP
     /// server's tools are `<server>.<tool>`, all of them `<server>.*`.
     #[serde(default)]

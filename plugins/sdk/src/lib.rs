@@ -136,6 +136,15 @@ impl Turn {
         host::check_cancel()
     }
 
+    /// `Err(cancelled)` when a stop was requested (as the Python and
+    /// JavaScript SDKs' `check_cancel`/`checkCancel`): `?` ends the turn.
+    pub fn check_cancel(&self) -> Result<(), Refusal> {
+        match self.cancelled() {
+            true => Err(Refusal(HostError::Cancelled)),
+            false => Ok(()),
+        }
+    }
+
     /// A config value, or a default.
     pub fn config_u64(&self, key: &str, default: u64) -> u64 {
         self.config.get(key).and_then(Value::as_u64).unwrap_or(default)

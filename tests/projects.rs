@@ -1,0 +1,95 @@
+//! Plugin projects outside this repository (issue 42): `agent-host new`
+//! writes one in each language into a directory outside the checkout,
+//! `agent-host build` builds it there (the TypeScript compiler, pinned,
+//! type-checks a TypeScript agent first), and the component, uploaded over
+//! HTTP with a tenant admin's token, answers a turn on a real host.
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use crate::support::process::{HostProcess, FAST};
+use crate::support::*;
+
+const LANGS: &[&str] = &["python", "javascript", "typescript", "rust"];
+
+fn agent_host(dir: &Path, args: &[&str]) -> Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_agent-host")).current_dir(dir).args(args).output().unwrap()
+}
+
+fn said(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// A fresh directory outside the checkout.
+fn scratch(what: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("agent-host-{what}-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_project_in_each_language_builds_uploads_and_answers_a_turn() {
+    let db = TestDb::new().await;
+    let host = HostProcess::spawn(&db.url, "projects", &[FAST, &["--tenant-tools", "all"]].concat());
+    let token = agent_host::db::tokens::create(&db.pool, "author", "makers", true).await.unwrap();
+    let url = format!("http://{}", host.addr);
+    let dir = scratch("projects");
+    for lang in LANGS {
+        let name = format!("hello-{lang}");
+        let made = agent_host(&dir, &["new", &name, "--lang", lang]);
+        assert!(made.status.success(), "{}", said(&made));
+        let project = dir.join(&name);
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(project.join("manifest.json")).unwrap()).unwrap();
+        assert!(manifest["$schema"].as_str().unwrap().ends_with("manifest.schema.json"), "{manifest}");
+        assert!(project.join("README.md").exists());
+
+        let built = agent_host(&project, &["build"]);
+        assert!(built.status.success(), "{lang}: {}", said(&built));
+        let wasm = project.join("target").join(format!("{name}.wasm"));
+        assert_eq!(String::from_utf8_lossy(&built.stdout).trim(), wasm.display().to_string());
+        // Unchanged: not built again (the same file, untouched).
+        let before = std::fs::metadata(&wasm).unwrap().modified().unwrap();
+        let again = agent_host(&project, &["build"]);
+        assert!(again.status.success(), "{}", said(&again));
+        assert_eq!(std::fs::metadata(&wasm).unwrap().modified().unwrap(), before, "{lang} was built again");
+
+        let api = ["--url", url.as_str(), "--token", token.as_str()];
+        let upload = agent_host(
+            &project,
+            &[&["plugins", "upload", &name, wasm.to_str().unwrap(), "--manifest", "manifest.json"][..], &api].concat(),
+        );
+        assert!(upload.status.success(), "{lang}: {}", said(&upload));
+        let turn = agent_host(&project, &[&["runs", "create", "--plugin", &name][..], &api, &["hello"]].concat());
+        assert!(turn.status.success(), "{lang}: {}", said(&turn));
+        assert_eq!(String::from_utf8_lossy(&turn.stdout), "Offline reply to: hello", "{lang}: {}", said(&turn));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_typescript_type_error_fails_the_build_with_the_compilers_message() {
+    let dir = scratch("typescript");
+    assert!(agent_host(&dir, &["new", "typo", "--lang", "typescript"]).status.success());
+    let app = dir.join("typo/app.ts");
+    let text = std::fs::read_to_string(&app).unwrap().replace("return answer.content ?? \"\";", "return 42;");
+    std::fs::write(&app, text).unwrap();
+    let built = agent_host(&dir.join("typo"), &["build"]);
+    assert!(!built.status.success());
+    let said = said(&built);
+    assert!(said.contains("typo/app.ts(") && said.contains("error TS2322"), "{said}");
+    assert!(!dir.join("typo/target/typo.wasm").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn new_refuses_a_bad_name_and_a_directory_in_use() {
+    let dir = scratch("refusals");
+    let bad = agent_host(&dir, &["new", "Bad Name", "--lang", "python"]);
+    assert!(!bad.status.success() && said(&bad).contains("is not a plugin name"), "{}", said(&bad));
+    assert!(agent_host(&dir, &["new", "taken", "--lang", "python"]).status.success());
+    let again = agent_host(&dir, &["new", "taken", "--lang", "rust"]);
+    assert!(!again.status.success() && said(&again).contains("is not empty"), "{}", said(&again));
+    assert!(std::fs::read_to_string(dir.join("taken/app.py")).unwrap().contains("def run"), "the project was kept");
+    let _ = std::fs::remove_dir_all(&dir);
+}
