@@ -4,8 +4,9 @@
 //! before it opens any database.
 
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use crate::support::poll_until_blocking;
 use agent_host::cli::args::{Cli, ConfigError};
 use agent_host::sandbox::INSTANCES_MAX;
 use clap::Parser;
@@ -85,18 +86,17 @@ fn run_binary(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
         cmd.env(k, v);
     }
     let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("agent-host {args:?} did not exit within 30 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let mut status = None;
+    let exited = poll_until_blocking(Duration::from_secs(30), || {
+        status = child.try_wait().unwrap();
+        status.is_some()
+    });
+    if !exited {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("agent-host {args:?} did not exit within 30 s");
+    }
+    let status = status.expect("the exit status it was seen with");
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
     (status.code(), stderr)

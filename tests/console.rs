@@ -4,7 +4,6 @@
 
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use crate::support::process::{HostProcess, FAST};
 use crate::support::*;
@@ -47,18 +46,17 @@ impl Browser {
             "goog:chromeOptions": {
             "binary": "/usr/bin/chromium",
             "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"] } } } });
-        let deadline = Instant::now() + LONG;
-        let session = loop {
-            if let Ok(res) = http.post(format!("{base}/session")).json(&caps).send().await {
-                let v: Value = res.json().await.unwrap();
-                let id = v["value"]["sessionId"].as_str().unwrap_or_else(|| panic!("no session: {v}"));
-                break format!("{base}/session/{id}");
-            }
-            assert!(Instant::now() < deadline, "chromedriver did not answer");
-            // chromedriver is still binding its port.
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
-        Browser { driver, http, session }
+        // Until chromedriver has bound its port, the post is refused.
+        let session = std::sync::OnceLock::new();
+        let answered = poll_until(LONG, || async {
+            let Ok(res) = http.post(format!("{base}/session")).json(&caps).send().await else { return false };
+            let v: Value = res.json().await.unwrap();
+            let id = v["value"]["sessionId"].as_str().unwrap_or_else(|| panic!("no session: {v}"));
+            session.set(format!("{base}/session/{id}")).is_ok()
+        })
+        .await;
+        assert!(answered, "chromedriver did not answer");
+        Browser { driver, http, session: session.into_inner().expect("the session it answered with") }
     }
 
     /// Ends the session: chromedriver quits its Chromium.

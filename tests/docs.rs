@@ -15,14 +15,13 @@ use crate::support::*;
 
 /// The pages whose marked blocks run, and how many runnable blocks each must
 /// have at least (so a page that lost its markers cannot pass by running nothing).
-const PAGES: &[(&str, usize)] =
-    &[
-        ("getting-started.md", 1),
-        ("guides/writing-a-plugin.md", 1),
-        ("guides/python.md", 1),
-        ("guides/javascript.md", 4),
-        ("guides/rust.md", 5),
-    ];
+const PAGES: &[(&str, usize)] = &[
+    ("getting-started.md", 1),
+    ("guides/writing-a-plugin.md", 1),
+    ("guides/python.md", 1),
+    ("guides/javascript.md", 4),
+    ("guides/rust.md", 5),
+];
 
 /// One block a page's runner does.
 #[derive(Debug)]

@@ -8,13 +8,14 @@ use std::time::Duration;
 use crate::support::*;
 use agent_host::agent::AgentRegistry;
 use agent_host::db::enqueue;
+use agent_host::db::lifecycle;
 use agent_host::db::{RunId, RunStatus};
 use agent_host::worker::WorkerConfig;
 use serde_json::json;
 
 /// The claim an enqueue makes for a worker named `worker_id`.
-fn eager(worker_id: &str, tenant_max_running: Option<i64>) -> enqueue::Eager<'_> {
-    enqueue::Eager { worker_id, lease: Duration::from_secs(30), tenant_max_running }
+fn eager(worker_id: &str, tenant_max_running: Option<i64>) -> lifecycle::Eager<'_> {
+    lifecycle::Eager { worker_id, lease: Duration::from_secs(30), tenant_max_running }
 }
 
 /// A run of `plugin` for `owner` in `conversation` (`None`: a new one),
@@ -85,7 +86,8 @@ async fn an_eager_start_never_takes_the_place_of_a_queued_run_or_a_running_turn(
     let e = eager("eager", None);
 
     // Nothing queued: it starts.
-    let (first, started) = enqueue::enqueue_eager(&db.pool, &new_run(&acme, None, "echo", &config), &e).await.unwrap();
+    let (first, started) =
+        lifecycle::enqueue_eager(&db.pool, &new_run(&acme, None, "echo", &config), &e).await.unwrap();
     let claimed = started.expect("an empty queue: the run starts in its enqueue");
     assert_eq!((claimed.id, claimed.attempt, claimed.has_history), (first.run_id, 1, false));
     assert_eq!(first.status, RunStatus::Queued, "the answer names the state the run was accepted in");
@@ -96,7 +98,7 @@ async fn an_eager_start_never_takes_the_place_of_a_queued_run_or_a_running_turn(
 
     // The next turn of that conversation: its turn is running, so it queues.
     let (second, started) =
-        enqueue::enqueue_eager(&db.pool, &new_run(&acme, Some(first.conversation_id), "echo", &config), &e)
+        lifecycle::enqueue_eager(&db.pool, &new_run(&acme, Some(first.conversation_id), "echo", &config), &e)
             .await
             .unwrap();
     assert!(started.is_none(), "a turn started beside its conversation's running turn");
@@ -104,7 +106,8 @@ async fn an_eager_start_never_takes_the_place_of_a_queued_run_or_a_running_turn(
     assert_eq!((state.as_str(), worker, message.as_str(), seqs), ("queued", None, "queued", vec![1, 2]));
 
     // A run is queued (that second turn): a new conversation's run queues behind it.
-    let (third, started) = enqueue::enqueue_eager(&db.pool, &new_run(&other, None, "echo", &config), &e).await.unwrap();
+    let (third, started) =
+        lifecycle::enqueue_eager(&db.pool, &new_run(&other, None, "echo", &config), &e).await.unwrap();
     assert!(started.is_none(), "a run started ahead of a queued one");
     assert_eq!(status(&db.pool, third.run_id).await, "queued");
 
@@ -116,10 +119,11 @@ async fn an_eager_start_never_takes_the_place_of_a_queued_run_or_a_running_turn(
     // A tenant at its running cap queues, with nothing else queued.
     let db = TestDb::new().await;
     let capped = eager("eager", Some(1));
-    let (_, started) = enqueue::enqueue_eager(&db.pool, &new_run(&acme, None, "echo", &config), &capped).await.unwrap();
+    let (_, started) =
+        lifecycle::enqueue_eager(&db.pool, &new_run(&acme, None, "echo", &config), &capped).await.unwrap();
     assert!(started.is_some());
     let (at_cap, started) =
-        enqueue::enqueue_eager(&db.pool, &new_run(&acme, None, "echo", &config), &capped).await.unwrap();
+        lifecycle::enqueue_eager(&db.pool, &new_run(&acme, None, "echo", &config), &capped).await.unwrap();
     assert!(started.is_none(), "a tenant passed its running cap");
     assert_eq!(status(&db.pool, at_cap.run_id).await, "queued");
     assert_no_orphans(&db.pool).await;
@@ -144,7 +148,7 @@ async fn eager_starts_meet(in_transaction: bool) {
     let (conversation, _) = enqueue::create_conversation(&db.pool, &acme).await.unwrap();
     let mut tx = db.pool.begin().await.unwrap();
     let (first, started) =
-        enqueue::enqueue_eager_in(&mut tx, &new_run(&acme, Some(conversation), "echo", &config), &eager("a", None))
+        lifecycle::enqueue_eager_in(&mut tx, &new_run(&acme, Some(conversation), "echo", &config), &eager("a", None))
             .await
             .unwrap();
     assert!(started.is_some());
@@ -156,10 +160,10 @@ async fn eager_starts_meet(in_transaction: bool) {
         let config = json!({});
         let new = new_run(&acme2, Some(conversation), "echo", &config);
         if !in_transaction {
-            return enqueue::enqueue_eager(&pool, &new, &eager("b", None)).await.unwrap();
+            return lifecycle::enqueue_eager(&pool, &new, &eager("b", None)).await.unwrap();
         }
         let mut tx = pool.begin().await.unwrap();
-        let done = enqueue::enqueue_eager_in(&mut tx, &new, &eager("b", None)).await.unwrap();
+        let done = lifecycle::enqueue_eager_in(&mut tx, &new, &eager("b", None)).await.unwrap();
         tx.commit().await.unwrap();
         done
     });
@@ -186,9 +190,9 @@ async fn eager_starts_meet(in_transaction: bool) {
 async fn a_run_started_in_its_enqueue_by_a_process_that_died_is_reaped() {
     let db = TestDb::new().await;
     let config = json!({});
-    let ghost = enqueue::Eager { worker_id: "ghost", lease: Duration::from_millis(500), tenant_max_running: None };
+    let ghost = lifecycle::Eager { worker_id: "ghost", lease: Duration::from_millis(500), tenant_max_running: None };
     let (run, started) =
-        enqueue::enqueue_eager(&db.pool, &new_run(&owner(), None, "echo", &config), &ghost).await.unwrap();
+        lifecycle::enqueue_eager(&db.pool, &new_run(&owner(), None, "echo", &config), &ghost).await.unwrap();
     assert!(started.is_some());
     drop(started); // the process died between its commit and its run task
     let w = start_worker(&db, WorkerConfig { eager_start: false, ..fast_config("reaper") }).await;
@@ -323,12 +327,12 @@ async fn an_eager_start_racing_a_conversation_lock_waits_for_it_and_queues() {
     let acme2 = acme.clone();
     let racer = tokio::spawn(async move {
         let config = json!({});
-        enqueue::enqueue_eager(&pool, &new_run(&acme2, Some(conversation), "echo", &config), &eager("racer", None))
+        lifecycle::enqueue_eager(&pool, &new_run(&acme2, Some(conversation), "echo", &config), &eager("racer", None))
             .await
     });
     wait_for_enqueue_lock_wait(&db.pool, "the racing enqueue to wait for the conversation's row").await;
     let config = json!({});
-    let (first, started) = enqueue::enqueue_eager_in(
+    let (first, started) = lifecycle::enqueue_eager_in(
         &mut locker,
         &new_run(&acme, Some(conversation), "echo", &config),
         &eager("locker", None),
@@ -369,7 +373,7 @@ async fn a_drain_waits_for_a_run_starting_in_its_enqueue() {
         let config = json!({});
         let owner = owner();
         let (run, started) =
-            enqueue::enqueue_eager(&pool, &new_run(&owner, Some(conversation), "echo", &config), &slot.claim())
+            lifecycle::enqueue_eager(&pool, &new_run(&owner, Some(conversation), "echo", &config), &slot.claim())
                 .await
                 .unwrap();
         slot.start(started.expect("an empty queue: the run starts in its enqueue"));

@@ -101,7 +101,7 @@ pub async fn enqueue_local(
     let Some(slot) = worker.start_slot(&owner.tenant_id) else {
         return Ok((enqueue::enqueue(pool, &new).await?, false));
     };
-    let (enqueued, started) = enqueue::enqueue_eager(pool, &new, &slot.claim()).await?;
+    let (enqueued, started) = lifecycle::enqueue_eager(pool, &new, &slot.claim()).await?;
     let eager = started.is_some();
     if let Some(run) = started {
         slot.start(run);

@@ -4,7 +4,12 @@
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+/// The integration tests' wait helpers (standard library and tokio only).
+#[allow(dead_code)]
+#[path = "../../tests/support/wait.rs"]
+mod wait;
 
 const BENCH: &str = env!("CARGO_BIN_EXE_agent-host-bench");
 /// Bound on the whole small run.
@@ -68,18 +73,17 @@ fn small_run(name: &str, args: &str) -> String {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let mut child = cmd.spawn().unwrap();
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if t0.elapsed() > RUN_MAX {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the small benchmark run took over {RUN_MAX:?}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let mut status = None;
+    let exited = wait::poll_until_blocking(RUN_MAX, || {
+        status = child.try_wait().unwrap();
+        status.is_some()
+    });
+    if !exited {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the small benchmark run took over {RUN_MAX:?}");
+    }
+    let status = status.expect("the exit status it was seen with");
     let mut stdout = String::new();
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut stdout).unwrap();

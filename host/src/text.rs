@@ -10,9 +10,14 @@ use std::borrow::Cow;
 
 use serde_json::Value;
 
+/// Whether `s` holds no U+0000 (PostgreSQL can store it as `text`).
+pub fn is_storable(s: &str) -> bool {
+    !s.contains('\0')
+}
+
 /// `s` with every U+0000 replaced by U+FFFD.
 pub fn storable(s: &str) -> Cow<'_, str> {
-    if s.contains('\0') {
+    if !is_storable(s) {
         Cow::Owned(s.replace('\0', "\u{FFFD}"))
     } else {
         Cow::Borrowed(s)
@@ -43,6 +48,16 @@ pub fn cut(s: &str, max: usize) -> Cow<'_, str> {
 
 fn marker(bytes_cut: usize) -> String {
     format!(" [… {bytes_cut} bytes cut]")
+}
+
+/// `s` with every U+0000 dropped: for text the host writes into a
+/// statement itself (an SQL literal), where PostgreSQL could not take it.
+pub fn without_nul(s: &str) -> Cow<'_, str> {
+    if is_storable(s) {
+        Cow::Borrowed(s)
+    } else {
+        Cow::Owned(s.replace('\0', ""))
+    }
 }
 
 /// How many U+0000 `s` holds.
@@ -103,9 +118,9 @@ pub struct Unstorable {
 
 /// `s` as a value of `field`.
 pub fn refuse_text(field: &'static str, s: &str) -> Result<(), Unstorable> {
-    match s.contains('\0') {
-        true => Err(Unstorable { field }),
-        false => Ok(()),
+    match is_storable(s) {
+        false => Err(Unstorable { field }),
+        true => Ok(()),
     }
 }
 

@@ -8,10 +8,12 @@ pub mod mcp_servers;
 pub mod process;
 pub mod sse;
 pub mod tools;
+mod wait;
 
-use std::future::Future;
+pub use wait::*;
+
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use agent_host::agent::AgentRegistry;
 use agent_host::cluster::{Cluster, ClusterOptions};
@@ -219,35 +221,6 @@ pub async fn start_worker_with(db: &TestDb, agents: AgentRegistry, config: Worke
 /// A worker running the built-in agents on the test database, with its own hub.
 pub async fn start_worker(db: &TestDb, config: WorkerConfig) -> Worker {
     start_worker_with(db, AgentRegistry::with_builtins(), config).await
-}
-
-/// Polls `cond` until it holds or `within` passes (then panics with `what`).
-pub async fn wait_for<F, Fut>(what: &str, within: Duration, cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    assert!(poll_until(within, cond).await, "timed out after {within:?} waiting for {what}");
-}
-
-/// Polls `cond` every 20 ms: `true` once it holds, `false` when `within`
-/// passed first (for a wait whose failure says more than [`wait_for`]'s).
-pub async fn poll_until<F, Fut>(within: Duration, mut cond: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + within;
-    let mut tick = tokio::time::interval(Duration::from_millis(20));
-    loop {
-        tick.tick().await;
-        if cond().await {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-    }
 }
 
 pub async fn status(pool: &PgPool, id: RunId) -> String {

@@ -3,7 +3,7 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -103,15 +103,14 @@ impl HostProcess {
 
     /// Waits for the process to exit, at most `within`.
     pub async fn wait_exit(&mut self, within: Duration) -> ExitStatus {
-        let deadline = Instant::now() + within;
-        let mut tick = tokio::time::interval(Duration::from_millis(20));
-        loop {
-            tick.tick().await;
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "agent-host did not exit within {within:?}; log:\n{}", self.log());
-        }
+        let mut status = None;
+        let exited = super::poll_until(within, || {
+            status = self.child.try_wait().unwrap();
+            std::future::ready(status.is_some())
+        })
+        .await;
+        assert!(exited, "agent-host did not exit within {within:?}; log:\n{}", self.log());
+        status.expect("the exit status it was seen with")
     }
 
     /// Waits until the process's log contains `needle`.

@@ -80,7 +80,7 @@ impl Page {
 /// A cursor's key: hex of UTF-8 without U+0000, bounded.
 fn decode(raw: &str) -> Option<String> {
     let bytes = hex::decode(raw.trim()).ok().filter(|b| !b.is_empty() && b.len() <= CURSOR_BYTES_MAX)?;
-    String::from_utf8(bytes).ok().filter(|k| !k.contains('\0'))
+    String::from_utf8(bytes).ok().filter(|k| crate::text::is_storable(k))
 }
 
 #[cfg(test)]

@@ -9,11 +9,11 @@
 //! - [`notify`]: every NOTIFY channel, and `notify` inside a transaction.
 //! - [`events`]: every event kind and the one `complete` payload.
 //! - [`enqueue`]: a new turn in one transaction (message, queued run, seq
-//!   1-2, wake), conversations created on the way, the idempotency lookup;
-//!   the eager start (the run written claimed by the enqueuing process when
-//!   it has a free slot and nothing is queued: [`enqueue::Eager`]).
+//!   1-2, wake), conversations created on the way, the idempotency lookup.
 //! - [`lifecycle`]: every change of a run's status (claim, finish, backstop,
-//!   reap, cancel, stop, suspend, decide, wake, retry), the lease and the
+//!   reap, cancel, stop, suspend, decide, wake, retry; the eager start, the
+//!   run written claimed in its enqueue by a process with a free slot when
+//!   nothing is queued: [`lifecycle::Eager`]), the lease and the
 //!   stop flag, with the run and message state machines written down beside
 //!   the trigger they mirror (and `TRANSITIONS`, walked against it).
 //! - [`calls`]: the recorded call log of resumable runs, fenced like the

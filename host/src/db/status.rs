@@ -78,7 +78,8 @@ pub enum RunStatus {
     /// dispatcher's claim (-> running) or by a stop sweep or a cancel of a
     /// queued run (-> cancelled).
     Queued,
-    /// Written by the claim. Left only by the claim holder's fenced finalize,
+    /// Written by the claim, or by the eager start (a run written claimed
+    /// in its own enqueue, [`super::lifecycle::enqueue_eager`]). Left only by the claim holder's fenced finalize,
     /// by the run task's backstop (fenced), or by the reaper once the lease
     /// has lapsed past the grace (re-checked in the write); a resumable run
     /// also by the hand-back (-> queued) and a suspension (-> waiting).

@@ -28,7 +28,7 @@ use crate::db::RunId;
 use crate::error::{AgentError, FailReason, HostError};
 use crate::run::journal::Journal;
 use crate::run::manifest::Manifest;
-use crate::run::record::{self, Decided, Divergence, Next, Reading, Recording};
+use crate::run::record::{self, Decided, Divergence, Next, NextReading, Recording};
 use crate::tools::{EventSink, ToolCall, ToolInfo, ToolRegistry, LLM_TOOL, WAIT_TOOL};
 
 /// The longest durable wait.
@@ -173,6 +173,13 @@ enum Plan {
     Refused(String),
     /// Not the call recorded at its position.
     Diverged(Divergence),
+}
+
+/// A gated reading's plan: what the log answers, or a live reading at this
+/// position after these journal appends.
+enum Planned {
+    Answer(String),
+    Live(i32, i64),
 }
 
 /// What a waiting call's decision leaves to do.
@@ -630,14 +637,9 @@ impl RunHost {
     /// input schemas (an MCP server down now is left out). A resumable run
     /// records the answer, so a resumed one sees what the first saw.
     pub async fn list_tools(&self) -> Result<Vec<ToolInfo>, HostError> {
-        self.ended()?;
         let Some(rec) = &self.inner.recording else {
+            self.ended()?;
             return Ok(self.inner.tools.list(&self.granted()).await);
-        };
-        // On replay the log answers; the servers are not asked.
-        let live = match rec.replaying() {
-            true => Vec::new(),
-            false => self.inner.tools.list(&self.granted()).await,
         };
         let to_text = |tools: &[ToolInfo]| {
             let list: Vec<Value> = tools
@@ -646,11 +648,13 @@ impl RunHost {
                 .collect();
             Value::Array(list).to_string()
         };
-        let ops = self.state().ops;
-        let text = match rec.read(record::LIST_TOOLS, ops, || to_text(&live)) {
-            Reading::Value(text) => text,
-            Reading::Refused(m) => return Err(self.limit(m)),
-            Reading::Diverged(d) => return Err(self.diverged(d)),
+        // On replay the log answers; the servers are not asked.
+        let text = match self.plan_reading(rec, record::LIST_TOOLS)? {
+            Planned::Answer(text) => text,
+            Planned::Live(at, ops) => {
+                let live = to_text(&self.inner.tools.list(&self.granted()).await);
+                rec.record_reading(at, record::LIST_TOOLS, ops, live)
+            }
         };
         let list: Vec<Value> = serde_json::from_str(&text).unwrap_or_default();
         Ok(list
@@ -799,13 +803,9 @@ impl RunHost {
         let Some(rec) = &self.inner.recording else {
             return self.stop_requested();
         };
-        if self.ended().is_err() {
-            return true;
-        }
-        let ops = self.state().ops;
-        // A run that must end is told to stop.
-        let read = rec.read(record::CHECK_CANCEL, ops, || self.stop_requested().to_string());
-        self.reading(read).is_none_or(|answer| answer == "true")
+        // A run that must end (its gate refuses) is told to stop.
+        let read = self.read(rec, record::CHECK_CANCEL, || self.stop_requested().to_string());
+        read.map_or(true, |answer| answer == "true")
     }
 
     /// A WASI wall-clock reading (time since the Unix epoch): recorded for a
@@ -814,26 +814,8 @@ impl RunHost {
         let Some(rec) = &self.inner.recording else {
             return live;
         };
-        let ops = self.state().ops;
-        let read = rec.read(record::WALL_CLOCK, ops, || live.as_nanos().to_string());
-        let ns = self.reading(read.map(|ns| ns.parse::<u64>().ok()));
-        ns.flatten().map_or(live, Duration::from_nanos)
-    }
-
-    /// A clock reading's answer; `None` when the run must end (a limit, a
-    /// divergence: recorded as its failure), and the live value serves meanwhile.
-    fn reading<T>(&self, read: Reading<T>) -> Option<T> {
-        match read {
-            Reading::Value(value) => Some(value),
-            Reading::Refused(m) => {
-                self.limit(m);
-                None
-            }
-            Reading::Diverged(d) => {
-                self.diverged(d);
-                None
-            }
-        }
+        let read = self.read(rec, record::WALL_CLOCK, || live.as_nanos().to_string());
+        read.ok().and_then(|ns| ns.parse::<u64>().ok()).map_or(live, Duration::from_nanos)
     }
 
     /// A WASI monotonic-clock reading in nanoseconds: recorded, replayed, and
@@ -842,8 +824,50 @@ impl RunHost {
         let Some(rec) = &self.inner.recording else {
             return live_ns;
         };
+        let read = self.read(rec, record::MONOTONIC_CLOCK, || rec.monotonic_live(live_ns).to_string());
+        read.map_or(live_ns, |ns| rec.monotonic_seen(ns.parse::<u64>().unwrap_or(0)))
+    }
+
+    /// A reading's gate, the first of the three steps every recorded import
+    /// takes (as a call-tool's [`gate`](Self::gate)): once the run must end,
+    /// check-cancel and list-tools are refused. The WASI clocks cannot be
+    /// refused: a reading of a run that must end is answered as any other.
+    /// The host-call budget of a guest's import is counted before, at the
+    /// WIT edge (`sandbox::imports`), for readings and call-tool alike (the
+    /// clocks are not host calls); a reading takes no ordinal, only the
+    /// log's position its plan takes.
+    fn gate_reading(&self, import: &str) -> Result<(), HostError> {
+        match import {
+            record::WALL_CLOCK | record::MONOTONIC_CLOCK => Ok(()),
+            _ => self.ended(),
+        }
+    }
+
+    /// A gated reading's plan from the log ([`Recording::next_reading`], one
+    /// flat answer): the recorded answer, or a live reading at its position
+    /// (with the journal appends before it). A reading past the
+    /// recorded-calls limit, or not the one recorded, is refused, and the run
+    /// will end failed with it (a limit, a divergence).
+    fn plan_reading(&self, rec: &Recording, import: &'static str) -> Result<Planned, HostError> {
+        self.gate_reading(import)?;
         let ops = self.state().ops;
-        self.reading(rec.monotonic(ops, live_ns)).unwrap_or(live_ns)
+        match rec.next_reading(import, ops) {
+            NextReading::Answer(text) => Ok(Planned::Answer(text)),
+            NextReading::Live(position) => Ok(Planned::Live(position, ops)),
+            NextReading::Refused(m) => Err(self.limit(m)),
+            NextReading::Diverged(d) => Err(self.diverged(d)),
+        }
+    }
+
+    /// A recorded reading made synchronously: gate and plan, then the
+    /// invocation, `live()` when the plan says so, its answer buffered for
+    /// the next durable write. `Err` when the gate or the plan refused (the
+    /// run must end; a live value serves meanwhile).
+    fn read(&self, rec: &Recording, import: &'static str, live: impl FnOnce() -> String) -> Result<String, HostError> {
+        Ok(match self.plan_reading(rec, import)? {
+            Planned::Answer(text) => text,
+            Planned::Live(at, ops) => rec.record_reading(at, import, ops, live()),
+        })
     }
 
     /// The seed of the guest's random generators for a resumable run (the

@@ -3,12 +3,12 @@
 //! language get them alike.
 //!
 //! Every call whose answer the host decides (call-tool, check-cancel, the
-//! WASI clocks) takes the next position of the run's call log (`run_call`).
-//! A tool call is written, fenced, before the tool runs (outcome unknown) and
-//! completed before the agent sees the answer; clock readings and cancel
-//! checks are buffered and written before the next durable write (a tool
-//! call, or an event the agent emits), so nothing journaled ever depends on
-//! a reading the log lost. Events are not in the log: the run host numbers
+//! WASI clocks, list-tools) takes the next position of the run's call log
+//! (`run_call`). A tool call is written, fenced, before the tool runs
+//! (outcome unknown) and completed before the agent sees the answer;
+//! readings (clocks, cancel checks, tool listings) are buffered and written
+//! before the next durable write (a tool call, or an event the agent emits),
+//! so nothing journaled ever depends on a reading the log lost. Events are not in the log: the run host numbers
 //! every journal append (`run_event.op`), and a tool call's row keeps the
 //! numbers before and after it.
 //!
@@ -64,24 +64,19 @@ pub enum Next {
     Diverged(Divergence),
 }
 
-/// A reading's answer from the log (or live, buffered), one flat answer.
+/// What the log says of the next reading (check-cancel, a clock,
+/// list-tools), one flat answer, as [`Next`] is a call-tool's.
 #[derive(Debug, PartialEq)]
-pub enum Reading<T> {
-    Value(T),
+pub enum NextReading {
+    /// Recorded: answer from the log.
+    Answer(String),
+    /// Nothing recorded: read live at this position, then
+    /// [`Recording::record_reading`].
+    Live(i32),
     /// Past the recorded-calls limit (the message says which).
     Refused(String),
     /// Not the reading recorded at its position.
     Diverged(Divergence),
-}
-
-impl<T> Reading<T> {
-    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Reading<U> {
-        match self {
-            Reading::Value(v) => Reading::Value(f(v)),
-            Reading::Refused(m) => Reading::Refused(m),
-            Reading::Diverged(d) => Reading::Diverged(d),
-        }
-    }
 }
 
 /// A call the agent made that is not the one recorded at its position.
@@ -280,27 +275,29 @@ impl Recording {
         }
     }
 
-    /// A reading (check-cancel, a clock): the recorded answer on replay,
-    /// else `live()` (run without the state's lock), buffered for the next
-    /// durable write.
-    pub fn read(&self, import: &'static str, ops: i64, live: impl FnOnce() -> String) -> Reading<String> {
+    /// The log's answer for the next reading (check-cancel, a clock,
+    /// list-tools): the recorded one on replay, else its position, taken.
+    pub fn next_reading(&self, import: &'static str, ops: i64) -> NextReading {
         let mut s = self.state();
         if let Some(call) = s.replay.pop_front() {
             if call.import != import || call.ops_before != ops {
-                return Reading::Diverged(divergence(&call, &format!("{import} after {ops} journal appends")));
+                return NextReading::Diverged(divergence(&call, &format!("{import} after {ops} journal appends")));
             }
             s.replayed += 1;
-            return Reading::Value(call.result.unwrap_or_default());
+            return NextReading::Answer(call.result.unwrap_or_default());
         }
         let position = s.next_position;
         if let Some(refused) = self.past_limit(position) {
-            return Reading::Refused(refused);
+            return NextReading::Refused(refused);
         }
         s.next_position += 1;
-        drop(s);
-        let value = live();
-        let mut s = self.state();
-        s.pending.push(Call {
+        NextReading::Live(position)
+    }
+
+    /// A reading made live at `position` (read without the state's lock),
+    /// buffered for the next durable write; returns it.
+    pub fn record_reading(&self, position: i32, import: &'static str, ops: i64, value: String) -> String {
+        self.state().pending.push(Call {
             position,
             import: import.to_string(),
             name: None,
@@ -310,26 +307,26 @@ impl Recording {
             outcome: Some("ok".into()),
             result: Some(value.clone()),
         });
-        Reading::Value(value)
+        value
     }
 
-    /// A monotonic reading: recorded ones on replay; live ones continue from
-    /// the last replayed value and never go back.
-    pub fn monotonic(&self, ops: i64, live_ns: u64) -> Reading<u64> {
-        let live = || {
-            // The first live reading fixes the offset that continues the
-            // clock from the last recorded value (0 on a first attempt).
-            let mut s = self.state();
-            let floor = s.monotonic_floor;
-            let offset = *s.monotonic_offset.get_or_insert((floor as i128 - live_ns as i128).max(0));
-            ((live_ns as i128 + offset).max(0) as u64).max(floor).to_string()
-        };
-        let r = self.read(MONOTONIC_CLOCK, ops, live).map(|text| text.parse::<u64>().unwrap_or(0));
-        if let Reading::Value(v) = r {
-            let mut s = self.state();
-            s.monotonic_floor = s.monotonic_floor.max(v);
-        }
-        r
+    /// A live monotonic reading: it continues from the last replayed value
+    /// and never goes back.
+    pub fn monotonic_live(&self, live_ns: u64) -> u64 {
+        // The first live reading fixes the offset that continues the
+        // clock from the last recorded value (0 on a first attempt).
+        let mut s = self.state();
+        let floor = s.monotonic_floor;
+        let offset = *s.monotonic_offset.get_or_insert((floor as i128 - live_ns as i128).max(0));
+        ((live_ns as i128 + offset).max(0) as u64).max(floor)
+    }
+
+    /// A monotonic reading handed out (replayed or live): later live ones
+    /// never go below it.
+    pub fn monotonic_seen(&self, ns: u64) -> u64 {
+        let mut s = self.state();
+        s.monotonic_floor = s.monotonic_floor.max(ns);
+        ns
     }
 
     /// Writes buffered readings (fenced). `Fenced` when the claim is gone.

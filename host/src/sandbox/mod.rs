@@ -561,79 +561,17 @@ impl WasmAgent {
 
     /// Runs one turn of the prepared component under `limits`.
     async fn execute(&self, host: &RunHost, input: RunInput) -> Result<String, AgentError> {
-        let (pre, limits) = (&self.pre, &self.limits);
+        let limits = &self.limits;
         let stdout = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
         let stderr = output::CappedOutput::new(GUEST_OUTPUT_BYTES_MAX);
         let cpu_ticks_max = limits.cpu_ms.div_ceil(EPOCH_TICK.as_millis() as u64).max(1);
         let new_store = || self.store(host, &stdout, &stderr, cpu_ticks_max);
         let mut store = new_store();
-        let pool_waits = &self.pool_waits.pool_waits;
-        // An exhausted pooling allocator (every slot of some kind in use by
-        // other guests) is waited out, never a failure: a fresh store (the
-        // failed one may hold slots of the instances it did make) and
-        // another try, until a guest ends and frees one.
-        macro_rules! instantiate {
-            ($pre:expr) => {
-                loop {
-                    match $pre.instantiate_async(&mut store).await {
-                        Err(e) if e.chain().any(|c| c.is::<wasmtime::PoolConcurrencyLimitError>()) => {
-                            pool_waits.fetch_add(1, Ordering::Relaxed);
-                            store = new_store();
-                            tokio::time::sleep(POOL_RETRY).await;
-                        }
-                        other => break other,
-                    }
-                }
-            };
-        }
-        let history: Vec<(String, String)> = input.history.into_iter().map(|m| (m.role, m.content)).collect();
-        let (run_id, conversation_id, config) =
-            (input.run_id.to_string(), input.conversation_id.to_string(), input.config.to_string());
         let tools = client_tools(&input.config);
         let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
-        let content = input.content;
-        let wall = Duration::from_millis(limits.wall_ms);
-        let live = &self.live;
-        let outcome = tokio::time::timeout(wall, async {
-            match pre {
-                Pre::V1(pre) => {
-                    let wit_input = wit_types::RunInput {
-                        run_id,
-                        conversation_id,
-                        content,
-                        history: history
-                            .into_iter()
-                            .map(|(role, content)| wit_types::Message { role, content })
-                            .collect(),
-                        config,
-                    };
-                    let agent = instantiate!(pre)?;
-                    live.fetch_add(1, Ordering::Relaxed);
-                    let _live = LiveGuard(live.clone());
-                    Ok(agent.call_run(&mut store, &wit_input).await?.map(|text| (text, Vec::new())))
-                }
-                Pre::V2(pre) => {
-                    let wit_input = wit_types_v2::RunInput {
-                        run_id,
-                        conversation_id,
-                        content,
-                        history: history
-                            .into_iter()
-                            .map(|(role, content)| wit_types_v2::Message { role, content })
-                            .collect(),
-                        config,
-                        client_tools: tools,
-                    };
-                    let agent = instantiate!(pre)?;
-                    live.fetch_add(1, Ordering::Relaxed);
-                    let _live = LiveGuard(live.clone());
-                    let answer = agent.call_run(&mut store, &wit_input).await?;
-                    Ok::<_, wasmtime::Error>(answer.map(|out| (out.text, out.client_calls)))
-                }
-            }
-        })
-        .await;
         let run_id = input.run_id;
+        let wall = Duration::from_millis(limits.wall_ms);
+        let outcome = tokio::time::timeout(wall, self.call_guest(&mut store, &new_store, input, tools)).await;
         log_output(run_id, "stdout", &stdout);
         log_output(run_id, "stderr", &stderr);
         let result = guest_verdict(outcome, store.data(), limits);
@@ -646,6 +584,61 @@ impl WasmAgent {
         }
         journal_client_calls(host, calls, &names).await?;
         Ok(text)
+    }
+
+    /// The guest's input in the world it was built for (0.1: no client
+    /// tools, no client calls back), a fresh instance in `store`, and its
+    /// `run` called: its text and client calls, or its own error.
+    async fn call_guest(
+        &self,
+        store: &mut Store<Guest>,
+        new_store: &(dyn Fn() -> Store<Guest> + Sync),
+        input: RunInput,
+        tools: Vec<wit_types_v2::ClientTool>,
+    ) -> wasmtime::Result<Result<(String, Vec<wit_types_v2::ClientCall>), String>> {
+        let pool_waits = &self.pool_waits.pool_waits;
+        // An exhausted pooling allocator (every slot of some kind in use by
+        // other guests) is waited out, never a failure: a fresh store (the
+        // failed one may hold slots of the instances it did make) and
+        // another try, until a guest ends and frees one.
+        macro_rules! instantiate {
+            ($pre:expr) => {
+                loop {
+                    match $pre.instantiate_async(&mut *store).await {
+                        Err(e) if e.chain().any(|c| c.is::<wasmtime::PoolConcurrencyLimitError>()) => {
+                            pool_waits.fetch_add(1, Ordering::Relaxed);
+                            *store = new_store();
+                            tokio::time::sleep(POOL_RETRY).await;
+                        }
+                        other => break other,
+                    }
+                }
+            };
+        }
+        let (run_id, conversation_id, config) =
+            (input.run_id.to_string(), input.conversation_id.to_string(), input.config.to_string());
+        let (content, history) = (input.content, input.history.into_iter().map(|m| (m.role, m.content)));
+        let live = &self.live;
+        match &self.pre {
+            Pre::V1(pre) => {
+                let history = history.map(|(role, content)| wit_types::Message { role, content }).collect();
+                let wit_input = wit_types::RunInput { run_id, conversation_id, content, history, config };
+                let agent = instantiate!(pre)?;
+                live.fetch_add(1, Ordering::Relaxed);
+                let _live = LiveGuard(live.clone());
+                Ok(agent.call_run(&mut *store, &wit_input).await?.map(|text| (text, Vec::new())))
+            }
+            Pre::V2(pre) => {
+                let history = history.map(|(role, content)| wit_types_v2::Message { role, content }).collect();
+                let wit_input =
+                    wit_types_v2::RunInput { run_id, conversation_id, content, history, config, client_tools: tools };
+                let agent = instantiate!(pre)?;
+                live.fetch_add(1, Ordering::Relaxed);
+                let _live = LiveGuard(live.clone());
+                let answer = agent.call_run(&mut *store, &wit_input).await?;
+                Ok(answer.map(|out| (out.text, out.client_calls)))
+            }
+        }
     }
 }
 

@@ -16,8 +16,9 @@ use sqlx::PgPool;
 
 use crate::agent::AgentRegistry;
 use crate::db::claimed::ClaimedRun;
-use crate::db::enqueue::{self as runs, Eager, EnqueueError, Enqueued, NewRun, Owner};
+use crate::db::enqueue::{self as runs, EnqueueError, Enqueued, NewRun, Owner};
 pub use crate::db::lifecycle::Busy;
+use crate::db::lifecycle::Eager;
 use crate::db::lifecycle::{self, StrategyError};
 use crate::db::{ConversationId, RunId};
 
@@ -141,7 +142,7 @@ impl Policy {
 }
 
 /// This process's worker as the enqueue sees it, for eager start
-/// ([`crate::db::enqueue::Eager`]); `worker::WorkerObserver` is one. A trait
+/// ([`crate::db::lifecycle::Eager`]); `worker::WorkerObserver` is one. A trait
 /// here, so this service does not import the worker, which imports it.
 pub trait LocalWorker: Send + Sync {
     /// A free slot for a run of `tenant` that may start in its enqueue,
@@ -221,7 +222,7 @@ pub enum SubmitError {
 ///
 /// With `local`, this process's worker: when it has a free slot, the run
 /// may start in its enqueue's statement and run here at once (eager start,
-/// [`crate::db::enqueue::Eager`]).
+/// [`crate::db::lifecycle::Eager`]).
 pub async fn submit(
     pool: &PgPool,
     agents: &AgentRegistry,

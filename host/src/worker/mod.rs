@@ -110,7 +110,7 @@ pub struct WorkerConfig {
     pub finish_window: Duration,
     /// Runs submitted to this process's API start in their enqueue's
     /// statement when a slot is free and nothing else is queued
-    /// ([`crate::db::enqueue::Eager`]); false: every run is claimed.
+    /// ([`crate::db::lifecycle::Eager`]); false: every run is claimed.
     pub eager_start: bool,
 }
 
@@ -423,7 +423,7 @@ impl WorkerObserver {
 
 impl crate::service::submit::LocalWorker for WorkerObserver {
     /// A free slot of this worker for a run to start in its enqueue (eager
-    /// start, [`crate::db::enqueue::Eager`]): `None` when it is off, the
+    /// start, [`crate::db::lifecycle::Eager`]): `None` when it is off, the
     /// worker claims nothing or is draining, or every slot is taken. The
     /// slot is taken before the enqueue (acquire-before-pull, as the
     /// dispatcher's); dropped unused, it goes back.
@@ -468,9 +468,9 @@ struct EagerSlot {
 }
 
 impl crate::service::submit::StartSlot for EagerSlot {
-    fn claim(&self) -> crate::db::enqueue::Eager<'_> {
+    fn claim(&self) -> crate::db::lifecycle::Eager<'_> {
         let config = &self.shared.config;
-        crate::db::enqueue::Eager {
+        crate::db::lifecycle::Eager {
             worker_id: &config.worker_id,
             lease: config.lease,
             tenant_max_running: config.tenant_max_running.map(i64::from),

@@ -40,20 +40,20 @@ impl From<sqlx::Error> for StrategyError {
 /// conversation. `reject` and `interrupt` lock the conversation row first, so
 /// two of them serialise and an enqueue racing them queues behind. With
 /// `eager`, the run may start in the enqueue's statement
-/// ([`crate::db::enqueue::Eager`]): then it comes back as claimed.
+/// ([`Eager`]): then it comes back as claimed.
 pub async fn enqueue_with(
     pool: &PgPool,
     new: &crate::db::enqueue::NewRun<'_>,
     strategy: Busy,
     tenant_max_queued: Option<u32>,
-    eager: Option<&crate::db::enqueue::Eager<'_>>,
+    eager: Option<&Eager<'_>>,
 ) -> Result<(Enqueued, Option<ClaimedRun>), StrategyError> {
     // Queueing behind a busy turn with no quota to count needs no lock and no
     // read first: the enqueue's one statement is the whole transaction (a
     // used idempotency key fails it on its index, as below).
     if strategy == Busy::Enqueue && tenant_max_queued.is_none() {
         return Ok(match eager {
-            Some(eager) => crate::db::enqueue::enqueue_eager(pool, new, eager).await?,
+            Some(eager) => enqueue_eager(pool, new, eager).await?,
             None => (crate::db::enqueue::enqueue(pool, new).await?, None),
         });
     }
@@ -116,7 +116,7 @@ pub async fn enqueue_with(
         }
     }
     let enqueued = match eager {
-        Some(eager) => crate::db::enqueue::enqueue_eager_in(&mut tx, new, eager).await?,
+        Some(eager) => enqueue_eager_in(&mut tx, new, eager).await?,
         None => (crate::db::enqueue::enqueue_in(&mut tx, new).await?, None),
     };
     tx.commit().await?;

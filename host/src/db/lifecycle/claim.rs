@@ -310,9 +310,9 @@ pub(super) fn write_claim(sql: &str, claim: &Claim<'_>, except: &[uuid::Uuid]) -
 /// `text` as an SQL string literal, whatever the server's
 /// `standard_conforming_strings`: an escape string (`E'...'`) with its
 /// backslashes and quotes doubled. PostgreSQL text holds no NUL; one is
-/// dropped.
+/// dropped ([`crate::text::without_nul`]).
 pub(super) fn sql_string(text: &str) -> String {
-    format!("E'{}'", text.replace('\0', "").replace('\\', "\\\\").replace('\'', "''"))
+    format!("E'{}'", crate::text::without_nul(text).replace('\\', "\\\\").replace('\'', "''"))
 }
 
 /// What [`claim_batch`] claimed, and how often the index turned a row away.

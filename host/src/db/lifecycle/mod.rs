@@ -1,9 +1,10 @@
 //! Every change of a run's status, and the reads that decide one: the claim
 //! and the lease (`claim`), endings, reaps and hand-backs (`finish`), stops
 //! (`stop`), suspensions, decisions and wakes (`suspensions`), enqueue with a
-//! strategy for a busy conversation (`busy`) and retry (`retry`). No other
-//! module changes `agent_run.status` (enqueue, and the benchmark's bulk
-//! enqueue, insert runs `queued`, or `running` for an eager start). Each function's doc names its
+//! strategy for a busy conversation (`busy`), the eager start, a run written
+//! `running` in its own enqueue (`eager`), and retry (`retry`). No other
+//! module changes `agent_run.status` or writes a run other than `queued`
+//! (enqueue, and the benchmark's bulk enqueue, insert runs `queued`). Each function's doc names its
 //! caller and the transition it makes; the schema's trigger
 //! `agent_run_status_transition` (`agent_run_transition_check`, last in
 //! `migrations/0006_waiting.sql`; an AFTER trigger since
@@ -16,7 +17,7 @@
 //! | from    | to        | function                         | caller                                   |
 //! |---------|-----------|----------------------------------|------------------------------------------|
 //! | (none)  | queued    | [`super::enqueue::enqueue`], [`retry`] (a new run) | HTTP API, demo, bench; HTTP retry |
-//! | (none)  | running   | [`super::enqueue::enqueue_eager`]: queued and claimed in one statement, only when no other run is queued and its conversation has no active turn | HTTP API on a process with a free slot |
+//! | (none)  | running   | [`enqueue_eager`] ([`Eager`]): queued and claimed in one statement, only when no other run is queued and its conversation has no active turn | HTTP API on a process with a free slot |
 //! | queued  | running   | [`claim_batch`] ([`claim`]); [`finish_and_claim`] (with a batch of endings) | dispatcher; finisher |
 //! | queued  | cancelled | [`cancel`], [`stop_conversation`] | HTTP cancel, HTTP stop                  |
 //! | running | completed, failed, cancelled | [`finish_many`], [`finish_and_claim`] (group commit, each row fenced), [`finish`] (fenced) | run task (through the worker's finisher) |
@@ -44,6 +45,7 @@
 //! | role      | from            | to       | by                                             |
 //! |-----------|-----------------|----------|------------------------------------------------|
 //! | user      | (none)          | queued   | enqueue                                        |
+//! | user      | (none)          | complete | [`enqueue_eager`] (its run started in its enqueue) |
 //! | user      | queued          | complete | [`claim`] (its run started)                    |
 //! | user      | queued          | draft    | [`cancel`] of a queued run, [`stop_conversation`] |
 //! | user      | draft, complete | queued   | [`retry`] (its run failed or was cancelled)    |
@@ -89,6 +91,7 @@ use super::{conversations, ClaimToken, ConversationId, MessageId, MessageStatus,
 
 mod busy;
 mod claim;
+mod eager;
 mod finish;
 mod retry;
 mod stop;
@@ -96,6 +99,7 @@ pub mod suspensions;
 
 pub use busy::*;
 pub use claim::*;
+pub use eager::*;
 pub use finish::*;
 pub use retry::*;
 pub use stop::*;
