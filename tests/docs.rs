@@ -54,6 +54,11 @@ fn steps(page: &str) -> Vec<Step> {
     steps
 }
 
+/// The target directory the tests' Rust projects share.
+pub fn rust_target() -> PathBuf {
+    std::env::temp_dir().join("agent-host-test-rust-target")
+}
+
 #[test]
 fn the_runner_reads_marked_blocks_only() {
     let page = "text\n```sh\nnot run\n```\n```python doc-file=a/app.py\nprint(1)\n```\n```sh doc-run\necho hi\n```\n";
@@ -112,6 +117,8 @@ async fn the_books_shell_steps_run_as_written() {
                         .env("PATH", &path)
                         .env("AGENT_HOST_URL", format!("http://{}", host.addr))
                         .env("AGENT_HOST_TOKEN", &token)
+                        // Rust projects share one target directory (their dependencies built once).
+                        .env("CARGO_TARGET_DIR", rust_target())
                         .kill_on_drop(true)
                         .output();
                     let out = tokio::time::timeout(Duration::from_secs(600), run)

@@ -13,7 +13,12 @@ use crate::support::*;
 const LANGS: &[&str] = &["python", "javascript", "typescript", "rust"];
 
 fn agent_host(dir: &Path, args: &[&str]) -> Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_agent-host")).current_dir(dir).args(args).output().unwrap()
+    std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
+        .current_dir(dir)
+        .args(args)
+        .env("CARGO_TARGET_DIR", crate::docs::rust_target())
+        .output()
+        .unwrap()
 }
 
 fn said(out: &Output) -> String {
