@@ -236,6 +236,26 @@ fn completions_print_a_script_for_the_shell() {
     assert!(script.contains("_agent__host()") && script.contains("tenants"), "{}", &script[..script.len().min(400)]);
 }
 
+/// A reader that stops early (`agent-host runs list | head -1`, `... | grep -q`)
+/// ends a client command quietly, by SIGPIPE as other Unix tools end, never
+/// with a panic on "Broken pipe" (exit 101). The script is larger than a
+/// pipe's buffer, so the writer meets the closed pipe whatever the timing.
+#[test]
+fn a_reader_that_stops_early_ends_a_client_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agent-host"))
+        .args(["completions", "bash"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.signal(), Some(nix::libc::SIGPIPE), "{:?}: {stderr}", out.status);
+    assert!(stderr.is_empty(), "{stderr}");
+}
+
 /// Issue 39: the generated reference pages cannot go stale: the command
 /// line from the clap definitions, the manifest and the tools file from JSON
 /// Schemas derived from their Rust types; each committed file must be what

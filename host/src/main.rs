@@ -27,6 +27,9 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    if !matches!(cli.command, Command::Serve(_)) {
+        end_quietly_on_a_closed_pipe();
+    }
     match cli.command {
         Command::Serve(args) => server::serve(&args.db, &args).await,
         Command::Migrate { db } => {
@@ -69,4 +72,15 @@ async fn main() -> anyhow::Result<()> {
         Command::Approvals { api, command } => client::approvals(&api, command).await,
         Command::Schedules { api, command } => client::schedules(&api, command).await,
     }
+}
+
+/// A one-shot command whose reader stopped early (`| head`, `| grep -q`) ends
+/// by SIGPIPE, quietly, as other Unix tools do: Rust ignores the signal, so
+/// without this every `println!` after the reader left would panic. Not for
+/// `serve`, whose sockets must see EPIPE as an error, never a signal.
+fn end_quietly_on_a_closed_pipe() {
+    use nix::sys::signal::{signal, SigHandler, Signal};
+    // SAFETY: no handler is installed (the default disposition), so nothing
+    // runs in signal context; the disposition is process-wide, set once.
+    unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) }.expect("SIGPIPE's default disposition");
 }
