@@ -213,6 +213,9 @@ impl Env {
         let cache = std::env::temp_dir().join(format!("agent-host-cache-{}", std::process::id()));
         let sandbox = Sandbox::new(db.pool.clone(), Some(cache)).unwrap();
         plugins::put(&db.pool, "chat", &plugin_wasm("chat"), &json!({ "tools": chat_grants })).await.unwrap();
+        for example in ["chat-python", "chat-js"] {
+            plugins::put(&db.pool, example, &example_wasm(example), &json!({ "tools": chat_grants })).await.unwrap();
+        }
         let mut agents = AgentRegistry::with_builtins().with_sandbox(sandbox).with_tools(registry(servers));
         let granted = Manifest::parse(&json!({ "tools": ["py.echo", "py.slow"] })).unwrap();
         agents.insert_with_manifest("caller", Arc::new(Caller), granted);
@@ -253,28 +256,37 @@ fn ev(kind: &str, name: &str, outcome: &str) -> (String, String, String) {
     (kind.into(), name.into(), outcome.into())
 }
 
+/// Each SDK's `model_tools` (Rust, Python, JavaScript): `"tools": "granted"`
+/// offers the model every granted tool but itself, an MCP server's under a
+/// name a model takes, and the model's call of that name reaches the server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_offers_the_granted_mcp_tools_to_the_model_and_completes_a_turn_that_used_one() {
     let py = McpServerProcess::python(None, None).await;
     let env = Env::new(vec![mcp("py", &py.url(), 10_000, false)], &["llm", "py.echo"]).await;
-    let run = env.run("chat", "hello there", json!({ "tools": "granted" })).await;
-    let view = env.finish(run).await;
-    assert_eq!(view["status"], "completed", "{view}");
-    // The offline model called the one tool it was offered (as `py_echo`:
-    // a model's tool names have no dots), and quoted its answer.
-    assert_eq!(env.answer(run).await, "Offline reply to: hello there Tool py_echo said: echo: hello there");
-    assert_eq!(
-        env.tool_events(run).await,
-        [
-            ev("tool_call_started", "llm", ""),
-            ev("tool_call_finished", "llm", "ok"),
-            ev("tool_call_started", "py.echo", ""),
-            ev("tool_call_finished", "py.echo", "ok"),
-            ev("tool_call_started", "llm", ""),
-            ev("tool_call_finished", "llm", "ok"),
-        ]
-    );
-    assert_eq!(py.notes(), ["echo hello there"]);
+    for chat in ["chat", "chat-python", "chat-js"] {
+        let run = env.run(chat, &format!("hello from {chat}"), json!({ "tools": "granted" })).await;
+        let view = env.finish(run).await;
+        assert_eq!(view["status"], "completed", "{chat}: {view}");
+        // The offline model called the one tool it was offered (as `py_echo`:
+        // a model's tool names have no dots), and quoted its answer.
+        assert_eq!(
+            env.answer(run).await,
+            format!("Offline reply to: hello from {chat} Tool py_echo said: echo: hello from {chat}"),
+        );
+        assert_eq!(
+            env.tool_events(run).await,
+            [
+                ev("tool_call_started", "llm", ""),
+                ev("tool_call_finished", "llm", "ok"),
+                ev("tool_call_started", "py.echo", ""),
+                ev("tool_call_finished", "py.echo", "ok"),
+                ev("tool_call_started", "llm", ""),
+                ev("tool_call_finished", "llm", "ok"),
+            ],
+            "{chat}"
+        );
+    }
+    assert_eq!(py.notes(), ["echo hello from chat", "echo hello from chat-python", "echo hello from chat-js"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,7 +4,9 @@
 // arrives.
 //
 // Config: `system`, `tools` (`[{name, description, parameters}]`, each granted
-// in the manifest or a function the client runs), `input` (chat messages that
+// in the manifest or a function the client runs; or `"granted"`: every host
+// tool the plugin was granted but the model itself and `wait`, an MCP
+// server's included, plus the client's functions), `input` (chat messages that
 // are this turn), `max_steps` (model calls per turn, default 8).
 //
 // Switches for trying the host's limits (the tests use them): `hold_ms`
@@ -60,7 +62,7 @@ function chat(turn) {
   for (const m of turn.history) messages.push({ role: m.role, content: m.content });
   if (Array.isArray(turn.config.input)) messages.push(...turn.config.input);
   else messages.push({ role: "user", content: turn.content });
-  const tools = turn.config.tools ?? [];
+  const tools = turn.config.tools === "granted" ? [...turn.modelTools(), ...turn.clientTools] : turn.config.tools ?? [];
   const maxSteps = Math.min(Math.max(turn.configInt("max_steps", 8), 1), 64);
   for (let n = 1; n <= maxSteps; n++) {
     turn.emit("step", { n });

@@ -4,7 +4,9 @@ answers in text. The host streams the model's text to the run as it arrives.
 
 Config: `system` (a system prompt), `tools` (what the model is offered:
 `[{name, description, parameters}]`, each granted in the manifest or a
-function the client runs), `input` (chat messages that are this turn, in
+function the client runs; or `"granted"`: every host tool the plugin was
+granted but the model itself and `wait`, an MCP server's included, plus the
+client's functions), `input` (chat messages that are this turn, in
 place of the user's message), `max_steps` (model calls per turn, default 8).
 
 Switches for trying the host's limits (the tests use them):
@@ -68,6 +70,10 @@ def chat(turn: Turn) -> str:
     else:
         messages.append({"role": "user", "content": turn.content})
     tools = turn.config.get("tools", [])
+    if tools == "granted":
+        tools = turn.model_tools() + [
+            {"name": t.name, "description": t.description, "parameters": t.parameters} for t in turn.client_tools
+        ]
     max_steps = min(max(turn.config_int("max_steps", 8), 1), 64)
     for n in range(1, max_steps + 1):
         turn.emit("step", {"n": n})

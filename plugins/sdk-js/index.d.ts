@@ -19,6 +19,22 @@ export interface ClientTool {
   parameters: unknown;
 }
 
+/** A host tool this plugin was granted, as the host lists it. */
+export interface ToolInfo {
+  /** The name `callTool` takes (an MCP server's tools are `<server>.<tool>`). */
+  name: string;
+  description?: string;
+  /** Its arguments' JSON schema, parsed. */
+  inputSchema: unknown;
+}
+
+/** A tool offered to a model, as the `llm` tool's `tools` takes it. */
+export interface ModelTool {
+  name: string;
+  description?: string;
+  parameters: unknown;
+}
+
 /** A call of a client's function the turn ends with. */
 export interface ClientCall {
   callId: string;
@@ -44,6 +60,9 @@ export interface TurnOutput {
 }
 
 export const CLIENT_CALLS_MAX: number;
+export const MODEL_NAME_BYTES_MAX: number;
+/** A host tool's name as a model takes it (`py.echo` becomes `py_echo`). */
+export function modelName(name: string): string;
 
 /** The host refused a call; `kind` names the WIT `host-error` case. */
 export class Refusal extends Error {
@@ -75,6 +94,10 @@ export class Turn {
   emit(kind: string, payload: Record<string, unknown>): void;
   /** Calls a granted host tool with JSON arguments; returns its JSON answer. */
   callTool(name: string, args: unknown): any;
+  /** The host tools this plugin was granted that the host has now, sorted by name. */
+  grantedTools(): ToolInfo[];
+  /** The granted tools but `llm` and `wait`, named as a model takes them; `callTool` takes those names. */
+  modelTools(): ModelTool[];
   /** Whether a stop was requested. */
   cancelled(): boolean;
   /** Throws Cancelled when a stop was requested. */

@@ -12,10 +12,28 @@
 // Host refusals arrive as exceptions (subclasses of `Refusal`); an exception
 // that leaves the function ends the run failed with its message.
 
-import { emitEvent, callTool, checkCancel } from "agent-host:plugin/host@0.2.0";
+import { emitEvent, callTool, checkCancel, listTools } from "agent-host:plugin/host@0.2.0";
 
 /** Client calls a turn may end with, at most. */
 export const CLIENT_CALLS_MAX = 64;
+
+/** The longest tool name a model takes (the `llm` tool's bound). */
+export const MODEL_NAME_BYTES_MAX = 64;
+
+/**
+ * A host tool's name as a model takes it: 1-64 letters, digits, `_` and `-`.
+ * Another character (the `.` of `<server>.<tool>`) becomes `_`; a longer name
+ * is cut and ends with `_` and a hash of the whole name (FNV-1a, the same in
+ * every SDK).
+ */
+export function modelName(name) {
+  const clean = Array.from(name, (c) => (/^[A-Za-z0-9_-]$/.test(c) ? c : "_")).join("");
+  if (clean.length > 0 && clean.length <= MODEL_NAME_BYTES_MAX) return clean;
+  let h = 0x811c9dc5;
+  for (const b of new TextEncoder().encode(name)) h = Math.imul(h ^ b, 0x01000193) >>> 0;
+  const suffix = `_${h.toString(16).padStart(8, "0")}`;
+  return clean.slice(0, MODEL_NAME_BYTES_MAX - suffix.length) + suffix;
+}
 
 /** The host refused a call; `kind` names the WIT `host-error` case. */
 export class Refusal extends Error {
@@ -99,6 +117,7 @@ export class Turn {
       parameters: parse(t.parameters, {}),
     }));
     this.clientCalls = [];
+    this.modelNames = new Map();
   }
 
   /** Streams a piece of the answer. */
@@ -111,14 +130,46 @@ export class Turn {
     host(() => emitEvent(kind, JSON.stringify(payload)));
   }
 
-  /** Calls a granted host tool with JSON arguments; returns its JSON answer. */
+  /**
+   * Calls a granted host tool with JSON arguments; returns its JSON answer.
+   * `name` is the host's, or the one `modelTools` gave the model for it.
+   */
   callTool(name, args) {
-    const out = host(() => callTool(name, JSON.stringify(args)));
+    const hostName = this.modelNames.get(name) ?? name;
+    const out = host(() => callTool(hostName, JSON.stringify(args)));
     try {
       return JSON.parse(out);
     } catch (e) {
       throw new ToolFailed(`tool answered non-JSON: ${e.message}`);
     }
+  }
+
+  /**
+   * The host tools this plugin was granted that the host has now (an MCP
+   * server's among them, as `<server>.<tool>`), sorted by name: what
+   * `callTool` may reach.
+   */
+  grantedTools() {
+    return listTools().map((t) => ({ name: t.name, description: t.description, inputSchema: parse(t.inputSchema, {}) }));
+  }
+
+  /**
+   * The granted tools to offer a model, as the `llm` tool's `tools` takes
+   * them (`{name, description, parameters}`): every granted tool but the
+   * model itself and `wait`, each named as a model accepts (`py.echo` is
+   * offered as `py_echo`); `callTool` takes the offered name. Add
+   * `clientTools` for the client's functions.
+   */
+  modelTools() {
+    const offered = [];
+    for (const t of this.grantedTools()) {
+      if (t.name === "llm" || t.name === "wait") continue;
+      const name = modelName(t.name);
+      if (this.modelNames.has(name)) continue;
+      this.modelNames.set(name, t.name);
+      offered.push({ name, description: t.description, parameters: t.inputSchema });
+    }
+    return offered;
   }
 
   /** Whether a stop was requested: return soon (the host interrupts a guest that does not). */

@@ -17,4 +17,13 @@ declare module "agent-host:plugin/host@0.2.0" {
   export function callTool(name: string, args: string): string;
   /** Whether a stop was requested for this run. */
   export function checkCancel(): boolean;
+  /** A host tool the plugin was granted. */
+  export interface ToolInfo {
+    name: string;
+    description?: string;
+    /** Its arguments' JSON schema, a JSON text. */
+    inputSchema: string;
+  }
+  /** The granted host tools the host has now, sorted by name. */
+  export function listTools(): ToolInfo[];
 }

@@ -32,7 +32,7 @@ impl Agent for Chat {
             Some(input) => messages.extend(input.iter().cloned()),
             None => messages.push(json!({ "role": "user", "content": turn.content })),
         }
-        let (tools, names) = offered(&turn);
+        let tools = offered(&turn);
         let max_steps = turn.config_u64("max_steps", 8).clamp(1, 64);
         for n in 1..=max_steps {
             turn.emit("step", &json!({ "n": n }))?;
@@ -53,7 +53,7 @@ impl Agent for Chat {
             }
             messages.push(json!({ "role": "assistant", "content": content, "tool_calls": calls }));
             for call in &calls {
-                let result = run_tool(&turn, call, &names)?;
+                let result = run_tool(&turn, call)?;
                 messages.push(json!({ "role": "tool", "tool_call_id": call["id"], "content": result }));
             }
         }
@@ -61,57 +61,25 @@ impl Agent for Chat {
     }
 }
 
-/// The longest tool name the `llm` tool accepts.
-const MODEL_NAME_BYTES_MAX: usize = 64;
-
-/// A model's tool names are 1-64 letters, digits, `_` and `-`: another
-/// character of a host tool's name (the `.` of `<server>.<tool>`) is offered
-/// as `_`, and a longer name is cut and ends with `_` and a hash of the
-/// whole name (so two long names stay apart). `offered` maps it back.
-fn model_name(name: &str) -> String {
-    let clean: String =
-        name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' }).collect();
-    if !clean.is_empty() && clean.len() <= MODEL_NAME_BYTES_MAX {
-        return clean;
-    }
-    // FNV-1a, 32 bits: stable across builds and hosts.
-    let hash = name.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
-    let suffix = format!("_{hash:08x}");
-    // `clean` is ASCII: any byte index is a character boundary.
-    let keep = clean.len().min(MODEL_NAME_BYTES_MAX - suffix.len());
-    format!("{}{suffix}", &clean[..keep])
-}
-
-/// The tools the model is offered, and the host tool each offered name
-/// stands for (where it differs).
-fn offered(turn: &Turn) -> (Value, Vec<(String, String)>) {
+/// The tools the model is offered: the config's list as it is, or for
+/// `"granted"` the SDK's [`Turn::model_tools`] and the client's functions.
+fn offered(turn: &Turn) -> Value {
     let tools = turn.config.get("tools").cloned().unwrap_or_else(|| json!([]));
     if tools.as_str() != Some("granted") {
-        return (tools, Vec::new());
+        return tools;
     }
-    let mut offered = Vec::new();
-    let mut names = Vec::new();
-    for t in turn.granted_tools().into_iter().filter(|t| t.name != "llm" && t.name != "wait") {
-        let name = model_name(&t.name);
-        if names.iter().any(|(n, _): &(String, String)| *n == name) {
-            continue;
-        }
-        let parameters: Value = serde_json::from_str(&t.input_schema).unwrap_or_else(|_| json!({ "type": "object" }));
-        offered.push(json!({ "name": name, "description": t.description, "parameters": parameters }));
-        names.push((name, t.name));
-    }
+    let mut offered = turn.model_tools();
     for t in &turn.client_tools {
         let parameters: Value = serde_json::from_str(&t.parameters).unwrap_or_else(|_| json!({ "type": "object" }));
         offered.push(json!({ "name": t.name, "description": t.description, "parameters": parameters }));
     }
-    (Value::Array(offered), names)
+    Value::Array(offered)
 }
 
 /// One tool call the model asked for. Its failure is told to the model, which
 /// can try otherwise; only a stop or a lost run ends the turn.
-fn run_tool(turn: &Turn, call: &Value, names: &[(String, String)]) -> Result<String, Refusal> {
+fn run_tool(turn: &Turn, call: &Value) -> Result<String, Refusal> {
     let name = call["name"].as_str().unwrap_or_default();
-    let name = names.iter().find(|(offered, _)| offered == name).map_or(name, |(_, host)| host.as_str());
     let args: Value = match serde_json::from_str(call["arguments"].as_str().unwrap_or("{}")) {
         Ok(args) => args,
         Err(e) => return Ok(format!("error: the arguments are not JSON: {e}")),
@@ -125,20 +93,3 @@ fn run_tool(turn: &Turn, call: &Value, names: &[(String, String)]) -> Result<Str
 }
 
 export_agent!(Chat);
-
-#[cfg(test)]
-mod tests {
-    use super::model_name;
-
-    #[test]
-    fn every_offered_name_is_one_the_llm_tool_accepts() {
-        assert_eq!(model_name("docs.search"), "docs_search");
-        let long = format!("docs.{}", "x".repeat(120));
-        let other = format!("docs.{}y", "x".repeat(119));
-        let (a, b) = (model_name(&long), model_name(&other));
-        assert_eq!(a.len(), 64);
-        assert_ne!(a, b, "two long names stay apart");
-        assert!(a.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-'), "{a}");
-        assert_eq!(model_name(&long), a, "the same name maps the same way");
-    }
-}

@@ -32,6 +32,7 @@ __all__ = [
     "Turn",
     "Message",
     "ClientTool",
+    "ToolInfo",
     "Refusal",
     "Cancelled",
     "Fenced",
@@ -45,6 +46,24 @@ __all__ = [
 
 #: Client calls a turn may end with, at most.
 CLIENT_CALLS_MAX = 64
+
+#: The longest tool name a model takes (the ``llm`` tool's bound).
+MODEL_NAME_BYTES_MAX = 64
+
+
+def model_name(name: str) -> str:
+    """A host tool's name as a model takes it: 1-64 letters, digits, ``_``
+    and ``-``. Another character (the ``.`` of ``<server>.<tool>``) becomes
+    ``_``; a longer name is cut and ends with ``_`` and a hash of the whole
+    name (FNV-1a, the same in every SDK)."""
+    clean = "".join(c if (c.isascii() and c.isalnum()) or c in "_-" else "_" for c in name)
+    if clean and len(clean) <= MODEL_NAME_BYTES_MAX:
+        return clean
+    h = 0x811C9DC5
+    for b in name.encode():
+        h = ((h ^ b) * 0x01000193) & 0xFFFFFFFF
+    suffix = f"_{h:08x}"
+    return clean[: MODEL_NAME_BYTES_MAX - len(suffix)] + suffix
 
 
 class Refusal(Exception):
@@ -133,6 +152,18 @@ class ClientTool:
 
 
 @dataclass
+class ToolInfo:
+    """A host tool this plugin was granted, as the host lists it."""
+
+    #: The name :meth:`Turn.call_tool` takes (an MCP server's tools are
+    #: ``<server>.<tool>``).
+    name: str
+    description: Optional[str]
+    #: Its arguments' JSON schema, parsed.
+    input_schema: Any
+
+
+@dataclass
 class Turn:
     """One turn, with the host's imports as methods."""
 
@@ -147,6 +178,7 @@ class Turn:
     #: Functions the run's client runs itself.
     client_tools: List[ClientTool]
     _client_calls: List[wit.ClientCall] = field(default_factory=list)
+    _model_names: dict = field(default_factory=dict)
 
     def delta(self, text: str) -> None:
         """Streams a piece of the answer."""
@@ -160,15 +192,40 @@ class Turn:
             raise _refusal(e.value) from None
 
     def call_tool(self, name: str, args: Any) -> Any:
-        """Calls a granted host tool with JSON arguments; returns its JSON answer."""
+        """Calls a granted host tool with JSON arguments; returns its JSON
+        answer. ``name`` is the host's, or the one :meth:`model_tools` gave
+        the model for it."""
         try:
-            out = host.call_tool(name, json.dumps(args))
+            out = host.call_tool(self._model_names.get(name, name), json.dumps(args))
         except Err as e:
             raise _refusal(e.value) from None
         try:
             return json.loads(out)
         except ValueError as e:
             raise ToolFailed(f"tool answered non-JSON: {e}") from None
+
+    def granted_tools(self) -> List[ToolInfo]:
+        """The host tools this plugin was granted that the host has now (an
+        MCP server's among them, as ``<server>.<tool>``), sorted by name:
+        what :meth:`call_tool` may reach."""
+        return [ToolInfo(t.name, t.description, _schema(t.input_schema)) for t in host.list_tools()]
+
+    def model_tools(self) -> List[dict]:
+        """The granted tools to offer a model, as the ``llm`` tool's ``tools``
+        takes them (``{name, description, parameters}``): every granted tool
+        but the model itself and ``wait``, each named as a model accepts
+        (``py.echo`` is offered as ``py_echo``); :meth:`call_tool` takes the
+        offered name. Add :attr:`client_tools` for the client's functions."""
+        offered = []
+        for t in self.granted_tools():
+            if t.name in ("llm", "wait"):
+                continue
+            name = model_name(t.name)
+            if name in self._model_names:
+                continue
+            self._model_names[name] = t.name
+            offered.append({"name": name, "description": t.description, "parameters": t.input_schema})
+        return offered
 
     def cancelled(self) -> bool:
         """Whether a stop was requested: return soon (the host interrupts a
@@ -199,6 +256,14 @@ class Turn:
         return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
+def _schema(text: str) -> Any:
+    """A JSON schema's text, parsed (an unreadable one as ``{}``)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {}
+
+
 def _turn(input: wit.RunInput) -> Turn:
     try:
         config = json.loads(input.config)
@@ -207,19 +272,13 @@ def _turn(input: wit.RunInput) -> Turn:
     if not isinstance(config, dict):
         config = {}
 
-    def schema(text: str) -> Any:
-        try:
-            return json.loads(text)
-        except ValueError:
-            return {}
-
     return Turn(
         run_id=input.run_id,
         conversation_id=input.conversation_id,
         content=input.content,
         history=[Message(m.role, m.content) for m in input.history],
         config=config,
-        client_tools=[ClientTool(t.name, t.description, schema(t.parameters)) for t in input.client_tools],
+        client_tools=[ClientTool(t.name, t.description, _schema(t.parameters)) for t in input.client_tools],
     )
 
 

@@ -34,9 +34,31 @@ pub use serde_json::{json, Value};
 /// Client calls a turn ends with; at most this many.
 pub const CLIENT_CALLS_MAX: usize = 64;
 
+/// The longest tool name a model takes (the `llm` tool's bound).
+pub const MODEL_NAME_BYTES_MAX: usize = 64;
+
 thread_local! {
     /// The calls of client functions this turn ends with (a guest is one thread).
     static CLIENT_CALLS: RefCell<Vec<ClientCall>> = const { RefCell::new(Vec::new()) };
+    /// The names [`Turn::model_tools`] gave the model, each with its host tool's.
+    static MODEL_NAMES: RefCell<Vec<(String, String)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A host tool's name as a model takes it: 1-64 letters, digits, `_` and
+/// `-`. Another character (the `.` of `<server>.<tool>`) becomes `_`; a
+/// longer name is cut and ends with `_` and a hash of the whole name
+/// (FNV-1a, 32 bits: the same in every SDK, on every host).
+pub fn model_name(name: &str) -> String {
+    let clean: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' }).collect();
+    if !clean.is_empty() && clean.len() <= MODEL_NAME_BYTES_MAX {
+        return clean;
+    }
+    let hash = name.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+    let suffix = format!("_{hash:08x}");
+    // `clean` is ASCII: any byte index is a character boundary.
+    let keep = clean.len().min(MODEL_NAME_BYTES_MAX - suffix.len());
+    format!("{}{suffix}", &clean[..keep])
 }
 
 /// A refusal from the host, with a readable message.
@@ -97,8 +119,11 @@ impl Turn {
     }
 
     /// Calls a granted host tool with JSON arguments; returns its JSON answer.
+    /// `name` is the host's, or the one [`Turn::model_tools`] gave the model.
     pub fn call_tool(&self, name: &str, args: &Value) -> Result<Value, Refusal> {
-        let out = host::call_tool(name, &args.to_string())?;
+        let host_name = MODEL_NAMES
+            .with(|names| names.borrow().iter().find(|(offered, _)| offered == name).map(|(_, host)| host.clone()));
+        let out = host::call_tool(host_name.as_deref().unwrap_or(name), &args.to_string())?;
         serde_json::from_str(&out).map_err(|e| Refusal(HostError::ToolFailed(format!("tool answered non-JSON: {e}"))))
     }
 
@@ -107,6 +132,29 @@ impl Turn {
     /// `<server>.<tool>`): what [`Turn::call_tool`] may reach.
     pub fn granted_tools(&self) -> Vec<ToolInfo> {
         host::list_tools()
+    }
+
+    /// The granted tools to offer a model, as the `llm` tool's `tools` takes
+    /// them (`{name, description, parameters}`): every granted tool but the
+    /// model itself and `wait`, each named as a model accepts (`py.echo` is
+    /// offered as `py_echo`); [`Turn::call_tool`] takes the offered name. Add
+    /// [`Turn::client_tools`] for the client's functions.
+    pub fn model_tools(&self) -> Vec<Value> {
+        let mut offered = Vec::new();
+        MODEL_NAMES.with(|names| {
+            let mut names = names.borrow_mut();
+            for t in self.granted_tools().into_iter().filter(|t| t.name != "llm" && t.name != "wait") {
+                let name = model_name(&t.name);
+                if names.iter().any(|(n, _)| *n == name) {
+                    continue;
+                }
+                let parameters: Value =
+                    serde_json::from_str(&t.input_schema).unwrap_or_else(|_| json!({ "type": "object" }));
+                offered.push(json!({ "name": name, "description": t.description, "parameters": parameters }));
+                names.push((name, t.name));
+            }
+        });
+        offered
     }
 
     /// Whether `name` is a function the client runs.
@@ -165,6 +213,7 @@ impl<A: Agent> bindings::Guest for Adapter<A> {
     ) -> Result<bindings::agent_host::plugin::types::TurnOutput, String> {
         let config = serde_json::from_str(&input.config).unwrap_or(Value::Object(Default::default()));
         CLIENT_CALLS.with(|c| c.borrow_mut().clear());
+        MODEL_NAMES.with(|n| n.borrow_mut().clear());
         let text = A::run(Turn {
             run_id: input.run_id,
             conversation_id: input.conversation_id,
@@ -185,4 +234,24 @@ macro_rules! export_agent {
         type __AgentPluginAdapter = $crate::Adapter<$agent>;
         $crate::bindings::__export_agent_world!(__AgentPluginAdapter with_types_in $crate::bindings);
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::model_name;
+
+    #[test]
+    fn every_offered_name_is_one_the_llm_tool_accepts() {
+        assert_eq!(model_name("docs.search"), "docs_search");
+        let long = format!("docs.{}", "x".repeat(120));
+        let other = format!("docs.{}y", "x".repeat(119));
+        let (a, b) = (model_name(&long), model_name(&other));
+        assert_eq!(a.len(), 64);
+        assert_ne!(a, b, "two long names stay apart");
+        assert!(a.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-'), "{a}");
+        assert_eq!(model_name(&long), a, "the same name maps the same way");
+        // The same vector as the Python and JavaScript SDKs' model_name.
+        assert_eq!(a, format!("docs_{}_9741d434", "x".repeat(50)));
+        assert_eq!(model_name("é.x"), "__x");
+    }
 }
