@@ -2,11 +2,16 @@
 //! writes one in each language into a directory outside the checkout,
 //! `agent-host build` builds it there (the TypeScript compiler, pinned,
 //! type-checks a TypeScript agent first), and the component, uploaded over
-//! HTTP with a tenant admin's token, answers a turn on a real host.
+//! HTTP with a tenant admin's token, answers a turn on a real host: the
+//! template offers the model the MCP tool its manifest grants (the `mcp`
+//! Python SDK's server) and quotes its answer, and a stop during the tool's
+//! call ends the run `cancelled`.
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
+use std::time::Duration;
 
+use crate::support::mcp_servers::McpServerProcess;
 use crate::support::process::{HostProcess, FAST};
 use crate::support::*;
 
@@ -33,13 +38,18 @@ fn scratch(what: &str) -> PathBuf {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_new_project_in_each_language_builds_uploads_and_answers_a_turn() {
+async fn a_new_project_in_each_language_builds_uploads_calls_a_granted_tool_and_stops() {
+    let mcp = McpServerProcess::python(None, None).await;
     let db = TestDb::new().await;
-    let host = HostProcess::spawn(&db.url, "projects", &[FAST, &["--tenant-tools", "all"]].concat());
+    let dir = scratch("projects");
+    let tools = dir.join("tools.toml");
+    std::fs::write(&tools, format!("[[mcp]]\nname = \"py\"\nurl = \"{}\"\ntimeout_ms = 120000\n", mcp.url())).unwrap();
+    let args = [FAST, &["--tenant-tools", "all", "--tools-file", tools.to_str().unwrap()]].concat();
+    let host = HostProcess::spawn(&db.url, "projects", &args);
     let token = agent_host::db::tokens::create(&db.pool, "author", "makers", true).await.unwrap();
     let url = format!("http://{}", host.addr);
-    let dir = scratch("projects");
-    for lang in LANGS {
+    let api = ["--url", url.as_str(), "--token", token.as_str()];
+    for (n, lang) in LANGS.iter().enumerate() {
         let name = format!("hello-{lang}");
         let made = agent_host(&dir, &["new", &name, "--lang", lang]);
         assert!(made.status.success(), "{}", said(&made));
@@ -59,15 +69,56 @@ async fn a_new_project_in_each_language_builds_uploads_and_answers_a_turn() {
         assert!(again.status.success(), "{}", said(&again));
         assert_eq!(std::fs::metadata(&wasm).unwrap().modified().unwrap(), before, "{lang} was built again");
 
-        let api = ["--url", url.as_str(), "--token", token.as_str()];
-        let upload = agent_host(
-            &project,
-            &[&["plugins", "upload", &name, wasm.to_str().unwrap(), "--manifest", "manifest.json"][..], &api].concat(),
-        );
-        assert!(upload.status.success(), "{lang}: {}", said(&upload));
+        // Uploaded twice: granted the MCP server's `echo`, and its `slow`.
+        for (plugin, tool) in [(name.clone(), "py.echo"), (format!("{name}-slow"), "py.slow")] {
+            let mut grants = manifest.clone();
+            grants["tools"] = serde_json::json!(["llm", tool]);
+            std::fs::write(project.join(format!("{plugin}.json")), grants.to_string()).unwrap();
+            let upload =
+                agent_host(
+                    &project,
+                    &[
+                        &[
+                            "plugins",
+                            "upload",
+                            &plugin,
+                            wasm.to_str().unwrap(),
+                            "--manifest",
+                            &format!("{plugin}.json"),
+                        ][..],
+                        &api,
+                    ]
+                    .concat(),
+                );
+            assert!(upload.status.success(), "{lang}: {}", said(&upload));
+        }
+        // The offline model calls the one tool it is offered (`py.echo`, as
+        // `py_echo`) and quotes its answer.
         let turn = agent_host(&project, &[&["runs", "create", "--plugin", &name][..], &api, &["hello"]].concat());
         assert!(turn.status.success(), "{lang}: {}", said(&turn));
-        assert_eq!(String::from_utf8_lossy(&turn.stdout), "Offline reply to: hello", "{lang}: {}", said(&turn));
+        assert_eq!(
+            String::from_utf8_lossy(&turn.stdout),
+            "Offline reply to: hello Tool py_echo said: echo: hello",
+            "{lang}: {}",
+            said(&turn)
+        );
+        // A stop while the model's call of `py.slow` runs: the server sees the
+        // call cancelled, the agent passes the stop on, the run ends cancelled.
+        let slow = format!("{name}-slow");
+        let started =
+            agent_host(&project, &[&["runs", "create", "--plugin", &slow, "--no-follow"][..], &api, &["nap"]].concat());
+        assert!(started.status.success(), "{lang}: {}", said(&started));
+        let id = String::from_utf8_lossy(&started.stdout).trim().to_string();
+        let count = |what: &str| mcp.notes().iter().filter(|l| l.starts_with(what)).count();
+        wait_for("the slow call to start", Duration::from_secs(60), || async { count("started ") > n }).await;
+        let cancel = agent_host(&project, &[&["runs", "cancel", &id][..], &api].concat());
+        assert!(cancel.status.success(), "{lang}: {}", said(&cancel));
+        let tail = agent_host(&project, &[&["runs", "tail", &id][..], &api].concat());
+        assert_eq!(tail.status.code(), Some(1), "{lang}: {}", said(&tail));
+        let view = agent_host(&project, &[&["runs", "get", &id, "--json"][..], &api].concat());
+        let view: serde_json::Value = serde_json::from_slice(&view.stdout).unwrap();
+        assert_eq!(view["status"], "cancelled", "{lang}: {view}");
+        wait_for("the server to see the cancel", Duration::from_secs(30), || async { count("cancelled ") > n }).await;
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -89,8 +89,9 @@ pub enum Command {
         command: TenantsCommand,
     },
     /// Make a plugin project in a new directory NAME (or --dir PARENT/NAME):
-    /// a minimal chat agent that streams, calls the granted model and
-    /// honours a stop, its manifest, its ecosystem's project file and a README.
+    /// a minimal chat agent that streams, offers the model the tools its
+    /// manifest grants, runs the calls the model asks for and honours a stop,
+    /// its manifest, its ecosystem's project file and a README.
     #[command(after_help = "Examples:\n  \
       agent-host new my-agent --lang python && cd my-agent && agent-host build\n  \
       agent-host new web-agent --lang typescript --dir ~/agents")]

@@ -73,7 +73,8 @@ pub fn new(name: &str, lang: Lang, parent: &Path) -> anyhow::Result<PathBuf> {
 fn readme(name: &str, lang: &str) -> String {
     format!(
         "# {name}\n\nAn agent-host plugin in {lang}: a chat agent that sends the conversation to the model (the \
-         host's `llm` tool, granted in `manifest.json`), streams its answer and honours a stop.\n\n\
+         host's `llm` tool, granted in `manifest.json`) with the other tools `manifest.json` grants offered to \
+         it, runs the calls the model asks for, streams its answer and honours a stop.\n\n\
          ```sh\n\
          agent-host build                                   # the component: target/{name}.wasm\n\
          agent-host plugins upload {name} target/{name}.wasm --manifest manifest.json\n\

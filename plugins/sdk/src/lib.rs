@@ -29,7 +29,7 @@ use std::cell::RefCell;
 
 use bindings::agent_host::plugin::host;
 pub use bindings::agent_host::plugin::types::{ClientCall, ClientTool, HostError, Message, ToolInfo};
-pub use serde_json::{json, Value};
+pub use serde_json::{self, json, Value};
 
 /// Client calls a turn ends with; at most this many.
 pub const CLIENT_CALLS_MAX: usize = 64;
