@@ -656,40 +656,48 @@ async fn a_busy_worker_claims_with_its_endings_and_never_holds_more_than_its_slo
     assert!(overtaken <= 3 * SLOTS as i64, "a run started after {overtaken} runs enqueued behind it");
 }
 
-/// Blocks each execution on the gate; tells the test each start.
+/// Blocks the first execution on `first` and every later one on `later`;
+/// tells the test each start. (One gate for both would let a permit meant
+/// for the first attempt go to the second, when a heartbeat found the first
+/// fenced and stood it down before the test gave the permit.)
 struct Held2 {
-    gate: Arc<tokio::sync::Semaphore>,
+    first: Arc<tokio::sync::Semaphore>,
+    later: Arc<tokio::sync::Semaphore>,
+    runs: AtomicUsize,
     started: tokio::sync::mpsc::UnboundedSender<()>,
 }
 
 #[async_trait]
 impl Agent for Held2 {
     async fn run(&self, _host: &RunHost, _input: RunInput) -> Result<String, AgentError> {
+        let gate = if self.runs.fetch_add(1, Ordering::SeqCst) == 0 { &self.first } else { &self.later };
         let _ = self.started.send(());
-        self.gate.acquire().await.unwrap().forget();
+        gate.acquire().await.unwrap().forget();
         Ok("done".into())
     }
 }
 
 /// A resumable run put back in the queue while its task still ran (its
-/// lease lapsed; the reaper requeued it) is fenced at its ending, and the
-/// same statement may claim it again into the slot that ending frees: the
-/// new attempt's entry in the worker's held runs, under its new token, must
-/// outlive the old task standing down, or no heartbeat would renew its lease.
+/// lease lapsed; the reaper requeued it) is fenced at its ending (or stood
+/// down by a heartbeat that found it fenced), and the same statement may
+/// claim it again into the slot that ending frees: the new attempt's entry
+/// in the worker's held runs, under its new token, must outlive the old task
+/// standing down, or no heartbeat would renew its lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_claimed_again_with_its_own_fenced_ending_stays_held() {
     let db = TestDb::new().await;
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (first, later) = (Arc::new(tokio::sync::Semaphore::new(0)), Arc::new(tokio::sync::Semaphore::new(0)));
     let (tx, mut started) = tokio::sync::mpsc::unbounded_channel();
     let mut agents = AgentRegistry::default();
-    agents.insert("held", Arc::new(Held2 { gate: gate.clone(), started: tx }));
+    let held = Held2 { first: first.clone(), later: later.clone(), runs: AtomicUsize::new(0), started: tx };
+    agents.insert("held", Arc::new(held));
     let run = enqueue_pinned(&db, "held", Some(&json!({ "durability": "resume" })), json!({})).await;
     let config = WorkerConfig { max_runs: 1, lease: Duration::from_secs(60), ..fast_config("again") };
     let w = start_worker_with(&db, agents, config).await;
     tokio::time::timeout(LONG, started.recv()).await.expect("the first attempt starts");
     // What the reaper does to a resumable run whose lease lapsed.
     update_run(&db.pool, run, "status = 'queued', attempt = attempt + 1, claim_expires_at = NULL").await;
-    gate.add_permits(1);
+    first.add_permits(1);
     tokio::time::timeout(LONG, started.recv()).await.expect("the second attempt starts");
     let stats = w.stats();
     wait_for("the first attempt to stand down", LONG, || {
@@ -714,7 +722,7 @@ async fn a_run_claimed_again_with_its_own_fenced_ending_stays_held() {
     })
     .await;
     assert_eq!(w.in_flight(), 1, "the second attempt is not held");
-    gate.add_permits(1);
+    later.add_permits(1);
     wait_status(&db.pool, run, "completed", LONG).await;
     let attempt: i32 =
         sqlx::query_scalar("SELECT attempt FROM agent_run WHERE id = $1").bind(run).fetch_one(&db.pool).await.unwrap();
