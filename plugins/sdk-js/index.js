@@ -162,10 +162,11 @@ export class Turn {
    */
   modelTools() {
     const offered = [];
+    const seen = new Set();
     for (const t of this.grantedTools()) {
-      if (t.name === "llm" || t.name === "wait") continue;
       const name = modelName(t.name);
-      if (this.modelNames.has(name)) continue;
+      if (t.name === "llm" || t.name === "wait" || seen.has(name)) continue;
+      seen.add(name);
       this.modelNames.set(name, t.name);
       offered.push({ name, description: t.description, parameters: t.inputSchema });
     }

@@ -217,12 +217,12 @@ class Turn:
         (``py.echo`` is offered as ``py_echo``); :meth:`call_tool` takes the
         offered name. Add :attr:`client_tools` for the client's functions."""
         offered = []
+        seen = set()
         for t in self.granted_tools():
-            if t.name in ("llm", "wait"):
-                continue
             name = model_name(t.name)
-            if name in self._model_names:
+            if t.name in ("llm", "wait") or name in seen:
                 continue
+            seen.add(name)
             self._model_names[name] = t.name
             offered.append({"name": name, "description": t.description, "parameters": t.input_schema})
         return offered

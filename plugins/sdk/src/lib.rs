@@ -143,15 +143,21 @@ impl Turn {
         let mut offered = Vec::new();
         MODEL_NAMES.with(|names| {
             let mut names = names.borrow_mut();
+            // Called again in a turn, it offers the same list (names seen in
+            // this call are skipped, not those of an earlier call).
+            let mut seen = Vec::new();
             for t in self.granted_tools().into_iter().filter(|t| t.name != "llm" && t.name != "wait") {
                 let name = model_name(&t.name);
-                if names.iter().any(|(n, _)| *n == name) {
+                if seen.contains(&name) {
                     continue;
                 }
+                seen.push(name.clone());
                 let parameters: Value =
                     serde_json::from_str(&t.input_schema).unwrap_or_else(|_| json!({ "type": "object" }));
                 offered.push(json!({ "name": name, "description": t.description, "parameters": parameters }));
-                names.push((name, t.name));
+                if !names.iter().any(|(n, _)| *n == name) {
+                    names.push((name, t.name));
+                }
             }
         });
         offered
