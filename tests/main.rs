@@ -20,6 +20,7 @@ mod guests;
 mod hooks;
 mod http_tool;
 mod hub;
+mod inspect;
 mod lifecycle;
 mod mcp;
 mod openapi;

@@ -56,6 +56,9 @@ async fn main() -> anyhow::Result<()> {
         Command::Plugins(PluginsCommand::Upload { api, name, file, manifest }) => {
             client::plugins_upload(&api, &name, &file, manifest.as_deref()).await
         }
+        Command::Plugins(PluginsCommand::Inspect { api, plugin, manifest, json }) => {
+            agent_host::cli::inspect::inspect(&api, &plugin, manifest.as_deref(), json).await
+        }
         Command::New { name, lang, dir } => {
             let made = agent_host::cli::project::new(&name, lang, &dir)?;
             println!("{}", made.display());

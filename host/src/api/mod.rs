@@ -19,6 +19,7 @@ mod routes;
 mod runs;
 mod schedules;
 mod tokens;
+mod tools;
 mod webhooks;
 
 use std::sync::Arc;

@@ -15,8 +15,8 @@ use crate::db::{ConversationId, RunId, RunStatus};
 
 use super::paging::LIMIT_MAX;
 use super::{
-    approvals, audit, conversations, events, metrics, plugins, responses, runs, schedules, tokens, webhooks, AppState,
-    ErrorCode,
+    approvals, audit, conversations, events, metrics, plugins, responses, runs, schedules, tokens, tools, webhooks,
+    AppState, ErrorCode,
 };
 
 /// Builds a JSON schema.
@@ -671,6 +671,34 @@ pub const ROUTES: &[Route] = &[
             post(plugins::upload)
                 .layer(axum::extract::DefaultBodyLimit::max(crate::service::plugins::COMPONENT_BYTES_MAX + 64 * 1024))
         },
+    },
+    Route {
+        method: "get",
+        path: "/v1/tools",
+        summary: "The host tools the caller's tenant may grant its plugins and call (the model, the durable wait, \
+                  webhooks, the http tool, each MCP server's tools as SERVER.TOOL), with descriptions and input \
+                  schemas, as a plugin granted them sees them, by name, 1000 a page unless ?limit says otherwise; \
+                  MCP servers that cannot be listed now are named in unavailable",
+        auth: true,
+        ok: (200, "{tools: [{name, kind, description, input_schema}], unavailable: [server names], next_cursor}"),
+        errors: &[400],
+        also: &[],
+        query: PAGING,
+        body: None,
+        answer: Answer::Json(|_| {
+            let tool = json!({ "type": "object", "required": ["name", "kind", "description", "input_schema"],
+                "properties": {
+                    "name": { "type": "string" },
+                    "kind": { "type": "string", "enum": ["model", "wait", "http", "webhook", "mcp", "host"] },
+                    "description": { "type": ["string", "null"] },
+                    "input_schema": { "type": "object" } } });
+            object(vec![
+                ("tools", json!({ "type": "array", "items": tool })),
+                ("unavailable", json!({ "type": "array", "items": { "type": "string" } })),
+                ("next_cursor", nullable("string")),
+            ])
+        }),
+        handler: || get(tools::list),
     },
     Route {
         method: "post",

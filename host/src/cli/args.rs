@@ -378,6 +378,29 @@ pub enum PluginsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// What a plugin is and may do: the WIT world version its component
+    /// targets, its imports and exports, its language, size and digest (for
+    /// a FILE, read locally without compiling), its manifest's grants and
+    /// limits (defaults filled in), and which granted tools the host has for
+    /// this token (`GET /v1/tools`; for a FILE only when a token is given).
+    /// NAME is a plugin on the host (`GET /v1/plugins`).
+    #[command(after_help = "Examples:\n  \
+      agent-host plugins inspect target/my-agent.wasm\n  \
+      agent-host plugins inspect target/my-agent.wasm --manifest manifest.json --token $TOKEN\n  \
+      agent-host plugins inspect my-agent --url http://127.0.0.1:8080 --token $TOKEN --json")]
+    Inspect {
+        #[command(flatten)]
+        api: ApiArgs,
+        /// A component file (.wasm), or the name of a plugin on the host.
+        plugin: String,
+        /// The manifest (JSON) of a FILE (default: manifest.json beside it,
+        /// if there is one).
+        #[arg(long)]
+        manifest: Option<PathBuf>,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Upload a component over the HTTP API with a tenant admin's token
     /// (no database access needed): the tenant's own plugin NAME.
     Upload {

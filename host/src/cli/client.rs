@@ -20,14 +20,14 @@ use crate::stream::decode::SseDecoder;
 /// Reconnects after a dropped stream before giving up.
 const REJOINS_MAX: u32 = 20;
 
-struct Api {
-    http: reqwest::Client,
-    url: String,
-    token: String,
+pub(crate) struct Api {
+    pub(crate) http: reqwest::Client,
+    pub(crate) url: String,
+    pub(crate) token: String,
 }
 
 impl Api {
-    fn new(args: &ApiArgs) -> anyhow::Result<Api> {
+    pub(crate) fn new(args: &ApiArgs) -> anyhow::Result<Api> {
         let token = args
             .token
             .clone()
@@ -36,7 +36,7 @@ impl Api {
     }
 
     /// A JSON request; an API error becomes its message.
-    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    pub(crate) async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
         let mut req = self.http.request(method, format!("{}{path}", self.url)).bearer_auth(&self.token);
         if let Some(body) = body {
             req = req.json(&body);
@@ -273,7 +273,7 @@ fn text(v: &Value) -> String {
 }
 
 /// `s` percent-encoded for one path segment or query value.
-fn segment(s: &str) -> String {
+pub(crate) fn segment(s: &str) -> String {
     percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
 }
 

@@ -55,8 +55,15 @@ pub fn check(name: &str, manifest: &Value) -> Result<(), RegisterError> {
     if !plugins::valid_name(name) {
         return Err(RegisterError::InvalidName(name.to_string()));
     }
-    Manifest::parse(manifest).map_err(|e| RegisterError::InvalidManifest(e.to_string()))?;
+    check_manifest(manifest)?;
     Ok(())
+}
+
+/// A manifest as [`check`] takes it (`plugins inspect` reads one without a
+/// name), parsed with its defaults filled in.
+pub fn check_manifest(manifest: &Value) -> Result<Manifest, RegisterError> {
+    text::refuse_json("manifest", manifest)?;
+    Manifest::parse(manifest).map_err(RegisterError::InvalidManifest)
 }
 
 /// Checks, validates and stores `component` under `name` with `manifest`,

@@ -257,6 +257,37 @@ impl ToolRegistry {
     /// An MCP server that cannot be listed now is left out (and logged):
     /// its tools are offered again once it answers.
     pub async fn list(&self, grants: &[String]) -> Vec<ToolInfo> {
+        self.list_reporting(grants).await.0
+    }
+
+    /// What a plugin of `tenant` may be granted and call here (`GET
+    /// /v1/tools`): the host's own tools and each admitted MCP server's, as
+    /// [`ToolRegistry::list`] answers a guest granted all of them; and the
+    /// MCP servers that cannot be listed now (their tools are missing until
+    /// they answer).
+    pub async fn available(&self, tenant: &str) -> (Vec<ToolInfo>, Vec<String>) {
+        let mut grants: Vec<String> = self.tools.keys().filter(|n| self.admits(n, tenant)).cloned().collect();
+        grants.extend(self.mcp.keys().filter(|s| self.admits(s, tenant)).map(|s| format!("{s}.*")));
+        let (tools, mut down) = self.list_reporting(&grants).await;
+        down.sort();
+        (tools, down)
+    }
+
+    /// What kind of tool `name` is: `model`, `wait`, `http`, `webhook`,
+    /// `mcp` (`<server>.<tool>`) or `host` (one a test or a demo inserted).
+    pub fn kind_of(&self, name: &str) -> &'static str {
+        match name {
+            LLM_TOOL => "model",
+            WAIT_TOOL => "wait",
+            HTTP_TOOL if self.tools.contains_key(HTTP_TOOL) => "http",
+            _ if self.scopes.contains_key(name) && self.tools.contains_key(name) => "webhook",
+            _ if !self.tools.contains_key(name) => "mcp",
+            _ => "host",
+        }
+    }
+
+    /// [`ToolRegistry::list`], and the MCP servers it could not list.
+    async fn list_reporting(&self, grants: &[String]) -> (Vec<ToolInfo>, Vec<String>) {
         let mut out: Vec<ToolInfo> = Vec::new();
         let mut listed: HashMap<String, Option<Arc<Vec<mcp::McpTool>>>> = HashMap::new();
         for grant in grants {
@@ -288,7 +319,8 @@ impl ToolRegistry {
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
         out.dedup_by(|a, b| a.name == b.name);
-        out
+        let down = listed.into_iter().filter(|(_, tools)| tools.is_none()).map(|(server, _)| server).collect();
+        (out, down)
     }
 
     /// The protocol version spoken with MCP server `server`, once connected.
