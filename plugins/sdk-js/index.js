@@ -1,9 +1,11 @@
 // The guest side of agent-host for JavaScript and TypeScript: write one
 // function from a turn to its answer and export it with `exportAgent`.
 // Built against the `agent-host:plugin@0.2.0` world with componentize-js
-// (see scripts/build-plugin); types are in index.d.ts.
+// (see scripts/build-plugin); types are in index.d.ts. The npm package
+// `agent-plugin` (this directory: `npm pack`); an agent beside plugins/ may
+// also import it as "../sdk-js/index.js".
 //
-//   import { exportAgent } from "../sdk-js/index.js";
+//   import { exportAgent } from "agent-plugin";
 //   export const run = exportAgent((turn) => {
 //     turn.delta(turn.content);
 //     return turn.content;

@@ -17,8 +17,8 @@ pub enum Lang {
     Rust,
 }
 
-/// A template: (path in the project, text with `{{name}}`, `{{sdk_rust}}`
-/// and `{{manifest_schema}}` to fill in).
+/// A template: (path in the project, text with `{{name}}` and
+/// `{{manifest_schema}}` to fill in).
 type Template = &'static [(&'static str, &'static str)];
 
 macro_rules! template {
@@ -48,9 +48,10 @@ pub fn new(name: &str, lang: Lang, parent: &Path) -> anyhow::Result<PathBuf> {
         bail!("{} exists and is not empty: choose another name or --dir", dir.display());
     }
     let root = std::path::absolute(checkout())?;
+    // The SDKs are not filled in: a project depends on them by version, as
+    // on a registry, and `build` supplies the checkout's in their place.
     let fill = |text: &str| {
         text.replace("{{name}}", name)
-            .replace("{{sdk_rust}}", &root.join("plugins/sdk").display().to_string())
             .replace("{{manifest_schema}}", &root.join("docs/src/reference/manifest.schema.json").display().to_string())
     };
     let (files, what): (Template, &str) = match lang {

@@ -24,9 +24,20 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
-from componentize_py_types import Err
-from wit_world.imports import host
-from wit_world.imports import types as wit
+try:
+    from componentize_py_types import Err
+    from wit_world.imports import host
+    from wit_world.imports import types as wit
+except ModuleNotFoundError as missing:
+    # The host's bindings exist only inside a component build: say so,
+    # rather than leave a bare "No module named 'wit_world'".
+    if missing.name not in ("componentize_py_types", "wit_world", "wit_world.imports"):
+        raise
+    raise ImportError(
+        "agent_plugin runs inside an agent-host plugin: its host bindings (wit_world) are generated when "
+        "`agent-host build` (componentize-py) builds the plugin into a component, so it does not import in "
+        "a plain Python"
+    ) from missing
 
 __all__ = [
     "Turn",

@@ -16,8 +16,11 @@
 
 #[doc(hidden)]
 pub mod bindings {
+    // The world is the crate's own copy of wit/0.2.0 (a packaged crate
+    // carries no path outside itself; tests/projects.rs holds the copy equal
+    // to the original, byte for byte).
     wit_bindgen::generate!({
-        path: "../../wit/0.2.0",
+        path: "wit",
         world: "agent",
         pub_export_macro: true,
         export_macro_name: "__export_agent_world",

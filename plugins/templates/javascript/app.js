@@ -6,9 +6,9 @@
 //
 // Grant a tool in manifest.json (`"tools": ["llm", "clock"]` on the demo
 // host, or an MCP server's `"docs.search"`) and the model is offered it.
-// `../sdk-js/index.js` is agent-host's SDK: `agent-host build` builds this
-// file beside a copy of it, wherever this directory is.
-import { exportAgent, Cancelled, Fenced, Refusal } from "../sdk-js/index.js";
+// `agent-plugin` is agent-host's SDK, an npm package (package.json):
+// `agent-host build` installs it into node_modules and bundles it with this.
+import { exportAgent, Cancelled, Fenced, Refusal } from "agent-plugin";
 
 const MAX_STEPS = 8;
 

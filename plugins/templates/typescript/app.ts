@@ -6,10 +6,11 @@
 //
 // Grant a tool in manifest.json (`"tools": ["llm", "clock"]` on the demo
 // host, or an MCP server's `"docs.search"`) and the model is offered it.
-// `../sdk-js/index.js` is agent-host's SDK (its types are index.d.ts):
-// `agent-host build` type-checks and compiles this file with the TypeScript
-// compiler agent-host pins, beside a copy of the SDK, wherever this is.
-import { exportAgent, Cancelled, Fenced, Refusal, type Turn } from "../sdk-js/index.js";
+// `agent-plugin` is agent-host's SDK, an npm package with its types
+// (package.json): `agent-host build` installs it into node_modules,
+// type-checks and compiles this file with the TypeScript compiler agent-host
+// pins, and bundles it with the SDK.
+import { exportAgent, Cancelled, Fenced, Refusal, type Turn } from "agent-plugin";
 
 const MAX_STEPS = 8;
 
