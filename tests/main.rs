@@ -9,6 +9,7 @@
 
 mod support;
 
+mod agent_test;
 mod api;
 mod approvals;
 mod config;

@@ -22,8 +22,10 @@ async fn main() -> anyhow::Result<()> {
     if let Err(e) = cli.validate() {
         Cli::command().error(clap::error::ErrorKind::ValueValidation, e).exit();
     }
+    // `test` reports in its own lines; the host it runs logs only warnings.
+    let quiet = if matches!(cli.command, Command::Test { .. }) { "warn" } else { "info" };
     tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_env("AGENT_HOST_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_env_filter(EnvFilter::try_from_env("AGENT_HOST_LOG").unwrap_or_else(|_| EnvFilter::new(quiet)))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
@@ -68,6 +70,18 @@ async fn main() -> anyhow::Result<()> {
         Command::Build { dir, out } => {
             let built = agent_host::cli::project::build(&dir, out.as_deref())?;
             println!("{}", built.display());
+            Ok(())
+        }
+        Command::Test { dir, file, database_url, turn_timeout_ms } => {
+            let options = agent_host::cli::agent_test::Options {
+                dir: &dir,
+                file: file.as_deref(),
+                database_url: database_url.as_deref(),
+                turn_timeout: std::time::Duration::from_millis(turn_timeout_ms),
+            };
+            if !agent_host::cli::agent_test::run(options).await? {
+                std::process::exit(1);
+            }
             Ok(())
         }
         Command::Runs { api, command } => client::runs(&api, command).await,

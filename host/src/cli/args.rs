@@ -119,6 +119,33 @@ pub enum Command {
         #[arg(short, long)]
         out: Option<PathBuf>,
     },
+    /// Run a plugin project's scripted turns (DIR/agent-test.json) against
+    /// its real component on a real host with the model and the tools
+    /// scripted: builds the project, starts a private PostgreSQL cluster (or
+    /// uses --database-url), registers the component and runs each turn,
+    /// then reports every difference from what the script expects (tool
+    /// calls, the names offered to the model, final text, status). Exit
+    /// status 1 when a turn differs.
+    #[command(after_help = "Examples:\n  \
+      agent-host test                       # in a project made by agent-host new\n  \
+      agent-host test ~/agents/my-agent --file more-turns.json")]
+    Test {
+        /// The project (default: the current directory).
+        #[arg(default_value = ".")]
+        dir: PathBuf,
+        /// The script (default: DIR/agent-test.json).
+        #[arg(long)]
+        file: Option<PathBuf>,
+        /// A database of the test's own, for example a scratch one in CI (its
+        /// worker runs whatever is queued there, so never a host's; not read
+        /// from DATABASE_URL for that reason). Default: a private cluster,
+        /// removed after.
+        #[arg(long)]
+        database_url: Option<String>,
+        /// How long one turn may take before it counts as failed.
+        #[arg(long, default_value_t = 300_000)]
+        turn_timeout_ms: u64,
+    },
     /// Print a shell completion script (e.g. `agent-host completions bash >
     /// /etc/bash_completion.d/agent-host`).
     Completions {

@@ -3,8 +3,10 @@
 //! open the database (`serve`), the client of a running host's HTTP API
 //! (`client`), the reference pages written from the code (`doc`), what a
 //! plugin is and may do (`inspect`), and plugin
-//! projects outside the repository: `new` and `build` (`project`).
+//! projects outside the repository: `new` and `build` (`project`) and
+//! `test`, their scripted turns on a private host (`agent_test`).
 
+pub mod agent_test;
 pub mod args;
 pub mod client;
 pub mod doc;

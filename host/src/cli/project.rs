@@ -32,6 +32,9 @@ const JAVASCRIPT: Template = template!("javascript": "app.js", "manifest.json", 
 const TYPESCRIPT: Template = template!("typescript": "app.ts", "manifest.json", "package.json", "tsconfig.json");
 const RUST: Template = template!("rust": "src/lib.rs", "manifest.json", "Cargo.toml");
 
+/// The scripted turns every template ships (`agent-host test`).
+const TEST_SCRIPT: &str = include_str!("../../../plugins/templates/agent-test.json");
+
 /// The checkout this binary was built from: its SDKs, WIT and build script.
 fn checkout() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -67,6 +70,8 @@ pub fn new(name: &str, lang: Lang, parent: &Path) -> anyhow::Result<PathBuf> {
         std::fs::write(&file, fill(text)).with_context(|| format!("writing {}", file.display()))?;
     }
     std::fs::write(dir.join("README.md"), readme(name, what)).context("writing README.md")?;
+    let script = dir.join(super::agent_test::SCRIPT_FILE);
+    std::fs::write(&script, TEST_SCRIPT).with_context(|| format!("writing {}", script.display()))?;
     Ok(dir)
 }
 
@@ -78,12 +83,17 @@ fn readme(name: &str, lang: &str) -> String {
          it, runs the calls the model asks for, streams its answer and honours a stop.\n\n\
          ```sh\n\
          agent-host build                                   # the component: target/{name}.wasm\n\
+         agent-host test                                    # the scripted turns of agent-test.json\n\
          agent-host plugins upload {name} target/{name}.wasm --manifest manifest.json\n\
          agent-host runs create --plugin {name} \"hello\"     # streams the answer\n\
          ```\n\n\
          `plugins upload` and `runs create` reach a host at `AGENT_HOST_URL` with the token in \
          `AGENT_HOST_TOKEN` (a tenant admin's, to upload). Change the agent, build and upload again: runs \
-         already enqueued keep the digest they were pinned to.\n"
+         already enqueued keep the digest they were pinned to.\n\n\
+         `agent-host test` runs the agent for real on a private host (its own PostgreSQL cluster, removed \
+         after) with the model and the tools answering from `agent-test.json`, and reports every \
+         difference from what each turn expects: the tools called and with what, the tools offered to \
+         the model, the final text, the run's status. Add a turn for each behaviour you rely on.\n"
     )
 }
 

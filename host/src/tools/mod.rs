@@ -9,7 +9,7 @@
 mod checks;
 mod config;
 mod http;
-mod llm;
+pub(crate) mod llm;
 mod mcp;
 mod webhook;
 
