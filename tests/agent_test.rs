@@ -3,34 +3,11 @@
 //! cluster the command starts and removes; a script that expects what the
 //! agent does not do is reported turn by turn, with exit status 1.
 
-use std::path::{Path, PathBuf};
-use std::process::Output;
-
-const LANGS: &[&str] = &["python", "javascript", "typescript", "rust"];
-
-fn agent_host(dir: &Path, args: &[&str]) -> Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
-        .current_dir(dir)
-        .args(args)
-        .env("CARGO_TARGET_DIR", crate::docs::rust_target())
-        .env_remove("DATABASE_URL")
-        .output()
-        .unwrap()
-}
-
-fn said(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
-
-fn scratch() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("agent-host-test-cmd-{}", uuid::Uuid::new_v4().simple()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+use crate::projects::{agent_host, said, scratch, LANGS};
 
 #[test]
 fn the_templates_scripted_turns_pass_in_each_language_and_a_wrong_expectation_is_reported() {
-    let dir = scratch();
+    let dir = scratch("test-cmd");
     for lang in LANGS {
         let name = format!("tested-{lang}");
         let made = agent_host(&dir, &["new", &name, "--lang", lang]);

@@ -21,9 +21,9 @@ use crate::support::mcp_servers::McpServerProcess;
 use crate::support::process::{HostProcess, FAST};
 use crate::support::*;
 
-const LANGS: &[&str] = &["python", "javascript", "typescript", "rust"];
+pub(crate) const LANGS: &[&str] = &["python", "javascript", "typescript", "rust"];
 
-fn agent_host(dir: &Path, args: &[&str]) -> Output {
+pub(crate) fn agent_host(dir: &Path, args: &[&str]) -> Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_agent-host"))
         .current_dir(dir)
         .args(args)
@@ -32,12 +32,12 @@ fn agent_host(dir: &Path, args: &[&str]) -> Output {
         .unwrap()
 }
 
-fn said(out: &Output) -> String {
+pub(crate) fn said(out: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
 /// A fresh directory outside the checkout.
-fn scratch(what: &str) -> PathBuf {
+pub(crate) fn scratch(what: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("agent-host-{what}-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).unwrap();
     dir

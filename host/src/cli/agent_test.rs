@@ -79,7 +79,7 @@ struct Case {
 }
 
 /// One turn: a run in the case's conversation.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TurnScript {
     /// The user's message.
@@ -354,8 +354,7 @@ pub async fn run(opts: Options<'_>) -> anyhow::Result<bool> {
     )
     .with_context(|| format!("{} is not JSON", manifest_path.display()))?;
     if !script.grant.is_empty() {
-        let tools = manifest["tools"].as_array().cloned().unwrap_or_default();
-        let mut tools: Vec<Value> = tools;
+        let mut tools = manifest["tools"].as_array().cloned().unwrap_or_default();
         tools.extend(script.grant.iter().map(|g| json!(g)));
         manifest["tools"] = Value::Array(tools);
     }
@@ -549,7 +548,7 @@ async fn one_turn(
             problems.push(format!("offered: expected {expected:?}, got {got:?}"));
         }
     }
-    if s.model.len() > 0 && view.status.as_str() == "completed" {
+    if !s.model.is_empty() && view.status.as_str() == "completed" {
         problems.push(format!(
             "the agent called the model {} times; the script has {} answers",
             s.model_calls, s.model_scripted
