@@ -21,6 +21,8 @@ const PAGES: &[(&str, usize)] = &[
     ("guides/python.md", 1),
     ("guides/javascript.md", 4),
     ("guides/rust.md", 5),
+    ("guides/testing.md", 2),
+    ("guides/a2a.md", 1),
 ];
 
 /// One block a page's runner does.

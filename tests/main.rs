@@ -9,11 +9,13 @@
 
 mod support;
 
+mod a2a;
 mod agent_test;
 mod api;
 mod approvals;
 mod config;
 mod console;
+mod dev;
 mod docs;
 mod eager;
 mod edge;

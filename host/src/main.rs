@@ -22,14 +22,14 @@ async fn main() -> anyhow::Result<()> {
     if let Err(e) = cli.validate() {
         Cli::command().error(clap::error::ErrorKind::ValueValidation, e).exit();
     }
-    // `test` reports in its own lines; the host it runs logs only warnings.
-    let quiet = if matches!(cli.command, Command::Test { .. }) { "warn" } else { "info" };
+    // `test` and `dev` report in their own lines; the host they run logs only warnings.
+    let quiet = if matches!(cli.command, Command::Test { .. } | Command::Dev(_)) { "warn" } else { "info" };
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_env("AGENT_HOST_LOG").unwrap_or_else(|_| EnvFilter::new(quiet)))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    if !matches!(cli.command, Command::Serve(_)) {
+    if !matches!(cli.command, Command::Serve(_) | Command::Dev(_)) {
         end_quietly_on_a_closed_pipe();
     }
     match cli.command {
@@ -80,6 +80,12 @@ async fn main() -> anyhow::Result<()> {
                 turn_timeout: std::time::Duration::from_millis(turn_timeout_ms),
             };
             if !agent_host::cli::agent_test::run(options).await? {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Command::Dev(args) => {
+            if !agent_host::cli::dev::run(&args).await? {
                 std::process::exit(1);
             }
             Ok(())

@@ -110,9 +110,41 @@ pub async fn decide(
         ("reject", None) => Some("rejected by the approver"),
         (_, r) => r,
     };
-    // Who may decide: the requester, or an admin of its tenant; a call the
-    // operator gates, as the operator says (`ApprovalPolicy`).
-    let (requester, tool) = suspensions::approval_call(&state.pool, run, call, reach(&p))
+    match decide_call(&state, &p, run, call, &body.decision, body.args.as_ref(), reason).await? {
+        Decided::Now(view) => {
+            Ok((StatusCode::OK, Json(json!({ "run_id": run, "status": "queued", "decision": view }))).into_response())
+        }
+        Decided::Already(first) => {
+            let error =
+                json!({ "code": "conflict", "message": format!("approval {call} of run {run} was decided already") });
+            Ok((StatusCode::CONFLICT, Json(json!({ "error": error, "decision": first }))).into_response())
+        }
+    }
+}
+
+/// What a decision did.
+pub(super) enum Decided {
+    /// Recorded: the run is back in the queue.
+    Now(Value),
+    /// The call had been decided already: the first decision.
+    Already(Value),
+}
+
+/// A decision on call `call` of `run` by `p` (checked: `decision` is
+/// approve, reject or edit, `args` an edit's object): who may decide is the
+/// requester or an admin of its tenant, and for a call the operator gates,
+/// as the operator says (`ApprovalPolicy`). Audited. Every API that decides
+/// (the native route, A2A) decides through this.
+pub(super) async fn decide_call(
+    state: &AppState,
+    p: &crate::db::tokens::Principal,
+    run: RunId,
+    call: i32,
+    decision: &str,
+    args: Option<&Value>,
+    reason: Option<&str>,
+) -> Result<Decided, ApiError> {
+    let (requester, tool) = suspensions::approval_call(&state.pool, run, call, reach(p))
         .await?
         .ok_or_else(|| ApiError::not_found(format!("approval {call} of run {run}")))?;
     let gated = state.agents.tools().get(&tool).is_some_and(|t| t.requires_approval());
@@ -122,24 +154,20 @@ pub async fn decide(
             "the operator gates tool {tool:?}: an admin of the tenant other than the requester decides its calls"
         )));
     }
-    if gated && !rules.edit && body.decision == "edit" {
+    if gated && !rules.edit && decision == "edit" {
         return Err(ApiError::forbidden(format!("the operator gates tool {tool:?}: its calls may not be edited")));
     }
-    let d = Decision { decision: &body.decision, args: body.args.as_ref(), reason, decided_by: &p.user_id };
-    match suspensions::decide(&state.pool, run, reach(&p), call, &d).await {
+    let d = Decision { decision, args, reason, decided_by: &p.user_id };
+    match suspensions::decide(&state.pool, run, reach(p), call, &d).await {
         Ok(view) => {
             // The decision and the call, never its arguments or reason (free text).
-            let detail = json!({ "call_id": call, "decision": body.decision });
+            let detail = json!({ "call_id": call, "decision": decision });
             let target = format!("{run}/{call}");
-            super::audit::record(&state, &p, crate::db::audit::action::APPROVAL_DECIDED, target, detail).await;
-            Ok((StatusCode::OK, Json(json!({ "run_id": run, "status": "queued", "decision": view }))).into_response())
+            super::audit::record(state, p, crate::db::audit::action::APPROVAL_DECIDED, target, detail).await;
+            Ok(Decided::Now(json!(view)))
         }
         Err(DecideError::NotFound) => Err(ApiError::not_found(format!("approval {call} of run {run}"))),
-        Err(DecideError::Decided(first)) => {
-            let error =
-                json!({ "code": "conflict", "message": format!("approval {call} of run {run} was decided already") });
-            Ok((StatusCode::CONFLICT, Json(json!({ "error": error, "decision": first }))).into_response())
-        }
+        Err(DecideError::Decided(first)) => Ok(Decided::Already(json!(first))),
         Err(DecideError::NotWaiting(m)) => Err(ApiError::conflict(m)),
         Err(DecideError::Db(e)) => Err(e.into()),
     }

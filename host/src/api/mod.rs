@@ -4,6 +4,7 @@
 //! (`service::submit`, `service::plugins`, `stream::tail`) or a `db` read,
 //! and encode; errors are one type with one enum of codes (`error`).
 
+mod a2a;
 mod approvals;
 mod audit;
 mod conversations;

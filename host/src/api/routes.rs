@@ -15,8 +15,8 @@ use crate::db::{ConversationId, RunId, RunStatus};
 
 use super::paging::LIMIT_MAX;
 use super::{
-    approvals, audit, conversations, events, metrics, plugins, responses, runs, schedules, tokens, tools, webhooks,
-    AppState, ErrorCode,
+    a2a, approvals, audit, conversations, events, metrics, plugins, responses, runs, schedules, tokens, tools,
+    webhooks, AppState, ErrorCode,
 };
 
 /// Builds a JSON schema.
@@ -293,6 +293,41 @@ pub const ROUTES: &[Route] = &[
             object(vec![("id", of::<RunId>(g)), ("status", of::<RunStatus>(g)), ("cancel_requested", boolean())])
         }),
         handler: || post(runs::cancel_run),
+    },
+    Route {
+        method: "get",
+        path: "/a2a/{plugin}/.well-known/agent-card.json",
+        summary: "The A2A agent card of an agent the token may run: its name, description and skills (from its \
+                  manifest), its JSON-RPC interface (POST /a2a/{plugin}), streaming, bearer tokens",
+        auth: true,
+        ok: (200, "the agent card (A2A v1.0)"),
+        errors: &[404],
+        also: &[],
+        query: &[],
+        body: None,
+        answer: Answer::Json(
+            |_| json!({ "type": "object", "required": ["name", "supportedInterfaces", "capabilities", "skills"] }),
+        ),
+        handler: || get(a2a::card),
+    },
+    Route {
+        method: "post",
+        path: "/a2a/{plugin}",
+        summary: "A2A v1.0, the JSON-RPC binding: SendMessage, SendStreamingMessage (SSE of JSON-RPC responses), \
+                  GetTask, ListTasks, CancelTask, SubscribeToTask; a task is a run, its contextId the run's \
+                  conversation; protocol errors answer 200 with a JSON-RPC error",
+        auth: true,
+        ok: (200, "a JSON-RPC response, or text/event-stream of them for the streaming methods"),
+        errors: &[403, 404, 413, 429, 503],
+        also: &[],
+        query: &[],
+        body: Some(("application/json", || {
+            json!({ "type": "object", "required": ["jsonrpc", "method"], "properties": {
+                "jsonrpc": { "const": "2.0" }, "id": { "type": ["string", "integer", "null"] },
+                "method": { "type": "string" }, "params": { "type": "object" } } })
+        })),
+        answer: Answer::JsonOrSse(|_| json!({ "type": "object", "required": ["jsonrpc"] })),
+        handler: || post(a2a::rpc),
     },
     Route {
         method: "post",
@@ -1005,6 +1040,7 @@ fn path_parameters(path: &str) -> Vec<Value> {
         .map(|name| {
             let schema = match name {
                 "call_id" => json!({ "type": "integer", "minimum": 0, "maximum": i32::MAX }),
+                "plugin" => json!({ "type": "string", "pattern": "^[a-z][a-z0-9_-]{0,63}$" }),
                 _ if path.starts_with("/v1/responses/") => {
                     json!({ "type": "string", "pattern": "^(resp_)?[0-9a-fA-F-]{32,36}$" })
                 }

@@ -59,6 +59,10 @@ pub struct DbArgs {
     /// Connections in the process's pool.
     #[arg(long, env = "AGENT_HOST_DB_POOL_MAX", default_value_t = 32, global = true)]
     pub db_pool_max: u32,
+    /// A private cluster for this process alone: fsync off, removed when it
+    /// stops (`dev`'s own host; never a flag).
+    #[arg(skip)]
+    pub ephemeral: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -146,6 +150,19 @@ pub enum Command {
         #[arg(long, default_value_t = 300_000)]
         turn_timeout_ms: u64,
     },
+    /// The author's loop in one command: build the project, register it on
+    /// a host, run a turn with --prompt and print its stream as it arrives;
+    /// then watch the sources and, on each change, build, register and run
+    /// the turn again (each run pinned to the digest it ran). Without --url
+    /// the host is a private one of its own (a PostgreSQL cluster in a
+    /// temporary directory, removed on exit; the offline model unless the
+    /// model flags below say otherwise, and the `clock` tool). Ctrl-C stops
+    /// the run in flight and the host.
+    #[command(after_help = "Examples:\n  \
+      agent-host dev --prompt \"What time is it?\"       # in a project made by agent-host new\n  \
+      agent-host dev --once --prompt hi                  # one round; exit status 1 unless it completed\n  \
+      agent-host dev --url https://agents.example.com --token $TOKEN --prompt hi")]
+    Dev(Box<DevArgs>),
     /// Print a shell completion script (e.g. `agent-host completions bash >
     /// /etc/bash_completion.d/agent-host`).
     Completions {
@@ -204,6 +221,39 @@ pub enum Command {
         #[command(subcommand)]
         command: ConversationsCommand,
     },
+}
+
+/// `agent-host dev`.
+#[derive(Debug, Clone, Args)]
+pub struct DevArgs {
+    /// The project (default: the current directory).
+    #[arg(default_value = ".")]
+    pub dir: PathBuf,
+    /// The turn's input.
+    #[arg(short, long, default_value = "Hello!")]
+    pub prompt: String,
+    /// The run's config (JSON), as `runs create --config` takes it.
+    #[arg(long)]
+    pub config: Option<String>,
+    /// The name the plugin is registered under (default: the directory's).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// One round (build, register, run), then exit: status 0 when the run
+    /// completed, 1 otherwise.
+    #[arg(long)]
+    pub once: bool,
+    /// A running host to use instead of a private one (with --token: a
+    /// tenant admin's, to upload).
+    #[arg(long, env = "AGENT_HOST_URL")]
+    pub url: Option<String>,
+    /// The bearer token for --url.
+    #[arg(long, env = "AGENT_HOST_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Where the private host's HTTP API (and console) listens; port 0 picks a free one.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    #[command(flatten, next_help_heading = "The private host's model and tools")]
+    pub tools: ToolArgs,
 }
 
 /// Where the API is and who is calling.

@@ -237,12 +237,27 @@ pub async fn plugins_upload(
 ) -> anyhow::Result<()> {
     let api = Api::new(args)?;
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+    let manifest = match manifest {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str::<Value>(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+            Some(text)
+        }
+        None => None,
+    };
+    let body = upload(&api, name, bytes, manifest).await?;
+    let scope = body["tenant_id"].as_str().map_or("published".to_string(), |t| format!("tenant {t}"));
+    println!("{} -> {} ({scope}, uploaded to {})", text(&body["name"]), text(&body["digest"]), api.url);
+    Ok(())
+}
+
+/// `POST /v1/plugins`: the registered plugin (`name`, `digest`, ...).
+pub(crate) async fn upload(api: &Api, name: &str, bytes: Vec<u8>, manifest: Option<String>) -> anyhow::Result<Value> {
     let mut form = reqwest::multipart::Form::new()
         .text("name", name.to_string())
         .part("component", reqwest::multipart::Part::bytes(bytes).file_name("component.wasm"));
-    if let Some(path) = manifest {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        serde_json::from_str::<Value>(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    if let Some(text) = manifest {
+        serde_json::from_str::<Value>(&text).context("the manifest is not JSON")?;
         form = form.text("manifest", text);
     }
     let res = api
@@ -258,9 +273,7 @@ pub async fn plugins_upload(
     if !status.is_success() {
         bail!("{status}: {}", body["error"]["message"].as_str().unwrap_or("no message"));
     }
-    let scope = body["tenant_id"].as_str().map_or("published".to_string(), |t| format!("tenant {t}"));
-    println!("{} -> {} ({scope}, uploaded to {})", text(&body["name"]), text(&body["digest"]), api.url);
-    Ok(())
+    Ok(body)
 }
 
 /// A string field as it reads (`-` when absent), any other value as JSON.
@@ -319,29 +332,30 @@ async fn list(
 }
 
 /// Prints the run's stream after `from` until its `complete` event,
-/// rejoining from the last seq when the connection drops.
+/// rejoining from the last seq when the connection drops; exits with status
+/// 1 unless the run completed.
 async fn follow(api: &Api, id: &str, from: i64) -> anyhow::Result<()> {
+    if follow_to_end(api, id, from).await? != "completed" {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// [`follow`], answering the run's final status.
+pub(crate) async fn follow_to_end(api: &Api, id: &str, from: i64) -> anyhow::Result<String> {
     let mut last = from;
     // Characters of the answer printed so far (a rollback withdraws some).
     let mut printed = 0;
     let mut rejoins = 0;
     loop {
         match stream_once(api, id, &mut last, &mut printed).await {
-            Ok(Some(status)) => {
-                if status == "completed" {
-                    return Ok(());
-                }
-                std::process::exit(1);
-            }
+            Ok(Some(status)) => return Ok(status),
             // The stream ended before a `complete`: a stream also ends at
             // once, without one, when the cursor is past the run's ending.
             Ok(None) => {
                 if let Ok(Some(status)) = ended(api, id).await {
                     eprintln!("\n[{status}]");
-                    if status == "completed" {
-                        return Ok(());
-                    }
-                    std::process::exit(1);
+                    return Ok(status);
                 }
             }
             // Refusals (unknown run, bad token) are final; a dropped connection is not.

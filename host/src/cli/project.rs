@@ -82,6 +82,7 @@ fn readme(name: &str, lang: &str) -> String {
          host's `llm` tool, granted in `manifest.json`) with the other tools `manifest.json` grants offered to \
          it, runs the calls the model asks for, streams its answer and honours a stop.\n\n\
          ```sh\n\
+         agent-host dev --prompt \"hello\"                   # build, run a turn on a private host; again on each change\n\
          agent-host build                                   # the component: target/{name}.wasm\n\
          agent-host test                                    # the scripted turns of agent-test.json\n\
          agent-host plugins upload {name} target/{name}.wasm --manifest manifest.json\n\

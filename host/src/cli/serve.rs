@@ -31,7 +31,11 @@ pub async fn open_database(args: &DbArgs) -> anyhow::Result<Database> {
     let (url, cluster) = match &args.database_url {
         Some(url) => (url.clone(), None),
         None => {
-            let opts = ClusterOptions { dir: args.data_dir.clone(), ephemeral: false, remove_on_exit: false };
+            let opts = ClusterOptions {
+                dir: args.data_dir.clone(),
+                ephemeral: args.ephemeral,
+                remove_on_exit: args.ephemeral,
+            };
             let mut cluster = tokio::task::spawn_blocking(move || Cluster::start(&opts))
                 .await?
                 .context("starting the private PostgreSQL cluster")?;
@@ -52,71 +56,103 @@ pub async fn connect_and_migrate(url: &str, pool_max: u32) -> anyhow::Result<PgP
     Ok(pool)
 }
 
+/// A host running in this process: the database (given or private), the
+/// worker and the HTTP API. `serve` runs one until a signal; `dev` runs a
+/// private one for an author's loop.
+pub struct Host {
+    /// Where the HTTP API listens.
+    pub addr: std::net::SocketAddr,
+    pub pool: PgPool,
+    agents: AgentRegistry,
+    worker: Worker,
+    http: tokio::task::JoinHandle<std::io::Result<()>>,
+    http_stop: tokio_util::sync::CancellationToken,
+    database: Database,
+}
+
+impl Host {
+    /// Opens the database, applies migrations, starts the hub, the worker and
+    /// the HTTP API; `with_clock` adds the demo's `clock` tool.
+    pub async fn start(db_args: &DbArgs, args: &ServeArgs, with_clock: bool) -> anyhow::Result<Host> {
+        let config = args.worker.to_config();
+        config.validate()?;
+        let mut tools = args.tools.registry()?;
+        if with_clock {
+            tools.insert(DEMO_TOOL, Arc::new(Clock));
+        }
+        tracing::info!(tools = ?tools.names(), "tools ready");
+        let database = open_database(db_args).await?;
+        let pool = connect_and_migrate(&database.url, db_args.db_pool_max).await?;
+        let hub = (!args.worker.no_hub).then(|| Hub::start(database.listen_url.clone()));
+        let sandbox = crate::sandbox::Sandbox::for_process(
+            pool.clone(),
+            &db_args.cache_dir,
+            db_args.artifact_key_file.as_deref(),
+        )?;
+        // Built-in agents only where the operator offers them (the demo does).
+        let agents = match args.builtin_agents || args.demo {
+            true => AgentRegistry::with_builtins(),
+            false => AgentRegistry::default(),
+        };
+        let agents = agents.with_sandbox(sandbox).with_tools(tools);
+        // One policy (and so one set of quota buckets) for the API and the scheduler.
+        let policy = config.policy.clone();
+        let worker = Worker::start(pool.clone(), hub.clone(), agents.clone(), config).await?;
+
+        let listener =
+            tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+        let addr = listener.local_addr()?;
+        let mut state = AppState::new(pool.clone(), agents.clone(), hub).with_sse_tails_max(args.sse_tails_max);
+        state.keepalive = std::time::Duration::from_millis(args.sse_keepalive_ms);
+        state.stats = Some(worker.observer());
+        state.policy = policy;
+        let app = api::router(state);
+        let http_stop = tokio_util::sync::CancellationToken::new();
+        let stop = http_stop.clone();
+        let http =
+            tokio::spawn(
+                async move { axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await },
+            );
+        Ok(Host { addr, pool, agents, worker, http, http_stop, database })
+    }
+
+    /// Drains the runs in flight, closes the HTTP API and the pool, and stops
+    /// the private cluster (removing it if it was ephemeral).
+    pub async fn stop(mut self) {
+        tracing::info!("shutting down: draining runs");
+        let report = self.worker.drain().await;
+        tracing::info!(?report, "drain finished");
+        self.http_stop.cancel();
+        let _ = tokio::time::timeout(HTTP_SHUTDOWN_MAX, &mut self.http).await;
+        self.pool.close().await;
+        if let Some(c) = self.database.cluster.as_mut() {
+            tokio::task::block_in_place(|| c.stop());
+        }
+    }
+}
+
 pub async fn serve(db_args: &DbArgs, args: &ServeArgs) -> anyhow::Result<()> {
     let mut shutdown = ShutdownSignal::install().context("installing signal handlers")?;
-    let config = args.worker.to_config();
-    config.validate()?;
-    let mut tools = args.tools.registry()?;
-    if args.demo {
-        tools.insert(DEMO_TOOL, Arc::new(Clock));
-    }
-    tracing::info!(tools = ?tools.names(), "tools ready");
-    let mut database = open_database(db_args).await?;
-    let pool = connect_and_migrate(&database.url, db_args.db_pool_max).await?;
-    let hub = (!args.worker.no_hub).then(|| Hub::start(database.listen_url.clone()));
-    let sandbox =
-        crate::sandbox::Sandbox::for_process(pool.clone(), &db_args.cache_dir, db_args.artifact_key_file.as_deref())?;
-    // Built-in agents only where the operator offers them (the demo does).
-    let agents = match args.builtin_agents || args.demo {
-        true => AgentRegistry::with_builtins(),
-        false => AgentRegistry::default(),
-    };
-    let agents = agents.with_sandbox(sandbox).with_tools(tools);
-    let agents_for_demo = agents.clone();
-    // One policy (and so one set of quota buckets) for the API and the scheduler.
-    let policy = config.policy.clone();
-    let worker = Worker::start(pool.clone(), hub.clone(), agents.clone(), config).await?;
-
-    let listener =
-        tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
-    let addr = listener.local_addr()?;
-    let mut state = AppState::new(pool.clone(), agents, hub).with_sse_tails_max(args.sse_tails_max);
-    state.keepalive = std::time::Duration::from_millis(args.sse_keepalive_ms);
-    state.stats = Some(worker.observer());
-    state.policy = policy;
-    let app = api::router(state);
+    let mut host = Host::start(db_args, args, args.demo).await?;
     // A line scripts and tests read to find the port.
-    println!("agent-host listening on http://{addr}");
+    println!("agent-host listening on http://{}", host.addr);
     if args.demo {
-        demo(&pool, &agents_for_demo, addr).await?;
+        demo(&host.pool, &host.agents, host.addr).await?;
     }
-
-    let http_stop = tokio_util::sync::CancellationToken::new();
-    let stop = http_stop.clone();
-    let mut http =
-        tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await });
     tokio::select! {
         _ = shutdown.recv() => {}
-        r = &mut http => {
+        r = &mut host.http => {
             r??;
             anyhow::bail!("the HTTP server stopped unexpectedly");
         }
     }
-    tracing::info!("shutting down: draining runs");
-    let report = worker.drain().await;
-    tracing::info!(?report, "drain finished");
-    http_stop.cancel();
-    let _ = tokio::time::timeout(HTTP_SHUTDOWN_MAX, http).await;
-    pool.close().await;
-    if let Some(c) = database.cluster.as_mut() {
-        tokio::task::block_in_place(|| c.stop());
-    }
+    host.stop().await;
     Ok(())
 }
 
 /// The demo's tool: the host's clock (the offline model calls the first tool
 /// it is offered, so the demo turn is a real tool call).
-const DEMO_TOOL: &str = "clock";
+pub(crate) const DEMO_TOOL: &str = "clock";
 
 struct Clock;
 

@@ -50,6 +50,7 @@ pub mod responses;
 pub mod runs;
 pub mod schedules;
 pub mod status;
+pub mod tasks;
 pub use lifecycle::suspensions;
 pub mod tenants;
 pub mod tokens;

@@ -28,7 +28,37 @@ pub struct Manifest {
     /// suspended while it waits and resumed by replay.
     #[serde(default)]
     pub approval: std::collections::BTreeMap<String, Approval>,
+    /// What the agent does, for people and other agents (its A2A card's
+    /// description; at most 2,000 characters).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// What the agent can be asked to do (its A2A card's skills; at most 50).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skills: Vec<Skill>,
 }
+
+/// One thing an agent can be asked to do, as its A2A card lists it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Skill {
+    /// Unique among the agent's skills.
+    pub id: String,
+    /// Its name, for people.
+    pub name: String,
+    /// What it does.
+    pub description: String,
+    /// Keywords.
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// Requests a person or an agent might send for it.
+    #[serde(default)]
+    pub examples: Vec<String>,
+}
+
+/// Characters of a manifest's description (and of each skill's texts).
+pub const DESCRIPTION_CHARS_MAX: usize = 2_000;
+/// Skills a manifest lists at most.
+pub const SKILLS_MAX: usize = 50;
 
 /// Whether a tool's calls wait for approval (the tools file says it too).
 pub use crate::tools::Approval;
@@ -183,6 +213,24 @@ impl Manifest {
         }
         if m.approval.len() > TOOLS_MAX {
             return Err(format!("manifest: at most {TOOLS_MAX} approval entries, not {}", m.approval.len()));
+        }
+        let long = |t: &String| t.chars().count() > DESCRIPTION_CHARS_MAX;
+        if m.description.as_ref().is_some_and(long) {
+            return Err(format!("manifest: description is at most {DESCRIPTION_CHARS_MAX} characters"));
+        }
+        if m.skills.len() > SKILLS_MAX {
+            return Err(format!("manifest: at most {SKILLS_MAX} skills, not {}", m.skills.len()));
+        }
+        for skill in &m.skills {
+            let texts =
+                [&skill.id, &skill.name, &skill.description].into_iter().chain(&skill.tags).chain(&skill.examples);
+            if skill.id.is_empty() || skill.tags.len() + skill.examples.len() > SKILLS_MAX || texts.clone().any(long) {
+                return Err(format!(
+                    "manifest: skill {:?} needs an id, texts of at most {DESCRIPTION_CHARS_MAX} characters and at \
+                     most {SKILLS_MAX} tags and examples",
+                    skill.id
+                ));
+            }
         }
         if m.approval.values().any(|a| *a == Approval::Always) && !m.resumable() {
             return Err(

@@ -4,6 +4,7 @@
 //! decoder (`decode`) for bodies this crate reads. Wire formats live with the
 //! APIs (`api`), not here.
 
+pub mod a2a;
 pub mod decode;
 pub mod responses;
 pub mod tail;

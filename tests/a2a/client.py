@@ -1,0 +1,208 @@
+"""The official A2A client (a2a-sdk, PyPI) against agent-host's A2A
+endpoints: run by tests/a2a.rs with the venv scripts/test caches. Each
+scenario prints progress lines and, last, one line of JSON the Rust test
+asserts on.
+
+    client.py main URL TOKEN           card, blocking, background, list, stream, cancel, context, errors
+    client.py rejoin URL_W URL_A URL_B TOKEN
+                                       a task started on W, subscribed on A until A dies, rejoined on B
+    client.py approval URL TOKEN       a task that needs a person's approval: INPUT_REQUIRED, then approved
+    client.py other URL TOKEN TASK     another tenant: the task is not found
+"""
+
+import asyncio
+import json
+import sys
+import uuid
+
+import httpx
+from google.protobuf import json_format
+
+from a2a.client import ClientConfig, ClientFactory
+from a2a.client.card_resolver import A2ACardResolver
+from a2a.types.a2a_pb2 import (
+    CancelTaskRequest,
+    GetTaskRequest,
+    ListTasksRequest,
+    Message,
+    Part,
+    Role,
+    SendMessageConfiguration,
+    SendMessageRequest,
+    SubscribeToTaskRequest,
+    TaskState,
+)
+
+
+def http(token):
+    return httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=120)
+
+
+async def client(url, token, agent, streaming):
+    config = ClientConfig(streaming=streaming, httpx_client=http(token))
+    return await ClientFactory(config).create_from_url(f"{url}/a2a/{agent}")
+
+
+def message(text, context=None, task=None, config=None, data=None):
+    m = Message(message_id=str(uuid.uuid4()), role=Role.ROLE_USER, parts=[Part(text=text)])
+    if data is not None:
+        m.parts.append(Part(data=json_format.ParseDict(data, Part().data)))
+    if context:
+        m.context_id = context
+    if task:
+        m.task_id = task
+    if config is not None:
+        m.metadata.update({"config": config})
+    return m
+
+
+def state(task):
+    return TaskState.Name(task.status.state)
+
+
+def text(task):
+    return "".join(p.text for a in task.artifacts for p in a.parts)
+
+
+async def send(c, m, immediately=False):
+    """SendMessage (the client is not streaming): the one task answered."""
+    req = SendMessageRequest(message=m, configuration=SendMessageConfiguration(return_immediately=immediately))
+    got = [r async for r in c.send_message(req)]
+    assert len(got) == 1 and got[0].HasField("task"), got
+    return got[0].task
+
+
+async def until(c, task_id, states, within=60):
+    for _ in range(int(within / 0.05)):
+        t = await c.get_task(GetTaskRequest(id=task_id))
+        if state(t) in states:
+            return t
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"task {task_id} never reached {states}: {t}")
+
+
+async def main(url, token):
+    out = {}
+    resolver = A2ACardResolver(http(token), f"{url}/a2a/echo")
+    card = await resolver.get_agent_card()
+    out["card"] = {
+        "name": card.name,
+        "url": card.supported_interfaces[0].url,
+        "binding": card.supported_interfaces[0].protocol_binding,
+        "streaming": card.capabilities.streaming,
+        "skills": [s.id for s in card.skills],
+        "security": list(card.security_schemes.keys()),
+    }
+    echo = await client(url, token, "echo", streaming=False)
+    t = await send(echo, message("hello there"))
+    out["blocking"] = {"id": t.id, "context": t.context_id, "state": state(t), "text": text(t),
+                       "history": [(Role.Name(m.role), m.parts[0].text) for m in t.history]}
+    # The next message in the same context: a new task of the same conversation.
+    t2 = await send(echo, message("and again", context=t.context_id))
+    out["context"] = {"same": t2.context_id == t.context_id, "new_task": t2.id != t.id, "text": text(t2)}
+    h = await echo.get_task(GetTaskRequest(id=t2.id, history_length=1))
+    out["history_length_1"] = [Role.Name(m.role) for m in h.history]
+
+    sleep = await client(url, token, "sleep", streaming=False)
+    bg = await send(sleep, message("nap", config={"steps": 3, "step_ms": 100}), immediately=True)
+    out["background_first"] = state(bg)
+    done = await until(sleep, bg.id, {"TASK_STATE_COMPLETED"})
+    out["background"] = {"state": state(done), "text": text(done)}
+    second = await send(sleep, message("nap", context=bg.context_id, config={"steps": 1, "step_ms": 1}))
+    page1 = await sleep.list_tasks(ListTasksRequest(context_id=bg.context_id, page_size=1))
+    page2 = await sleep.list_tasks(ListTasksRequest(context_id=bg.context_id, page_size=1, page_token=page1.next_page_token))
+    out["list"] = {"page1": [x.id for x in page1.tasks], "page2": [x.id for x in page2.tasks],
+                   "total": page1.total_size, "last_token": page2.next_page_token, "second": second.id}
+
+    streamer = await client(url, token, "echo", streaming=True)
+    events = []
+    async for r in streamer.send_message(SendMessageRequest(message=message("a b c"))):
+        kind = r.WhichOneof("payload")
+        if kind == "task":
+            events.append(["task", state(r.task), text(r.task)])
+        elif kind == "status_update":
+            events.append(["status", TaskState.Name(r.status_update.status.state)])
+        elif kind == "artifact_update":
+            events.append(["artifact", "".join(p.text for p in r.artifact_update.artifact.parts),
+                           r.artifact_update.append])
+    out["stream"] = events
+
+    long = await send(sleep, message("long nap", config={"steps": 100000, "step_ms": 50}), immediately=True)
+    await until(sleep, long.id, {"TASK_STATE_WORKING"})
+    cancelled = await sleep.cancel_task(CancelTaskRequest(id=long.id))
+    out["cancel"] = {"id": long.id, "state": state(cancelled)}
+    try:
+        await sleep.cancel_task(CancelTaskRequest(id=long.id))
+        out["cancel_again"] = "no error"
+    except Exception as e:  # the client's typed error
+        out["cancel_again"] = type(e).__name__
+    try:
+        await echo.get_task(GetTaskRequest(id=str(uuid.uuid4())))
+        out["unknown"] = "no error"
+    except Exception as e:
+        out["unknown"] = type(e).__name__
+    print(json.dumps(out), flush=True)
+
+
+async def rejoin(url_w, url_a, url_b, token):
+    w = await client(url_w, token, "sleep", streaming=False)
+    task = await send(w, message("count", config={"steps": 40, "step_ms": 100}), immediately=True)
+    a = await client(url_a, token, "sleep", streaming=True)
+    seen_a, ready, error = [], False, None
+    try:
+        async for r in a.subscribe(SubscribeToTaskRequest(id=task.id)):
+            kind = r.WhichOneof("payload")
+            if kind == "task":
+                seen_a.append(["task", text(r.task)])
+            elif kind == "artifact_update":
+                seen_a.append(["delta", "".join(p.text for p in r.artifact_update.artifact.parts),
+                               r.artifact_update.append])
+            if len(seen_a) >= 4 and not ready:
+                ready = True
+                print(f"READY {task.id}", flush=True)
+    except Exception as e:  # the serving process was killed
+        error = type(e).__name__
+    b = await client(url_b, token, "sleep", streaming=True)
+    seen_b, final = [], None
+    async for r in b.subscribe(SubscribeToTaskRequest(id=task.id)):
+        kind = r.WhichOneof("payload")
+        if kind == "task":
+            seen_b.append(["task", text(r.task)])
+        elif kind == "artifact_update":
+            seen_b.append(["delta", "".join(p.text for p in r.artifact_update.artifact.parts),
+                           r.artifact_update.append])
+        elif kind == "status_update":
+            final = TaskState.Name(r.status_update.status.state)
+    end = await b.get_task(GetTaskRequest(id=task.id))
+    print(json.dumps({"id": task.id, "a": seen_a, "a_error": error, "b": seen_b, "final": final,
+                      "text": text(end)}), flush=True)
+
+
+async def approval(url, token):
+    offered = {"tools": [{"name": "send", "description": "send it", "parameters": {"type": "object"}}]}
+    c = await client(url, token, "chat", streaming=False)
+    t = await send(c, message("send the report", config=offered))
+    out = {"id": t.id, "first": state(t), "ask": t.status.message.parts[0].text if t.status.HasField("message") else ""}
+    try:
+        await send(c, message("maybe", task=t.id))
+        out["unclear"] = "no error"
+    except Exception as e:
+        out["unclear"] = type(e).__name__
+    done = await send(c, message("approve", task=t.id))
+    out["after"] = state(done)
+    out["text"] = text(done)
+    print(json.dumps(out), flush=True)
+
+
+async def other(url, token, task):
+    c = await client(url, token, "echo", streaming=False)
+    try:
+        await c.get_task(GetTaskRequest(id=task))
+        print(json.dumps({"get": "found"}), flush=True)
+    except Exception as e:
+        print(json.dumps({"get": type(e).__name__}), flush=True)
+
+
+if __name__ == "__main__":
+    what, args = sys.argv[1], sys.argv[2:]
+    asyncio.run({"main": main, "rejoin": rejoin, "approval": approval, "other": other}[what](*args))
