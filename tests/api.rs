@@ -304,10 +304,11 @@ async fn every_documented_route_is_served_guarded_and_owner_scoped() {
         for (method, op) in item.as_object().unwrap() {
             operations += 1;
             let id = if path.starts_with("/v1/runs/") { run } else { conv };
-            let uri = path.replace("{id}", id).replace("{call_id}", "1");
+            let uri = path.replace("{id}", id).replace("{call_id}", "1").replace("{plugin}", "echo");
             let method = method.to_uppercase();
             let secured = op.get("security").is_some();
-            assert_eq!(secured, path.starts_with("/v1/"), "{method} {path}: every /v1 route needs a token");
+            let guarded = path.starts_with("/v1/") || path.starts_with("/a2a/");
+            assert_eq!(secured, guarded, "{method} {path}: every /v1 and /a2a route needs a token");
             let (status, v) = api.call(&method, &uri, None, None).await;
             if secured {
                 assert_eq!((status, error_code(&v)), (StatusCode::UNAUTHORIZED, "unauthenticated"), "{method} {path}");

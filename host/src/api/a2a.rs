@@ -216,16 +216,16 @@ pub async fn rpc(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let Auth(p) = match auth {
+        Ok(a) => a,
+        Err(e) => return error_response(&Value::Null, e.into()),
+    };
     let Ok(request) = serde_json::from_slice::<Value>(&body) else {
         return error_response(&Value::Null, RpcError::new(PARSE_ERROR, "the body is not JSON"));
     };
     let id = match &request["id"] {
         id @ (Value::String(_) | Value::Number(_) | Value::Null) => id.clone(),
         _ => Value::Null,
-    };
-    let Auth(p) = match auth {
-        Ok(a) => a,
-        Err(e) => return error_response(&id, e.into()),
     };
     match dispatch(&state, &p, &plugin, &headers, &request, &id).await {
         Ok(res) => res,
