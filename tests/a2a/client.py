@@ -144,6 +144,16 @@ async def main(url, token):
     print(json.dumps(out), flush=True)
 
 
+def record(r, seen):
+    """Appends a subscription's task snapshot or delta to `seen`; the event's kind."""
+    kind = r.WhichOneof("payload")
+    if kind == "task":
+        seen.append(["task", text(r.task)])
+    elif kind == "artifact_update":
+        seen.append(["delta", "".join(p.text for p in r.artifact_update.artifact.parts), r.artifact_update.append])
+    return kind
+
+
 async def rejoin(url_w, url_a, url_b, token):
     w = await client(url_w, token, "sleep", streaming=False)
     task = await send(w, message("count", config={"steps": 40, "step_ms": 100}), immediately=True)
@@ -151,12 +161,7 @@ async def rejoin(url_w, url_a, url_b, token):
     seen_a, ready, error = [], False, None
     try:
         async for r in a.subscribe(SubscribeToTaskRequest(id=task.id)):
-            kind = r.WhichOneof("payload")
-            if kind == "task":
-                seen_a.append(["task", text(r.task)])
-            elif kind == "artifact_update":
-                seen_a.append(["delta", "".join(p.text for p in r.artifact_update.artifact.parts),
-                               r.artifact_update.append])
+            record(r, seen_a)
             if len(seen_a) >= 4 and not ready:
                 ready = True
                 print(f"READY {task.id}", flush=True)
@@ -165,13 +170,7 @@ async def rejoin(url_w, url_a, url_b, token):
     b = await client(url_b, token, "sleep", streaming=True)
     seen_b, final = [], None
     async for r in b.subscribe(SubscribeToTaskRequest(id=task.id)):
-        kind = r.WhichOneof("payload")
-        if kind == "task":
-            seen_b.append(["task", text(r.task)])
-        elif kind == "artifact_update":
-            seen_b.append(["delta", "".join(p.text for p in r.artifact_update.artifact.parts),
-                           r.artifact_update.append])
-        elif kind == "status_update":
+        if record(r, seen_b) == "status_update":
             final = TaskState.Name(r.status_update.status.state)
     end = await b.get_task(GetTaskRequest(id=task.id))
     print(json.dumps({"id": task.id, "a": seen_a, "a_error": error, "b": seen_b, "final": final,
