@@ -8,6 +8,11 @@ asserts on.
                                        a task started on W, subscribed on A until A dies, rejoined on B
     client.py approval URL TOKEN       a task that needs a person's approval: INPUT_REQUIRED, then approved
     client.py other URL TOKEN TASK     another tenant: the task is not found
+    client.py push URL TOKEN HOOK      push notification configs: on a send, created, read, listed,
+                                       deleted, refused; a background task and an approval's
+    client.py verify KEY FILE          the notifications received (FILE, JSON): each verified as a
+                                       Standard Webhooks receiver does (`standardwebhooks`, PyPI)
+                                       and parsed as the protocol's StreamResponse
 """
 
 import asyncio
@@ -20,16 +25,23 @@ from google.protobuf import json_format
 
 from a2a.client import ClientConfig, ClientFactory
 from a2a.client.card_resolver import A2ACardResolver
+from standardwebhooks.webhooks import Webhook
 from a2a.types.a2a_pb2 import (
+    AuthenticationInfo,
     CancelTaskRequest,
+    DeleteTaskPushNotificationConfigRequest,
+    GetTaskPushNotificationConfigRequest,
     GetTaskRequest,
+    ListTaskPushNotificationConfigsRequest,
     ListTasksRequest,
     Message,
     Part,
     Role,
     SendMessageConfiguration,
     SendMessageRequest,
+    StreamResponse,
     SubscribeToTaskRequest,
+    TaskPushNotificationConfig,
     TaskState,
 )
 
@@ -64,9 +76,12 @@ def text(task):
     return "".join(p.text for a in task.artifacts for p in a.parts)
 
 
-async def send(c, m, immediately=False):
+async def send(c, m, immediately=False, push=None):
     """SendMessage (the client is not streaming): the one task answered."""
-    req = SendMessageRequest(message=m, configuration=SendMessageConfiguration(return_immediately=immediately))
+    config = SendMessageConfiguration(return_immediately=immediately)
+    if push is not None:
+        config.task_push_notification_config.CopyFrom(push)
+    req = SendMessageRequest(message=m, configuration=config)
     got = [r async for r in c.send_message(req)]
     assert len(got) == 1 and got[0].HasField("task"), got
     return got[0].task
@@ -195,13 +210,78 @@ async def approval(url, token):
 
 async def other(url, token, task):
     c = await client(url, token, "echo", streaming=False)
+    out = {"get": await error_name(c.get_task(GetTaskRequest(id=task))),
+           "push_list": await error_name(c.list_task_push_notification_configs(
+               ListTaskPushNotificationConfigsRequest(task_id=task)))}
+    print(json.dumps(out), flush=True)
+
+
+async def error_name(call):
     try:
-        await c.get_task(GetTaskRequest(id=task))
-        print(json.dumps({"get": "found"}), flush=True)
+        await call
+        return "no error"
     except Exception as e:
-        print(json.dumps({"get": type(e).__name__}), flush=True)
+        return type(e).__name__
+
+
+async def push(url, token, hook):
+    out = {}
+    card = await A2ACardResolver(http(token), f"{url}/a2a/sleep").get_agent_card()
+    out["capability"] = card.capabilities.push_notifications
+    sleep = await client(url, token, "sleep", streaming=False)
+    # A config on the send itself: told the task's state from the start.
+    first = TaskPushNotificationConfig(url=f"{hook}/a", token="tok-a")
+    m = message("nap", config={"steps": 3, "step_ms": 300})
+    t = await send(sleep, m, immediately=True, push=first)
+    out["task"] = t.id
+    out["message_id"] = m.message_id
+    b = await sleep.create_task_push_notification_config(TaskPushNotificationConfig(
+        task_id=t.id, id="b", url=f"{hook}/b", token="tok-b",
+        authentication=AuthenticationInfo(scheme="Bearer", credentials="cred-b")))
+    out["created"] = {"task": b.task_id, "id": b.id, "url": b.url, "token": b.token,
+                      "scheme": b.authentication.scheme, "credentials": b.authentication.credentials}
+    await sleep.create_task_push_notification_config(TaskPushNotificationConfig(
+        task_id=t.id, id="gone", url=f"{hook}/gone"))
+    await sleep.delete_task_push_notification_config(DeleteTaskPushNotificationConfigRequest(task_id=t.id, id="gone"))
+    got = await sleep.get_task_push_notification_config(GetTaskPushNotificationConfigRequest(task_id=t.id, id="b"))
+    out["got"] = {"id": got.id, "url": got.url}
+    listed = await sleep.list_task_push_notification_configs(ListTaskPushNotificationConfigsRequest(task_id=t.id))
+    out["listed"] = sorted(c.id for c in listed.configs)
+    out["get_deleted"] = await error_name(sleep.get_task_push_notification_config(
+        GetTaskPushNotificationConfigRequest(task_id=t.id, id="gone")))
+    out["elsewhere"] = await error_name(sleep.create_task_push_notification_config(TaskPushNotificationConfig(
+        task_id=t.id, url="http://elsewhere.example/hook")))
+    out["unknown_task"] = await error_name(sleep.create_task_push_notification_config(TaskPushNotificationConfig(
+        task_id=str(uuid.uuid4()), url=f"{hook}/x")))
+    done = await until(sleep, t.id, {"TASK_STATE_COMPLETED"})
+    out["final"] = state(done)
+    # A task that needs a person's approval: told INPUT_REQUIRED, then the rest.
+    offered = {"tools": [{"name": "send", "description": "send it", "parameters": {"type": "object"}}]}
+    chat = await client(url, token, "chat", streaming=False)
+    c = await send(chat, message("send the report", config=offered),
+                   push=TaskPushNotificationConfig(url=f"{hook}/c", token="tok-c"))
+    out["approval_task"] = c.id
+    out["approval_first"] = state(c)
+    out["approval_after"] = state(await send(chat, message("approve", task=c.id)))
+    print(json.dumps(out), flush=True)
+
+
+async def verify(key, path):
+    """Each notification received: verified with the tenant's key, then
+    parsed (strictly) as the protocol's StreamResponse."""
+    webhook = Webhook(key)
+    seen = []
+    for d in json.load(open(path)):
+        webhook.verify(d["body"], d["headers"])
+        r = json_format.Parse(d["body"], StreamResponse())
+        assert r.WhichOneof("payload") == "status_update", r
+        u = r.status_update
+        seen.append({"route": d["route"], "task": u.task_id, "context": u.context_id,
+                     "state": TaskState.Name(u.status.state), "at": u.status.timestamp.ToMilliseconds()})
+    print(json.dumps(seen), flush=True)
 
 
 if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
-    asyncio.run({"main": main, "rejoin": rejoin, "approval": approval, "other": other}[what](*args))
+    asyncio.run({"main": main, "rejoin": rejoin, "approval": approval, "other": other, "push": push,
+                 "verify": verify}[what](*args))

@@ -18,7 +18,14 @@
 //! repeated). A task waiting for a person's approval is `INPUT_REQUIRED`;
 //! the next message on it (`taskId` set) carries the decision: a data part
 //! `{"decision": "approve"|"reject", "reason"}` or the text `approve` or
-//! `reject`. Push notifications are not served (the card says so).
+//! `reject`. Push notifications (`CreateTaskPushNotificationConfig` and its
+//! get, list and delete, or `taskPushNotificationConfig` on a send) go
+//! through the completion-webhook outbox: each state change of the task is
+//! a `StreamResponse` status update POSTed to each config's URL (under the
+//! operator's `--completion-webhook-allow`), signed as a completion webhook
+//! is, retried, and never lost to a crash; the config's token comes back as
+//! `X-A2A-Notification-Token`, its credentials as `Authorization`. A config
+//! is told the task's state when it is made, then every change.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -197,7 +204,8 @@ pub async fn card(
         "version": agent.digest.as_deref().unwrap_or("builtin"),
         "supportedInterfaces": [{ "url": endpoint_url(&headers, &agent.name), "protocolBinding": "JSONRPC",
                                   "protocolVersion": PROTOCOL_VERSION }],
-        "capabilities": { "streaming": true, "pushNotifications": false, "extendedAgentCard": false },
+        "capabilities": { "streaming": true, "pushNotifications": push_served(&state),
+                          "extendedAgentCard": false },
         "securitySchemes": { "bearer": { "httpAuthSecurityScheme": {
             "scheme": "Bearer", "description": "an agent-host token (agent-host tokens create)" } } },
         "securityRequirements": [{ "schemes": { "bearer": { "list": [] } } }],
@@ -266,15 +274,33 @@ async fn dispatch(
         "CancelTask" => calls.cancel_task(&params).await,
         "SubscribeToTask" => calls.subscribe(&params).await,
         "GetExtendedAgentCard" => Err(RpcError::new(EXTENDED_CARD_NOT_CONFIGURED, "this agent has no extended card")),
-        "CreateTaskPushNotificationConfig"
-        | "GetTaskPushNotificationConfig"
-        | "ListTaskPushNotificationConfigs"
-        | "DeleteTaskPushNotificationConfig" => Err(RpcError::new(
-            PUSH_NOT_SUPPORTED,
-            "push notifications are not served over A2A here; a run's completion webhook is (POST /v1/runs)",
-        )),
+        "CreateTaskPushNotificationConfig" => calls.create_push(&params).await,
+        "GetTaskPushNotificationConfig" => calls.get_push(&params).await,
+        "ListTaskPushNotificationConfigs" => calls.list_push(&params).await,
+        "DeleteTaskPushNotificationConfig" => calls.delete_push(&params).await,
         other => Err(RpcError::new(METHOD_NOT_FOUND, format!("method {other:?} not found"))),
     }
+}
+
+/// Whether this host sends push notifications: it signs webhooks and the
+/// operator allows some URLs.
+fn push_served(state: &AppState) -> bool {
+    state.policy.webhook_secret.is_some() && !state.policy.webhook_allow.is_empty()
+}
+
+/// Bytes of a push config's id, token, scheme or credentials.
+const PUSH_FIELD_BYTES_MAX: usize = 1000;
+
+/// A config as the protocol answers it (its credentials never).
+fn push_json(run: RunId, c: &tasks::PushConfig) -> Value {
+    let mut v = json!({ "taskId": run, "id": c.id, "url": c.url });
+    if let Some(token) = &c.token {
+        v["token"] = token.clone().into();
+    }
+    if let Some(scheme) = &c.auth_scheme {
+        v["authentication"] = json!({ "scheme": scheme });
+    }
+    v
 }
 
 /// A field of a proto-JSON object, by its JSON name or its proto name.
@@ -368,9 +394,13 @@ impl Calls<'_> {
         let config = &params["configuration"];
         let immediately = field(config, "returnImmediately", "return_immediately").as_bool().unwrap_or(false);
         let history = history_length(config)?;
-        if !field(config, "taskPushNotificationConfig", "task_push_notification_config").is_null() {
-            return Err(RpcError::new(PUSH_NOT_SUPPORTED, "push notifications are not served over A2A here"));
-        }
+        let push = match field(config, "taskPushNotificationConfig", "task_push_notification_config") {
+            Value::Null => None,
+            v => {
+                let default_id = optional_str(message, "messageId", "message_id")?.unwrap_or("default");
+                Some(self.push_config(v, default_id)?)
+            }
+        };
         // A place under the bound of live tails first (a stream or a wait):
         // once the run is enqueued, nothing answers 5xx.
         let place = match stream || !immediately {
@@ -393,6 +423,9 @@ impl Calls<'_> {
             }
             None => self.start(message, text).await?,
         };
+        if let Some(push) = &push {
+            self.put_push(row.id, push).await?;
+        }
         match (place, stream) {
             (Some(place), true) => {
                 // The fold first, then the row: the snapshot's state is at
@@ -507,6 +540,100 @@ impl Calls<'_> {
             }
         }
         self.row(row.id).await
+    }
+
+    /// A push config from the protocol's `TaskPushNotificationConfig`: its
+    /// URL under the operator's allow-list, each header value one a
+    /// request can carry.
+    fn push_config(&self, v: &Value, default_id: &str) -> Result<tasks::NewPushConfig, RpcError> {
+        if !push_served(self.state) {
+            return Err(RpcError::new(
+                PUSH_NOT_SUPPORTED,
+                "this host sends no push notifications (its operator allows no webhook URLs)",
+            ));
+        }
+        if !v.is_object() {
+            return Err(RpcError::new(INVALID_PARAMS, "a push notification config is an object"));
+        }
+        let header_safe = |name: &str, s: &str| {
+            if s.len() > PUSH_FIELD_BYTES_MAX || axum::http::HeaderValue::from_str(s).is_err() {
+                return Err(RpcError::new(
+                    INVALID_PARAMS,
+                    format!("{name} must be at most {PUSH_FIELD_BYTES_MAX} bytes of visible ASCII"),
+                ));
+            }
+            Ok(s.to_string())
+        };
+        let url = optional_str(v, "url", "url")?
+            .ok_or_else(|| RpcError::new(INVALID_PARAMS, "a push notification config needs a url"))?;
+        if !self.state.policy.allows_webhook(url) {
+            return Err(RpcError::new(
+                INVALID_PARAMS,
+                format!("url {url:?} is not under a URL prefix the operator allows for webhooks"),
+            ));
+        }
+        let id = header_safe("id", optional_str(v, "id", "id")?.unwrap_or(default_id))?;
+        let token = optional_str(v, "token", "token")?.map(|t| header_safe("token", t)).transpose()?;
+        let authentication = match &v["authentication"] {
+            Value::Null => None,
+            auth => {
+                let scheme = optional_str(auth, "scheme", "scheme")?
+                    .ok_or_else(|| RpcError::new(INVALID_PARAMS, "authentication needs a scheme"))?;
+                let credentials = optional_str(auth, "credentials", "credentials")?.ok_or_else(|| {
+                    RpcError::new(INVALID_PARAMS, "authentication needs credentials (sent as Authorization)")
+                })?;
+                Some((header_safe("scheme", scheme)?, header_safe("credentials", credentials)?))
+            }
+        };
+        Ok(tasks::NewPushConfig { id, url: url.to_string(), token, authentication })
+    }
+
+    async fn put_push(&self, run: RunId, config: &tasks::NewPushConfig) -> Result<tasks::PushConfig, RpcError> {
+        match tasks::put_push(&self.state.pool, run, config).await? {
+            tasks::PushPut::Made(made) => Ok(made),
+            tasks::PushPut::TooMany => Err(RpcError::new(
+                INVALID_PARAMS,
+                format!("task {run} holds {} push notification configs, the most it may", tasks::PUSH_CONFIGS_MAX),
+            )),
+        }
+    }
+
+    async fn create_push(&self, params: &Value) -> Result<Response, RpcError> {
+        let row = self.row(task_id(params, "taskId")?).await?;
+        let default_id = uuid::Uuid::new_v4().to_string();
+        let config = self.push_config(params, &default_id)?;
+        let made = self.put_push(row.id, &config).await?;
+        Ok(result_response(self.id, push_json(row.id, &made)))
+    }
+
+    async fn get_push(&self, params: &Value) -> Result<Response, RpcError> {
+        let row = self.row(task_id(params, "taskId")?).await?;
+        let id = optional_str(params, "id", "id")?.ok_or_else(|| RpcError::new(INVALID_PARAMS, "id is missing"))?;
+        let configs = tasks::push_configs(&self.state.pool, row.id).await?;
+        let found = configs.iter().find(|c| c.id == id).ok_or_else(|| {
+            RpcError::new(TASK_NOT_FOUND, format!("task {} has no push notification config {id:?}", row.id))
+        })?;
+        Ok(result_response(self.id, push_json(row.id, found)))
+    }
+
+    async fn list_push(&self, params: &Value) -> Result<Response, RpcError> {
+        let row = self.row(task_id(params, "taskId")?).await?;
+        // At most PUSH_CONFIGS_MAX: one page.
+        let configs = tasks::push_configs(&self.state.pool, row.id).await?;
+        let configs: Vec<Value> = configs.iter().map(|c| push_json(row.id, c)).collect();
+        Ok(result_response(self.id, json!({ "configs": configs, "nextPageToken": "" })))
+    }
+
+    async fn delete_push(&self, params: &Value) -> Result<Response, RpcError> {
+        let row = self.row(task_id(params, "taskId")?).await?;
+        let id = optional_str(params, "id", "id")?.ok_or_else(|| RpcError::new(INVALID_PARAMS, "id is missing"))?;
+        if !tasks::delete_push(&self.state.pool, row.id, id).await? {
+            return Err(RpcError::new(
+                TASK_NOT_FOUND,
+                format!("task {} has no push notification config {id:?}", row.id),
+            ));
+        }
+        Ok(result_response(self.id, Value::Null))
     }
 
     async fn get_task(&self, params: &Value) -> Result<Response, RpcError> {

@@ -731,8 +731,9 @@ pub struct WorkerArgs {
     /// of budget it ends failed instead of going back to the queue.
     #[arg(long, env = "AGENT_HOST_RESUME_ATTEMPTS", default_value_t = crate::db::lifecycle::RESUME_ATTEMPTS_DEFAULT)]
     pub resume_attempts: u32,
-    /// URL prefixes a run's completion webhook may start with (repeat the
-    /// flag, or separate with commas); none: runs may not ask for webhooks.
+    /// URL prefixes a run's completion webhook (and an A2A task's push
+    /// notifications) may start with (repeat the flag, or separate with
+    /// commas); none: runs may not ask for webhooks.
     #[arg(
         long,
         help_heading = "Completion webhooks",

@@ -201,6 +201,7 @@ pub async fn trim_terminal(db: impl PgExecutor<'_>, older_than: Duration, batch_
          del AS (DELETE FROM run_event e USING victims v WHERE e.run_id = v.id),
          calls AS (DELETE FROM run_call c USING victims v WHERE c.run_id = v.id),
          susp AS (DELETE FROM run_suspension s USING victims v WHERE s.run_id = v.id),
+         push AS (DELETE FROM a2a_push_config p USING victims v WHERE p.run_id = v.id),
          upd AS (UPDATE agent_run r SET request = NULL, trimmed_at = now() FROM victims v WHERE r.id = v.id RETURNING r.id)
          SELECT count(*) FROM upd",
     )

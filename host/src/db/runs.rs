@@ -89,7 +89,7 @@ pub async fn get_run(db: impl PgExecutor<'_>, id: RunId, owner_id: &str) -> Resu
                 CASE WHEN r.webhook IS NOT NULL THEN coalesce(
                     (SELECT jsonb_build_object('url', d.url, 'status', d.status, 'attempts', d.attempts,
                                                'last_error', d.last_error, 'delivered_at', d.delivered_at)
-                     FROM webhook_delivery d WHERE d.run_id = r.id),
+                     FROM webhook_delivery d WHERE d.run_id = r.id AND d.push_config IS NULL),
                     jsonb_build_object('url', r.webhook, 'status', 'waiting')) END AS webhook,
                 r.usage
          FROM agent_run r WHERE r.id = $1 AND r.owner_id = $2",

@@ -103,3 +103,105 @@ pub async fn count(
     .fetch_one(db)
     .await
 }
+
+/// Push-notification configs a task holds at most.
+pub const PUSH_CONFIGS_MAX: i64 = 10;
+
+/// One of a task's push-notification configs (`a2a_push_config`). The
+/// credentials are written into the headers each notification carries and
+/// never read back.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct PushConfig {
+    pub id: String,
+    pub url: String,
+    pub token: Option<String>,
+    pub auth_scheme: Option<String>,
+}
+
+/// A config to make (or replace, by id).
+#[derive(Debug, Clone)]
+pub struct NewPushConfig {
+    pub id: String,
+    pub url: String,
+    pub token: Option<String>,
+    /// `(scheme, credentials)`: sent as `Authorization: <scheme> <credentials>`.
+    pub authentication: Option<(String, String)>,
+}
+
+/// What [`put_push`] did.
+#[derive(Debug)]
+pub enum PushPut {
+    Made(PushConfig),
+    /// The task holds [`PUSH_CONFIGS_MAX`] others already.
+    TooMany,
+}
+
+/// Makes (or replaces) a config of run `run` and tells it the task's state
+/// now, in one transaction that holds the run's row: a state change
+/// committed before it is the state told here, one committed after it
+/// sees the config (its trigger writes the notification), so none is
+/// missed between the two.
+pub async fn put_push(pool: &sqlx::PgPool, run: RunId, config: &NewPushConfig) -> Result<PushPut, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT 1 FROM agent_run WHERE id = $1 FOR UPDATE").bind(run).execute(&mut *tx).await?;
+    let others: i64 = sqlx::query_scalar("SELECT count(*) FROM a2a_push_config WHERE run_id = $1 AND id <> $2")
+        .bind(run)
+        .bind(&config.id)
+        .fetch_one(&mut *tx)
+        .await?;
+    if others >= PUSH_CONFIGS_MAX {
+        return Ok(PushPut::TooMany);
+    }
+    let mut headers = serde_json::Map::new();
+    if let Some(token) = &config.token {
+        headers.insert("X-A2A-Notification-Token".into(), token.clone().into());
+    }
+    if let Some((scheme, credentials)) = &config.authentication {
+        headers.insert("Authorization".into(), format!("{scheme} {credentials}").into());
+    }
+    let made: PushConfig = sqlx::query_as(
+        "INSERT INTO a2a_push_config (run_id, id, url, token, auth_scheme, headers)
+         VALUES ($1, $2, $3, $4, $5, $6)
+         ON CONFLICT (run_id, id) DO UPDATE SET url = EXCLUDED.url, token = EXCLUDED.token,
+             auth_scheme = EXCLUDED.auth_scheme, headers = EXCLUDED.headers, created_at = now()
+         RETURNING id, url, token, auth_scheme",
+    )
+    .bind(run)
+    .bind(&config.id)
+    .bind(&config.url)
+    .bind(&config.token)
+    .bind(config.authentication.as_ref().map(|(s, _)| s))
+    .bind(Value::Object(headers))
+    .fetch_one(&mut *tx)
+    .await?;
+    sqlx::query(
+        "WITH r AS (UPDATE agent_run SET a2a_push = true WHERE id = $1
+                    RETURNING id, conversation_id, status, error)
+         SELECT a2a_push(r.id, r.conversation_id,
+                         a2a_task_state(r.status, EXISTS (SELECT 1 FROM run_suspension s
+                             WHERE s.run_id = r.id AND s.kind = 'approval' AND s.decision IS NULL)),
+                         CASE WHEN r.status = 'failed' THEN r.error END, $2)
+         FROM r",
+    )
+    .bind(run)
+    .bind(&config.id)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(PushPut::Made(made))
+}
+
+/// Run `run`'s configs, by id.
+pub async fn push_configs(db: impl PgExecutor<'_>, run: RunId) -> Result<Vec<PushConfig>, sqlx::Error> {
+    sqlx::query_as("SELECT id, url, token, auth_scheme FROM a2a_push_config WHERE run_id = $1 ORDER BY id")
+        .bind(run)
+        .fetch_all(db)
+        .await
+}
+
+/// Deletes one of run `run`'s configs; whether it was there.
+pub async fn delete_push(db: impl PgExecutor<'_>, run: RunId, id: &str) -> Result<bool, sqlx::Error> {
+    let gone =
+        sqlx::query("DELETE FROM a2a_push_config WHERE run_id = $1 AND id = $2").bind(run).bind(id).execute(db).await?;
+    Ok(gone.rows_affected() > 0)
+}

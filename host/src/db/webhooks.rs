@@ -2,7 +2,9 @@
 //! in the transaction of a webhook run's terminal write
 //! (`migrations/0007_webhooks_schedules.sql`); any process's sender claims
 //! due rows (`FOR UPDATE SKIP LOCKED`, pushing `next_attempt_at` forward as a
-//! lease while it sends), POSTs them and records the outcome.
+//! lease while it sends), POSTs them and records the outcome. A2A push
+//! notifications ride the same outbox (`migrations/0017_a2a_push.sql`): a
+//! row per config and state change, with the headers the config asks for.
 
 use serde_json::Value;
 use sqlx::PgExecutor;
@@ -21,6 +23,12 @@ pub struct Due {
     pub attempts: i32,
     /// The run's tenant, whose key signs the delivery.
     pub tenant_id: String,
+    /// Headers of its own (an A2A push notification's token and
+    /// credentials), sent beside the signature's.
+    pub headers: Option<Value>,
+    /// When the row was written: one receiver's deliveries of one run are
+    /// sent in this order.
+    pub created_at: chrono::DateTime<chrono::Utc>,
 }
 
 /// Claims up to `limit` due deliveries for one attempt each; `lease_s`
@@ -45,7 +53,7 @@ pub async fn claim_due(
          claimed AS (UPDATE webhook_delivery d SET attempts = d.attempts + 1,
                             next_attempt_at = now() + make_interval(secs => $2)
                      FROM due WHERE d.id = due.id AND d.attempts < $3
-                     RETURNING d.id, d.run_id, d.url, d.payload, d.attempts,
+                     RETURNING d.id, d.run_id, d.url, d.payload, d.attempts, d.headers, d.created_at,
                                (SELECT r.tenant_id FROM agent_run r WHERE r.id = d.run_id) AS tenant_id)
          SELECT * FROM claimed",
     )

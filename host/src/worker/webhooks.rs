@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use base64::Engine;
 use hmac::{Hmac, Mac};
+use serde_json::Value;
 use sha2::Sha256;
 
 use crate::db;
@@ -99,13 +100,28 @@ pub(super) async fn run(shared: Arc<Shared>, config: WebhookConfig) {
 
 async fn pass(shared: &Shared, client: &reqwest::Client, config: &WebhookConfig) -> Result<(), sqlx::Error> {
     let lease = ATTEMPT_TIMEOUT.as_secs_f64() + 5.0;
-    let due = db::webhooks::claim_due(&shared.pool, BATCH_MAX, lease, config.attempts_max as i32).await?;
-    let sends = due.into_iter().map(|d| async move {
+    let mut due = db::webhooks::claim_due(&shared.pool, BATCH_MAX, lease, config.attempts_max as i32).await?;
+    due.sort_by_key(|d| d.created_at);
+    // One receiver's deliveries of one run in the order they were written
+    // (an A2A task's state changes), different ones at once.
+    let mut groups: Vec<Vec<db::webhooks::Due>> = Vec::new();
+    for d in due {
+        match groups.iter_mut().find(|g| g[0].run_id == d.run_id && g[0].url == d.url) {
+            Some(g) => g.push(d),
+            None => groups.push(vec![d]),
+        }
+    }
+    let send = |d: db::webhooks::Due| async move {
         let body = d.payload.to_string();
         let id = d.id.to_string();
         let timestamp = chrono::Utc::now().timestamp();
-        let sent = client
-            .post(&d.url)
+        let mut request = client.post(&d.url);
+        for (name, value) in d.headers.iter().filter_map(Value::as_object).flatten() {
+            if let Some(value) = value.as_str() {
+                request = request.header(name.as_str(), value);
+            }
+        }
+        let sent = request
             .header("content-type", "application/json")
             .header("webhook-id", &id)
             .header("webhook-timestamp", timestamp.to_string())
@@ -119,8 +135,15 @@ async fn pass(shared: &Shared, client: &reqwest::Client, config: &WebhookConfig)
             Err(e) => Some(format!("the receiver could not be reached: {}", e.without_url())),
         };
         (d, error)
+    };
+    let sends = groups.into_iter().map(|group| async move {
+        let mut sent = Vec::with_capacity(group.len());
+        for d in group {
+            sent.push(send(d).await);
+        }
+        sent
     });
-    for (d, error) in futures::future::join_all(sends).await {
+    for (d, error) in futures::future::join_all(sends).await.into_iter().flatten() {
         let stats = &shared.stats;
         match error {
             None => {
