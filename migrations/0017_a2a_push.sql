@@ -107,3 +107,9 @@ CREATE TRIGGER run_suspension_a2a_push
     FOR EACH ROW
     WHEN (NEW.kind = 'approval')
     EXECUTE FUNCTION run_suspension_a2a_push();
+
+-- Forks (`POST /v1/runs/{id}/fork`): a run made from another's recorded
+-- calls, in a new conversation. Its first claim loads the call log copied
+-- from the original (up to the fork's point) and replays it, then runs live.
+ALTER TABLE agent_run ADD COLUMN forked_from uuid;
+ALTER TABLE agent_run ADD COLUMN fork_after integer;

@@ -324,6 +324,7 @@ async fn every_documented_route_is_served_guarded_and_owner_scoped() {
                     ("POST", p) if p.ends_with("/approvals/{call_id}") => {
                         Some(("application/json", r#"{"decision":"approve"}"#))
                     }
+                    ("POST", p) if p.ends_with("/fork") => Some(("application/json", r#"{"after_call":0}"#)),
                     _ => None,
                 };
                 let (status, v) = api.call(&method, &uri, Some(&api.alice), body).await;

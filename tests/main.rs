@@ -19,6 +19,7 @@ mod dev;
 mod docs;
 mod eager;
 mod edge;
+mod fork;
 mod guests;
 mod hooks;
 mod http_tool;

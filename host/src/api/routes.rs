@@ -133,6 +133,18 @@ fn run_body() -> Value {
                             and run this one next" } } })
 }
 
+fn fork_body() -> Value {
+    json!({ "type": "object", "additionalProperties": false, "properties": {
+        "after_call": { "type": "integer", "minimum": 0,
+            "description": "the recorded calls replayed: positions 1 to this of the run's call log (0: none); \
+                            or after_tool_call" },
+        "after_tool_call": { "type": "integer", "minimum": 1,
+            "description": "the recorded calls replayed: up to the run's tool call with this call_index" },
+        "tool_answer": { "description": "the answer call after_call (a tool call) gives instead of the recorded one" },
+        "content": { "type": "string", "minLength": 1, "maxLength": 65536,
+            "description": "the turn's user message instead of the original's (with after_call 0)" } } })
+}
+
 fn responses_body() -> Value {
     json!({ "type": "object", "required": ["model", "input"], "properties": {
         "model": { "type": "string", "description": "the plugin that answers" },
@@ -569,6 +581,20 @@ pub const ROUTES: &[Route] = &[
         body: None,
         answer: Answer::Json(of::<Enqueued>),
         handler: || post(runs::retry_run),
+    },
+    Route {
+        method: "post",
+        path: "/v1/runs/{id}/fork",
+        summary: "A new conversation whose first turn replays this run's recorded calls up to a point (an edited \
+                  tool answer there, or an edited message from the start), then runs live; the original is untouched",
+        auth: true,
+        ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
+        errors: &[400, 404, 409, 413, 415, 422, 429],
+        also: &[],
+        query: &[],
+        body: Some(("application/json", fork_body)),
+        answer: Answer::Json(of::<Enqueued>),
+        handler: || post(runs::fork_run),
     },
     Route {
         method: "get",

@@ -8,7 +8,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::db::enqueue::Owner;
-use crate::db::lifecycle::{self, Cancelled, RetryError};
+use crate::db::lifecycle::{self, Cancelled, ForkError, RetryError};
 use crate::db::runs;
 use crate::db::tokens::Principal;
 use crate::db::{ConversationId, RunId, RunStatus};
@@ -167,6 +167,69 @@ pub(super) async fn cancel(state: &AppState, p: &Principal, run: RunId) -> Resul
         audit::record(state, p, action::RUN_CANCELLED, run, json!({})).await;
     }
     Ok(done)
+}
+
+/// `POST /v1/runs/{id}/fork`'s body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRun {
+    #[serde(default)]
+    pub after_call: Option<i64>,
+    #[serde(default)]
+    pub after_tool_call: Option<i64>,
+    #[serde(default)]
+    pub tool_answer: Option<Value>,
+    #[serde(default)]
+    pub content: Option<String>,
+}
+
+/// `POST /v1/runs/{id}/fork`: a branch of a resumable run's turn in a new
+/// conversation (`lifecycle::fork`), held to the tenant's quotas as an
+/// enqueue is.
+pub async fn fork_run(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    id: PathId<RunId>,
+    ApiJson(body): ApiJson<ForkRun>,
+) -> Result<impl IntoResponse, ApiError> {
+    let point = match (body.after_call, body.after_tool_call) {
+        (Some(n), None) => i32::try_from(n).ok().filter(|n| *n >= 0).map(lifecycle::After::Call),
+        (None, Some(k)) => i32::try_from(k).ok().filter(|k| *k >= 1).map(lifecycle::After::ToolCall),
+        _ => return Err(ApiError::invalid("a fork names its point: after_call or after_tool_call, one of them")),
+    };
+    let point = point.ok_or_else(|| {
+        ApiError::invalid(
+            "after_call is a position of the call log (0 or more), after_tool_call a call_index (1 or more)",
+        )
+    })?;
+    let tool_answer = body.tool_answer.map(|v| v.to_string());
+    if let Some(answer) = &tool_answer {
+        crate::text::refuse_text("tool_answer", answer).map_err(|e| ApiError::invalid(e.to_string()))?;
+        if answer.len() > submit::CONFIG_BYTES_MAX * 4 {
+            return Err(ApiError::invalid("tool_answer is at most 64 KiB of JSON"));
+        }
+    }
+    if let Some(content) = &body.content {
+        crate::text::refuse_text("content", content).map_err(|e| ApiError::invalid(e.to_string()))?;
+        if content.trim().is_empty() || content.chars().count() > submit::CONTENT_CHARS_MAX {
+            return Err(ApiError::invalid(format!("content is 1 to {} characters", submit::CONTENT_CHARS_MAX)));
+        }
+    }
+    let at = lifecycle::ForkPoint { after: point, tool_answer, content: body.content };
+    state.policy.quotas.enqueue_token(&p.tenant_id).await?;
+    let max = state.policy.quotas.config.tenant_max_queued;
+    match lifecycle::fork(&state.pool, id.0, &p.user_id, &at, max).await {
+        Ok(enqueued) => {
+            let detail = json!({ "new_run_id": enqueued.run_id, "after": format!("{point:?}") });
+            audit::record(&state, &p, action::RUN_FORKED, id.0, detail).await;
+            Ok((StatusCode::ACCEPTED, Json(enqueued)))
+        }
+        Err(ForkError::NotFound) => Err(ApiError::not_found(id)),
+        Err(ForkError::Conflict(m)) => Err(ApiError::conflict(m)),
+        Err(ForkError::Invalid(m)) => Err(ApiError::invalid(m)),
+        Err(ForkError::QueueFull { max }) => Err(submit::queue_full(&state.policy.quotas, &p.tenant_id, max).into()),
+        Err(ForkError::Db(e)) => Err(e.into()),
+    }
 }
 
 /// `POST /v1/runs/{id}/retry`: a new run for the same user message, asked for

@@ -31,6 +31,11 @@ pub struct ClaimedRun {
     pub waits: i32,
     /// The seed of the guest's random generators, the same for every attempt.
     pub seed: uuid::Uuid,
+    /// Whether the run is a fork (`lifecycle::fork`): its first attempt
+    /// replays the calls copied from the original. (False where a claim's
+    /// statement does not say: an eager start is never a fork.)
+    #[sqlx(default)]
+    pub forked: bool,
     /// Whether the conversation had any message besides this turn's when it
     /// was claimed; false means its history is empty, no read needed.
     pub has_history: bool,

@@ -394,14 +394,15 @@ async fn group_commit(shared: &Shared, ending: Ending, slot: Option<super::Slot>
 }
 
 /// The recording of a resumable run: its call log and what its earlier
-/// attempts journaled (nothing to read on a first attempt).
+/// attempts journaled (nothing to read on a first attempt, unless the run is
+/// a fork: its log was copied from the original).
 async fn recording(
     shared: &Shared,
     row: &ClaimedRun,
     lost: &CancellationToken,
     manifest: &crate::run::manifest::Manifest,
 ) -> Result<Recording, sqlx::Error> {
-    let (log, journaled, decisions) = if row.attempt > 1 {
+    let (log, journaled, decisions) = if row.attempt > 1 || row.forked {
         let mut db = shared.pool.acquire().await?;
         let log = db::calls::log(&mut *db, row.id).await?;
         (log, db::calls::journaled(&mut db, row.id).await?, db::suspensions::decided(&mut db, row.id).await?)

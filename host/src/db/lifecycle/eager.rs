@@ -177,6 +177,7 @@ async fn start_on(
         attempt: 1,
         waits: 0,
         seed,
+        forked: false,
         has_history,
     });
     Ok((enqueued, started))

@@ -16,7 +16,7 @@
 //!
 //! | from    | to        | function                         | caller                                   |
 //! |---------|-----------|----------------------------------|------------------------------------------|
-//! | (none)  | queued    | [`super::enqueue::enqueue`], [`retry`] (a new run) | HTTP API, demo, bench; HTTP retry |
+//! | (none)  | queued    | [`super::enqueue::enqueue`], [`retry`], [`fork`] (a new run) | HTTP API, demo, bench; HTTP retry, fork |
 //! | (none)  | running   | [`enqueue_eager`] ([`Eager`]): queued and claimed in one statement, only when no other run is queued and its conversation has no active turn | HTTP API on a process with a free slot |
 //! | queued  | running   | [`claim_batch`] ([`claim`]); [`finish_and_claim`] (with a batch of endings) | dispatcher; finisher |
 //! | queued  | cancelled | [`cancel`], [`stop_conversation`] | HTTP cancel, HTTP stop                  |
@@ -93,6 +93,7 @@ mod busy;
 mod claim;
 mod eager;
 mod finish;
+mod fork;
 mod retry;
 mod stop;
 pub mod suspensions;
@@ -101,6 +102,7 @@ pub use busy::*;
 pub use claim::*;
 pub use eager::*;
 pub use finish::*;
+pub use fork::*;
 pub use retry::*;
 pub use stop::*;
 
