@@ -93,3 +93,37 @@ async fn one_channel_stays_listened_while_any_subscriber_remains() {
     drop(second);
     wait_counts(&hub, 0, 0).await;
 }
+
+/// Issue 43: a journal group commit NOTIFYs once on `run_events`, listing
+/// the runs it wrote; the hub wakes the subscribers of exactly those runs'
+/// channels (and of every run's for the "all" marker).
+#[tokio::test]
+async fn one_run_events_notify_wakes_the_runs_it_names() {
+    use agent_host::db::notify::{events_channel, RUN_EVENTS, RUN_EVENTS_ALL};
+    use agent_host::db::RunId;
+    let db = TestDb::new().await;
+    let hub = connected_hub(&db).await;
+    let runs: Vec<RunId> = (0..3).map(|_| RunId(uuid::Uuid::new_v4())).collect();
+    let mut subs = Vec::new();
+    for r in &runs {
+        subs.push(hub.subscribe(&events_channel(*r)).await);
+    }
+    let named = format!("{},{}", runs[0].0.simple(), runs[1].0.simple());
+    let mut conn = db.pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_notify($1, $2)").bind(RUN_EVENTS).bind(&named).execute(&mut *conn).await.unwrap();
+    // Then one on the third run's own channel: it must be that run's first wake.
+    sqlx::query("SELECT pg_notify($1, 'own')").bind(events_channel(runs[2])).execute(&mut *conn).await.unwrap();
+    for s in &mut subs[..2] {
+        let wake = tokio::time::timeout(LONG, s.recv()).await.expect("a named run was not woken");
+        assert_eq!(wake, Some(Wake::Notify(RUN_EVENTS.into())));
+    }
+    let wake = tokio::time::timeout(LONG, subs[2].recv()).await.expect("no wake");
+    assert_eq!(wake, Some(Wake::Notify("own".into())), "a run the NOTIFY did not name was woken");
+    sqlx::query("SELECT pg_notify($1, $2)").bind(RUN_EVENTS).bind(RUN_EVENTS_ALL).execute(&mut *conn).await.unwrap();
+    for s in &mut subs {
+        let wake = tokio::time::timeout(LONG, s.recv()).await.expect("the all marker missed a run");
+        assert_eq!(wake, Some(Wake::Notify(RUN_EVENTS.into())));
+    }
+    // RUN_EVENTS is not counted as a subscribed channel.
+    wait_counts(&hub, 3, 3).await;
+}

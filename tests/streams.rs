@@ -38,6 +38,7 @@ impl Agent for Chatty {
 fn agents() -> AgentRegistry {
     let mut a = AgentRegistry::with_builtins();
     a.insert("chatty", Arc::new(Chatty(1000)));
+    a.insert("blobs", Arc::new(Blobs));
     a
 }
 
@@ -51,9 +52,20 @@ struct Host {
 
 impl Host {
     async fn start(db: &TestDb, hub: Option<Hub>, config: WorkerConfig, keepalive: Duration) -> Host {
+        Host::start_with(db, hub, config, |state| state.keepalive = keepalive).await
+    }
+
+    /// [`Host::start`] with the app state as `configure` leaves it.
+    async fn start_with(
+        db: &TestDb,
+        hub: Option<Hub>,
+        config: WorkerConfig,
+        configure: impl FnOnce(&mut AppState),
+    ) -> Host {
         let worker = Worker::start(db.pool.clone(), hub.clone(), agents(), config).await.unwrap();
         let mut state = AppState::new(db.pool.clone(), agents(), hub);
-        state.keepalive = keepalive;
+        state.stats = Some(worker.observer());
+        configure(&mut state);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let server = tokio::spawn(async move {
@@ -425,5 +437,251 @@ async fn a_json_page_of_events_is_bounded_in_bytes() {
     }
     assert_eq!(blobs, (0..12).collect::<Vec<_>>(), "every event once, in order");
     assert!(pages >= 3, "12 events of 900 KB in {pages} pages");
+    host.stop().await;
+}
+
+/// Claims `n` queued runs of the `noop` agent for a journal test.
+async fn claimed_runs(db: &TestDb, n: usize) -> Vec<lifecycle::ClaimedRun> {
+    for _ in 0..n {
+        enqueue(&db.pool, None, "noop", json!({})).await;
+    }
+    let claim = lifecycle::Claim {
+        limit: n as i64,
+        lease: LONG,
+        worker_id: "group",
+        prefilter: true,
+        tenant_max_running: None,
+        rooms: Default::default(),
+    };
+    let runs = lifecycle::claim(&db.pool, &claim).await.unwrap();
+    assert_eq!(runs.len(), n);
+    runs
+}
+
+/// Issue 43: the group commit's statement. Three runs' rows in one
+/// statement, one of them fenced (its claim went to another worker): the
+/// two others' rows are written, the fenced run's none, the answer names
+/// exactly the runs written, and the one NOTIFY lists them.
+#[tokio::test]
+async fn a_group_statement_with_a_fenced_run_writes_the_others() {
+    use agent_host::db::journal::GroupPart;
+    let db = TestDb::new().await;
+    let runs = claimed_runs(&db, 3).await;
+    update_run(&db.pool, runs[1].id, "claim_token = gen_random_uuid()").await;
+    let mut listener = sqlx::postgres::PgListener::connect(&db.url).await.unwrap();
+    listener.listen(agent_host::db::notify::RUN_EVENTS).await.unwrap();
+    let events: Vec<Vec<(String, Value, Option<i64>)>> = (0..3)
+        .map(|i| (0..=i).map(|k| ("content_delta".to_string(), json!({ "delta": format!("{i}.{k}") }), None)).collect())
+        .collect();
+    let first: Vec<i32> = {
+        let mut v = Vec::new();
+        for r in &runs {
+            v.push(journal(&db.pool, r.id).await.last().unwrap().0 + 1);
+        }
+        v
+    };
+    let parts: Vec<GroupPart<'_>> = runs
+        .iter()
+        .zip(&events)
+        .zip(&first)
+        .map(|((r, e), f)| GroupPart { run: r.id, token: r.claim_token, first_seq: *f, events: e })
+        .collect();
+    let written = journal::append_group(&db.pool, &parts).await.unwrap();
+    let mut got = written.runs.clone();
+    got.sort();
+    let mut want = vec![runs[0].id, runs[2].id];
+    want.sort();
+    assert_eq!(got, want, "the runs written are exactly the unfenced ones");
+    assert!(written.notified);
+    for (i, r) in runs.iter().enumerate() {
+        let deltas = journal(&db.pool, r.id).await.iter().filter(|(_, k)| k == "content_delta").count();
+        assert_eq!(deltas, if i == 1 { 0 } else { i + 1 }, "run {i}'s rows");
+    }
+    let n = tokio::time::timeout(LONG, listener.recv()).await.unwrap().unwrap();
+    let mut named: Vec<String> = n.payload().split(',').map(str::to_string).collect();
+    named.sort();
+    let mut expected: Vec<String> = want.iter().map(|r| r.0.simple().to_string()).collect();
+    expected.sort();
+    assert_eq!(named, expected, "one NOTIFY naming the runs written");
+}
+
+/// Issue 43: three runs' writers in one process group, their deltas due at
+/// one tick: one commit carries all three batches; the run whose claim was
+/// taken away writes nothing and only its writer learns it lost the claim
+/// (its `lost` fires, its close says fenced); its neighbours' rows are
+/// written and they go on.
+#[tokio::test]
+async fn a_group_commit_with_a_fenced_run_writes_the_others_and_tells_only_it() {
+    use agent_host::run::journal::{Journal, JournalConfig, JournalGroup, JournalStats};
+    use tokio_util::sync::CancellationToken;
+    let db = TestDb::new().await;
+    let runs = claimed_runs(&db, 3).await;
+    update_run(&db.pool, runs[1].id, "claim_token = gen_random_uuid()").await;
+    let stats = Arc::new(JournalStats::default());
+    let flush = Duration::from_millis(100);
+    // A gather longer than a tick: the three batches surely share a commit.
+    let group = JournalGroup::start_with_gather(db.pool.clone(), flush, Duration::from_millis(400), stats.clone());
+    let config = JournalConfig { flush_every: flush, ..JournalConfig::default() };
+    let mut journals = Vec::new();
+    for r in &runs {
+        let first = journal(&db.pool, r.id).await.last().unwrap().0 + 1;
+        let lost = CancellationToken::new();
+        let j = Journal::start_in(&group, r.id, r.claim_token, first, config, lost.clone(), stats.clone());
+        journals.push((j, lost));
+    }
+    for (i, (j, _)) in journals.iter_mut().enumerate() {
+        j.delta(json!({ "delta": format!("run {i}") }), None).await.unwrap();
+    }
+    tokio::time::timeout(LONG, journals[1].1.cancelled()).await.expect("the fenced run was never told");
+    let pool = db.pool.clone();
+    let (a, c) = (runs[0].id, runs[2].id);
+    wait_for("the neighbours' rows", LONG, || {
+        let pool = pool.clone();
+        async move {
+            for r in [a, c] {
+                if !journal(&pool, r).await.iter().any(|(_, k)| k == "content_delta") {
+                    return false;
+                }
+            }
+            true
+        }
+    })
+    .await;
+    assert!(!journal(&db.pool, runs[1].id).await.iter().any(|(_, k)| k == "content_delta"), "the fenced run wrote");
+    assert_eq!(stats.group_commits.load(Ordering::Relaxed), 1, "one commit for the three batches");
+    assert_eq!(stats.group_batches.load(Ordering::Relaxed), 3);
+    assert_eq!(stats.group_fenced.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.group_rows.load(Ordering::Relaxed), 2);
+    assert_eq!(stats.group_notifies.load(Ordering::Relaxed), 1);
+    let mut closed = Vec::new();
+    for (j, lost) in journals {
+        closed.push((lost.is_cancelled(), j.close().await.is_ok()));
+    }
+    assert_eq!(closed, vec![(false, true), (true, false), (false, true)], "only the fenced run was told");
+}
+
+/// Issue 43: many live runs on one process: the flush clock, not the
+/// number of runs, bounds the commits. 40 runs streaming deltas for about
+/// a second make hundreds of per-run flushes and a few dozen commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_live_runs_share_few_journal_commits() {
+    let db = TestDb::new().await;
+    let config =
+        WorkerConfig { max_runs: 40, journal_flush: Duration::from_millis(100), lease: LONG, ..fast_config("w") };
+    let host = Host::start(&db, Some(Hub::start(db.url.clone())), config, Duration::from_secs(15)).await;
+    let mut runs = Vec::new();
+    for _ in 0..40 {
+        runs.push(enqueue(&db.pool, None, "sleep", json!({ "steps": 50, "step_ms": 20 })).await.run_id);
+    }
+    for r in &runs {
+        assert_eq!(wait_terminal(&db.pool, *r, LONG).await, "completed");
+    }
+    let j = host.worker.as_ref().unwrap().journal_stats();
+    let (flushes, commits, notifies) = (
+        j.flushes.load(Ordering::Relaxed),
+        j.group_commits.load(Ordering::Relaxed),
+        j.group_notifies.load(Ordering::Relaxed),
+    );
+    eprintln!(
+        "40 live runs: {flushes} run flushes in {commits} commits ({} rows, at most {} in one), {notifies} NOTIFYs",
+        j.group_rows.load(Ordering::Relaxed),
+        j.group_rows_max.load(Ordering::Relaxed)
+    );
+    assert!(flushes >= 40 * 5, "{flushes} flushes: the runs did not stream");
+    assert!(commits * 5 <= flushes, "{commits} commits for {flushes} flushes: not grouped");
+    assert!(notifies <= commits, "at most one NOTIFY per commit ({notifies} for {commits})");
+    // The counters are on /metrics.
+    let metrics = reqwest::get(format!("{}/metrics", host.base)).await.unwrap().text().await.unwrap();
+    for name in [
+        "agent_host_journal_group_commits_total",
+        "agent_host_journal_group_rows_per_commit",
+        "agent_host_journal_group_notifies_total",
+        "agent_host_sse_feed_reads_total",
+        "agent_host_sse_tails_stalled_total",
+    ] {
+        assert!(metrics.contains(&format!("\n{name} ")), "{name} missing from /metrics");
+    }
+    for r in &runs {
+        assert_journal_sound(&db.pool, *r).await;
+    }
+    host.stop().await;
+}
+
+/// Issue 43: all tails of one run on a process share one journal read per
+/// wake: five SSE clients of one streaming run each get the whole journal,
+/// while the feed's reads stay those of one reader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tails_of_one_run_share_one_read_per_wake() {
+    let db = TestDb::new().await;
+    let live = agent_host::stream::tail::LiveTails::new(100);
+    let l = live.clone();
+    let host = Host::start_with(&db, Some(Hub::start(db.url.clone())), fast_config("w"), move |s| {
+        s.live_tails = l;
+    })
+    .await;
+    let e = enqueue(&db.pool, None, "sleep", json!({ "steps": 20, "step_ms": 25 })).await;
+    let mut clients = Vec::new();
+    for _ in 0..5 {
+        clients.push(SseClient::connect(&host.events_url(e.run_id), &host.token, None).await);
+    }
+    let mut all = Vec::new();
+    for mut c in clients {
+        all.push(c.collect(LONG).await);
+    }
+    let j = journal_payloads(&db.pool, e.run_id).await;
+    for frames in &all {
+        let seqs: Vec<i64> = frames.iter().map(|f| f.data["seq"].as_i64().unwrap()).collect();
+        assert_eq!(seqs, (1..=j.len() as i64).collect::<Vec<_>>(), "every seq once, in order");
+    }
+    let reads = live.feeds().stats().reads.load(Ordering::Relaxed);
+    eprintln!("5 tails of a run of {} events: {reads} feed reads", j.len());
+    // One reader's reads: about one per flush of the run (20 steps, a 50 ms
+    // clock), far from five tails' worth.
+    assert!(reads <= 2 * j.len() as u64 + 10, "{reads} reads for {} events", j.len());
+    host.stop().await;
+}
+
+/// Issue 43: a client that stops reading is cut with its cursor and
+/// rejoins from it with no gap and no repeat. The run writes far more than
+/// the sockets hold (80 events of 500 kB) while the client reads nothing:
+/// the tail's queue fills, the stall timeout passes, and the tail is cut
+/// (its place under the bound given back). The client then reads what had
+/// reached it (the stream ends without the `complete`), and rejoins with
+/// the last id it got: together, the journal exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_cut_and_rejoins_from_its_cursor() {
+    let db = TestDb::new().await;
+    let live = agent_host::stream::tail::LiveTails::new(100);
+    let l = live.clone();
+    let host = Host::start_with(&db, Some(Hub::start(db.url.clone())), fast_config("w"), move |s| {
+        s.live_tails = l;
+        s.sse_stall = Duration::from_millis(300);
+    })
+    .await;
+    let e = enqueue(&db.pool, None, "blobs", json!({ "events": 80, "bytes": 500_000 })).await;
+    let mut client = SseClient::connect(&host.events_url(e.run_id), &host.token, None).await;
+    let mut first = Vec::new();
+    while first.len() < 2 {
+        first.push(client.next(LONG).await.expect("the stream ended early"));
+    }
+    // The client stops reading here.
+    let l = live.clone();
+    wait_for("the stalled tail to be cut", LONG, || {
+        let l = l.clone();
+        async move { l.feeds().stats().stalled.load(Ordering::Relaxed) >= 1 }
+    })
+    .await;
+    assert_eq!(live.live(), 0, "the cut tail gave its place back");
+    assert_eq!(wait_terminal(&db.pool, e.run_id, LONG).await, "completed");
+    // It reads again: what had reached it, then the end of the stream.
+    first.extend(client.collect(LONG).await);
+    assert_ne!(first.last().unwrap().event, "complete", "the tail was cut before the end");
+    let cursor = first.last().unwrap().data["seq"].as_i64().unwrap() as i32;
+    let mut again = SseClient::connect(&host.events_url(e.run_id), &host.token, Some(cursor)).await;
+    let rest = again.collect(LONG).await;
+    assert_eq!(rest.last().unwrap().event, "complete");
+    let seqs: Vec<i64> = first.iter().chain(&rest).map(|f| f.data["seq"].as_i64().unwrap()).collect();
+    let j = journal_payloads(&db.pool, e.run_id).await;
+    assert_eq!(seqs, j.iter().map(|(s, _, _)| *s as i64).collect::<Vec<_>>(), "no gap, no repeat");
     host.stop().await;
 }

@@ -230,6 +230,12 @@ pub async fn put_plugin(pool: &PgPool, sandbox: &Sandbox, name: &str, bytes: &[u
     Ok(db::plugins::put(pool, name, bytes, &serde_json::json!({})).await?.digest)
 }
 
+/// Stores a plugin component with its manifest (the host validates it when
+/// a run loads it) and returns its digest.
+pub async fn put_plugin_with(pool: &PgPool, name: &str, bytes: &[u8], manifest: &Value) -> anyhow::Result<String> {
+    Ok(db::plugins::put(pool, name, bytes, manifest).await?.digest)
+}
+
 /// One guest turn on a run's host, as the worker's registry resolves and
 /// runs it (this benchmark passes no history).
 pub async fn run_guest(

@@ -18,6 +18,7 @@ mod graphile;
 mod guests;
 mod hostile;
 mod library;
+mod live;
 mod queue;
 mod sandbox;
 mod sql;
@@ -128,6 +129,18 @@ pub struct BenchArgs {
     /// with and without a tenant flooding slots, schedules and streams.
     #[arg(long)]
     pub hostile_only: bool,
+    /// Only the live runs' figures: N concurrent turns of the Rust `chat`
+    /// plugin against the benchmark's streaming mock model on one `serve`
+    /// process, each followed by one SSE client (commits/s, NOTIFYs/s,
+    /// token-to-client delay, frames lost or repeated).
+    #[arg(long, value_name = "N")]
+    pub live: Option<usize>,
+    /// Seconds of tokens per live turn.
+    #[arg(long, default_value_t = 30)]
+    pub live_secs: u64,
+    /// Tokens a second the mock model sends per live turn.
+    #[arg(long, default_value_t = 20)]
+    pub live_tokens_per_s: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -216,6 +229,16 @@ async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow
     let pool = library::connect_and_migrate(&url, (args.in_flight as u32 + 8).max(16)).await?;
     println!("agent-host bench: {} cores, database {}", figures::num_cpus(), figures::redact(&url));
 
+    if let Some(n) = args.live {
+        anyhow::ensure!(
+            n > 0 && n < library::INSTANCES_MAX as usize,
+            "--live must be 1 to {}",
+            library::INSTANCES_MAX - 1
+        );
+        live::live(&pool, &url, db_args, args, n).await?;
+        pool.close().await;
+        return Ok(());
+    }
     if args.guests_only {
         guests::guests(&pool, &url, db_args, args).await?;
         pool.close().await;

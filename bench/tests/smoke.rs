@@ -35,6 +35,7 @@ fn help_lists_the_benchmark_flags() {
         "--database-url",
         "--compare",
         "--queue-only",
+        "--live",
     ] {
         assert!(help.contains(flag), "--help does not list {flag}:\n{help}");
     }

@@ -12,7 +12,14 @@
 //! and wakes the supervisor through a [`Notify`] (a permit, never a queue
 //! that can be full); the supervisor then prunes every subscriber whose queue
 //! is closed and UNLISTENs each channel left without one. A subscribe
-//! abandoned half-way (its future dropped) is pruned the same way. Callers:
+//! abandoned half-way (its future dropped) is pruned the same way.
+//!
+//! Journal wakes come on one channel: the connection always LISTENs on
+//! [`RUN_EVENTS`], where every journal group commit NOTIFYs once with the
+//! runs it wrote, and the hub fans each such notification out to the
+//! subscribers of each named run's `events_channel` (all of them for
+//! [`crate::db::notify::RUN_EVENTS_ALL`]). Tails keep subscribing to their run's own channel,
+//! which also carries the run's ending. Callers:
 //! the dispatcher, the canceller and the SSE tails subscribe; `/metrics`
 //! reads [`HubStats`].
 
@@ -24,6 +31,8 @@ use std::time::Duration;
 use sqlx::postgres::PgListener;
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, oneshot, Notify};
+
+use crate::db::notify::{run_events_payload, EVENTS_CHANNEL_PREFIX, RUN_EVENTS};
 
 /// Wakes a subscriber can hold before further ones are dropped.
 pub const SUBSCRIBER_QUEUE_MAX: usize = 16;
@@ -184,6 +193,33 @@ impl Subscribers {
         closed
     }
 
+    /// Fans a [`RUN_EVENTS`] notification out to the runs it names (every
+    /// run's channel for [`crate::db::notify::RUN_EVENTS_ALL`]); returns whether a subscriber
+    /// was found closed.
+    fn send_run_events(&self, stats: &HubStats, payload: &str) -> bool {
+        let wake = Wake::Notify(RUN_EVENTS.to_string());
+        let mut closed = false;
+        match run_events_payload(payload) {
+            Some(ids) => {
+                let mut channel = String::with_capacity(EVENTS_CHANNEL_PREFIX.len() + 32);
+                for id in ids {
+                    channel.clear();
+                    channel.push_str(EVENTS_CHANNEL_PREFIX);
+                    channel.push_str(id);
+                    if self.by_channel.contains_key(&channel) {
+                        closed |= self.send(stats, &channel, &wake);
+                    }
+                }
+            }
+            None => {
+                for channel in self.by_channel.keys().filter(|c| c.starts_with(EVENTS_CHANNEL_PREFIX)) {
+                    closed |= self.send(stats, channel, &wake);
+                }
+            }
+        }
+        closed
+    }
+
     fn wake_all(&self, stats: &HubStats) {
         for channel in self.by_channel.keys() {
             self.send(stats, channel, &Wake::Reconnected);
@@ -261,7 +297,10 @@ async fn supervise(url: String, mut commands: mpsc::Receiver<Subscribe>, prune: 
             };
             let result = match result {
                 Ok(Ok(mut l)) => {
-                    let channels: Vec<&str> = subs.by_channel.keys().map(String::as_str).collect();
+                    // The group commits' channel, always; then every subscribed one.
+                    let channels: Vec<&str> = std::iter::once(RUN_EVENTS)
+                        .chain(subs.by_channel.keys().map(String::as_str).filter(|c| *c != RUN_EVENTS))
+                        .collect();
                     match l.listen_all(channels).await {
                         Ok(()) => Ok(l),
                         Err(e) => Err(e.to_string()),
@@ -313,10 +352,15 @@ async fn supervise(url: String, mut commands: mpsc::Receiver<Subscribe>, prune: 
             n = conn.try_recv() => match n {
                 Ok(Some(n)) => {
                     stats.notifications.fetch_add(1, Ordering::Relaxed);
-                    let wake = Wake::Notify(n.payload().to_string());
+                    let closed = if n.channel() == RUN_EVENTS {
+                        subs.send_run_events(&stats, n.payload())
+                            | subs.send(&stats, RUN_EVENTS, &Wake::Notify(n.payload().to_string()))
+                    } else {
+                        subs.send(&stats, n.channel(), &Wake::Notify(n.payload().to_string()))
+                    };
                     // A closed subscriber found here is pruned now, not at
                     // its drop's wake (which may already have been taken).
-                    if subs.send(&stats, n.channel(), &wake)
+                    if closed
                         && !handle(Input::Prune, &mut subs, &stats, Some(conn)).await
                     {
                         lost(&mut listener, &stats, &subs);
@@ -343,7 +387,8 @@ async fn handle(input: Input, subs: &mut Subscribers, stats: &HubStats, conn: Op
         Input::Subscribe(Subscribe { channel, tx, ack }) => {
             let mut ok = true;
             // Abandoned before we got to it: nothing to add, nothing to LISTEN.
-            if !tx.is_closed() && subs.add(&channel, tx) {
+            // RUN_EVENTS is LISTENed from the connection's start, for good.
+            if !tx.is_closed() && subs.add(&channel, tx) && channel != RUN_EVENTS {
                 if let Some(conn) = conn {
                     ok = conn.listen(&channel).await.is_ok();
                 }
@@ -355,7 +400,7 @@ async fn handle(input: Input, subs: &mut Subscribers, stats: &HubStats, conn: Op
             let mut ok = true;
             let emptied = subs.prune(stats);
             if let Some(conn) = conn {
-                for channel in emptied {
+                for channel in emptied.into_iter().filter(|c| c != RUN_EVENTS) {
                     if conn.unlisten(&channel).await.is_err() {
                         ok = false;
                         break;

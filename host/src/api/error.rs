@@ -248,6 +248,7 @@ impl From<TailError> for ApiError {
     fn from(e: TailError) -> Self {
         match e {
             TailError::Db(e) => e.into(),
+            TailError::Stalled { .. } => ApiError::unavailable(e.to_string()),
         }
     }
 }

@@ -112,7 +112,11 @@ pub async fn metrics(
             "Idle waits ended by the poll tick.",
             w.poll_wakeups.load(Relaxed),
         );
-        e.counter("agent_host_journal_flushes_total", "Journal flush statements.", stats.journal.flushes.load(Relaxed));
+        e.counter(
+            "agent_host_journal_flushes_total",
+            "Journal run batches written (each rides a group commit).",
+            stats.journal.flushes.load(Relaxed),
+        );
         e.counter("agent_host_journal_rows_total", "Journal rows written.", stats.journal.rows.load(Relaxed));
         e.counter("agent_host_journal_deltas_total", "Content deltas received.", stats.journal.deltas_in.load(Relaxed));
         let j = &stats.journal;
@@ -125,6 +129,42 @@ pub async fn metrics(
             "agent_host_journal_gave_up_total",
             "Runs whose journal gave up (database gone too long).",
             j.gave_up.load(Relaxed),
+        );
+        e.counter(
+            "agent_host_journal_group_commits_total",
+            "Journal group commits: one statement and one commit for the batches of every run due together.",
+            j.group_commits.load(Relaxed),
+        );
+        e.counter(
+            "agent_host_journal_group_rows_total",
+            "Rows the journal group commits wrote (rows per commit: this over the commits).",
+            j.group_rows.load(Relaxed),
+        );
+        e.counter(
+            "agent_host_journal_group_batches_total",
+            "Run batches the journal group commits carried (one per run per commit).",
+            j.group_batches.load(Relaxed),
+        );
+        e.counter(
+            "agent_host_journal_group_fenced_total",
+            "Run batches a group commit left out because their run was fenced.",
+            j.group_fenced.load(Relaxed),
+        );
+        e.counter(
+            "agent_host_journal_group_notifies_total",
+            "NOTIFYs the journal group commits sent (at most one per commit).",
+            j.group_notifies.load(Relaxed),
+        );
+        let commits = j.group_commits.load(Relaxed);
+        e.gauge(
+            "agent_host_journal_group_rows_per_commit",
+            "Rows per journal group commit, on average since the process started.",
+            if commits == 0 { 0.0 } else { j.group_rows.load(Relaxed) as f64 / commits as f64 },
+        );
+        e.gauge(
+            "agent_host_journal_group_rows_max",
+            "The most rows one journal group commit wrote.",
+            j.group_rows_max.load(Relaxed) as f64,
         );
         e.counter(
             "agent_host_text_nul_replaced_total",
@@ -150,6 +190,27 @@ pub async fn metrics(
     e.gauge("agent_host_sse_tails", "Live SSE tails this process serves.", tails.live() as f64);
     e.gauge("agent_host_sse_tails_max", "The bound on live SSE tails (--sse-tails-max).", tails.max() as f64);
     e.counter("agent_host_sse_tails_refused_total", "SSE tails refused at the bound (503).", tails.refused());
+    let feeds = tails.feeds().stats();
+    e.gauge(
+        "agent_host_sse_feeds",
+        "Runs whose live tails this process feeds (one journal reader each).",
+        feeds.live() as f64,
+    );
+    e.counter(
+        "agent_host_sse_feed_reads_total",
+        "Journal reads of the feeds (each serves every live tail of its run on this process).",
+        feeds.reads.load(Relaxed),
+    );
+    e.counter(
+        "agent_host_sse_tails_lagged_total",
+        "Live tails that fell behind their feed and read on their own until caught up.",
+        feeds.lagged.load(Relaxed),
+    );
+    e.counter(
+        "agent_host_sse_tails_stalled_total",
+        "Live tails cut because their client stopped reading (they rejoin from their last id).",
+        feeds.stalled.load(Relaxed),
+    );
     if let Some(sandbox) = state.agents.sandbox() {
         e.gauge("agent_host_sandboxes_live", "Guest instances alive.", sandbox.live() as f64);
         crate::metrics::compile_stats(&mut e, &sandbox.compile_stats());

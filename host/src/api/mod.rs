@@ -53,6 +53,10 @@ pub struct AppState {
     pub hub: Option<Hub>,
     /// SSE keepalive, which is also the tail's fallback poll.
     pub keepalive: Duration,
+    /// How long a live tail whose client stops reading (while events wait
+    /// for it) is kept before it is cut; the client rejoins from its last
+    /// SSE id (`stream::feed`).
+    pub sse_stall: Duration,
     /// The process's live SSE tails and their bound (`--sse-tails-max`).
     pub live_tails: Arc<LiveTails>,
     /// The process's worker, for `/metrics` (`None`: queue gauges only).
@@ -68,6 +72,7 @@ impl AppState {
             agents,
             hub,
             keepalive: KEEPALIVE_DEFAULT,
+            sse_stall: crate::stream::feed::STALL_DEFAULT,
             live_tails: LiveTails::new(LIVE_TAILS_MAX_DEFAULT),
             stats: None,
             policy: Arc::default(),
@@ -87,7 +92,7 @@ impl AppState {
 
     /// The journal tail service, as this state configures it.
     fn tails(&self) -> Tails {
-        let config = TailConfig { keepalive: self.keepalive, ..TailConfig::default() };
+        let config = TailConfig { keepalive: self.keepalive, stall: self.sse_stall, ..TailConfig::default() };
         Tails::new(self.pool.clone(), self.hub.clone(), config, self.live_tails.clone())
     }
 

@@ -618,6 +618,10 @@ pub struct ServeArgs {
     /// SSE keepalive, which is also a tail's fallback poll when no wake arrives.
     #[arg(long, help_heading = "HTTP API", env = "AGENT_HOST_SSE_KEEPALIVE_MS", default_value_t = 15_000)]
     pub sse_keepalive_ms: u64,
+    /// How long a live SSE tail whose client stops reading (while events wait for it) is kept
+    /// before it is cut; the client rejoins from its last event id.
+    #[arg(long, help_heading = "HTTP API", env = "AGENT_HOST_SSE_STALL_MS", default_value_t = 30_000)]
+    pub sse_stall_ms: u64,
     /// Live SSE tails this process serves at most; past it a new one answers 503 `too_many_streams`.
     #[arg(long, help_heading = "HTTP API", env = "AGENT_HOST_SSE_TAILS_MAX", default_value_t = crate::stream::tail::LIVE_TAILS_MAX_DEFAULT)]
     pub sse_tails_max: usize,
@@ -957,6 +961,12 @@ impl ServeArgs {
             "--sse-keepalive-ms",
             "AGENT_HOST_SSE_KEEPALIVE_MS",
             "every SSE tail would send keepalives and re-read its run in a busy loop",
+        )?;
+        non_zero(
+            self.sse_stall_ms,
+            "--sse-stall-ms",
+            "AGENT_HOST_SSE_STALL_MS",
+            "every SSE tail with an event waiting would be cut at once",
         )?;
         self.db.validate()?;
         self.worker.validate()?;

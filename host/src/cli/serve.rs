@@ -104,6 +104,7 @@ impl Host {
         let addr = listener.local_addr()?;
         let mut state = AppState::new(pool.clone(), agents.clone(), hub).with_sse_tails_max(args.sse_tails_max);
         state.keepalive = std::time::Duration::from_millis(args.sse_keepalive_ms);
+        state.sse_stall = std::time::Duration::from_millis(args.sse_stall_ms);
         state.stats = Some(worker.observer());
         state.policy = policy;
         let app = api::router(state);

@@ -15,6 +15,7 @@ use serde_json::Value;
 use sqlx::PgExecutor;
 
 use super::events::{complete_payload, COMPLETE};
+use super::notify::{RUN_EVENTS, RUN_EVENTS_ALL, RUN_EVENTS_IDS_MAX};
 use super::{ClaimToken, RunId, RunStatus};
 
 /// One journal row, as stored.
@@ -82,6 +83,102 @@ pub async fn append_numbered(
     .fetch_one(db)
     .await?;
     Ok(inserted as usize == events.len())
+}
+
+/// One run's part of a group commit: its events `first_seq..` (kind,
+/// payload, append number), fenced by its own claim token.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupPart<'a> {
+    pub run: RunId,
+    pub token: ClaimToken,
+    pub first_seq: i32,
+    pub events: &'a [(String, Value, Option<i64>)],
+}
+
+/// What one group commit wrote.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupWritten {
+    /// The runs whose rows were written (all of each run's rows); a run of
+    /// the group not named here was fenced and wrote nothing.
+    pub runs: Vec<RunId>,
+    /// Whether the statement NOTIFYed [`RUN_EVENTS`] (once, when it wrote anything).
+    pub notified: bool,
+}
+
+/// The journal group commit: the events of many runs in ONE statement (so
+/// one commit, and at most one NOTIFY), each run's rows fenced by its own
+/// claim token exactly as [`append_numbered`] fences one run's: a run whose
+/// token no longer matches (or that is no longer running) inserts none of
+/// its rows and is left out of [`GroupWritten::runs`], while its neighbours'
+/// rows are written. The fenced runs' rows are taken `FOR SHARE` (in id
+/// order), so each run's part serialises with its terminal writes.
+///
+/// The one NOTIFY on [`RUN_EVENTS`] lists the runs written (32 hex digits
+/// each, comma separated), or is [`RUN_EVENTS_ALL`] past
+/// [`RUN_EVENTS_IDS_MAX`] runs; it fires on commit, or never.
+///
+/// A unique violation on `run_event_pkey` (a part was committed by an
+/// earlier attempt whose answer was lost) fails the whole statement: the
+/// caller then writes the parts one by one ([`append_numbered`]), which
+/// tells which part it was.
+pub async fn append_group(db: impl PgExecutor<'_>, parts: &[GroupPart<'_>]) -> Result<GroupWritten, sqlx::Error> {
+    let rows: usize = parts.iter().map(|p| p.events.len()).sum();
+    let mut fence_runs = Vec::with_capacity(parts.len());
+    let mut fence_tokens = Vec::with_capacity(parts.len());
+    let (mut runs, mut seqs, mut types, mut payloads, mut ops) = (
+        Vec::with_capacity(rows),
+        Vec::with_capacity(rows),
+        Vec::with_capacity(rows),
+        Vec::with_capacity(rows),
+        Vec::with_capacity(rows),
+    );
+    for p in parts {
+        fence_runs.push(p.run.0);
+        fence_tokens.push(p.token.0);
+        for (i, (kind, payload, op)) in p.events.iter().enumerate() {
+            runs.push(p.run.0);
+            seqs.push(p.first_seq + i as i32);
+            types.push(kind.as_str());
+            payloads.push(payload);
+            ops.push(*op);
+        }
+    }
+    let (written, notified): (Vec<uuid::Uuid>, Option<i32>) = sqlx::query_as(
+        "WITH fence AS (
+             SELECT r.id FROM agent_run r
+             JOIN unnest($1::uuid[], $2::uuid[]) AS f(id, token)
+               ON r.id = f.id AND r.claim_token = f.token      -- the fence, per run
+             WHERE r.status = 'running'
+             ORDER BY r.id
+             FOR SHARE OF r),
+         ins AS (
+             INSERT INTO run_event (run_id, seq, type, payload, op)
+             SELECT e.run_id, e.seq, e.type, e.payload, e.op
+             FROM unnest($3::uuid[], $4::int[], $5::text[], $6::jsonb[], $7::bigint[])
+                  AS e(run_id, seq, type, payload, op)
+             JOIN fence ON fence.id = e.run_id
+             RETURNING run_id),
+         written AS (SELECT DISTINCT run_id FROM ins),
+         payload AS (
+             SELECT CASE WHEN count(*) > $9 THEN $10
+                         ELSE string_agg(replace(run_id::text, '-', ''), ',') END AS p
+             FROM written)
+         SELECT coalesce((SELECT array_agg(run_id) FROM written), '{}'::uuid[]),
+                (SELECT CASE WHEN p IS NOT NULL THEN (SELECT 1 FROM pg_notify($8, p)) END FROM payload)",
+    )
+    .bind(fence_runs)
+    .bind(fence_tokens)
+    .bind(runs)
+    .bind(seqs)
+    .bind(types)
+    .bind(payloads)
+    .bind(ops)
+    .bind(RUN_EVENTS)
+    .bind(RUN_EVENTS_IDS_MAX as i64)
+    .bind(RUN_EVENTS_ALL)
+    .fetch_one(db)
+    .await?;
+    Ok(GroupWritten { runs: written.into_iter().map(RunId).collect(), notified: notified.is_some() })
 }
 
 /// Journal rows of a run after `after_seq`, in order, at most `limit`.

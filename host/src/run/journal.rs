@@ -3,9 +3,21 @@
 //!
 //! Consecutive deltas of one stream merge in memory and flush on a clock
 //! (250 ms by default); a structural event flushes the buffer and is written
-//! through at once. Every flush is one fenced, all-or-nothing statement that
-//! also NOTIFYs the run's tails. If the fence trips, nothing is written,
-//! nothing is announced, and the run is told to stop (`lost`).
+//! through at once. If the fence trips, nothing of the run's batch is
+//! written, nothing is announced, and the run is told to stop (`lost`).
+//!
+//! The group commit ([`JournalGroup`], one per process): writers do not
+//! write their batches themselves; they hand them to the process's group,
+//! which writes the batches of every run due together in ONE statement and
+//! one commit (`db::journal::append_group`), each run's rows still fenced by
+//! its own claim token, and NOTIFYs once for all of them. The flush clock is
+//! the group's: a run's merged deltas are due at the clock's next tick, so
+//! the writers of all live runs hand their deltas in at the same instants and
+//! a process commits about once per tick, however many runs stream. A
+//! structural event is urgent: it is committed at once, with whatever else
+//! is waiting (it rides the next tick's commit only when that is due within
+//! [`GATHER_DEFAULT`]). A fenced run's rows drop out of the statement alone;
+//! only that run's writer hears it lost its claim.
 //!
 //! One outcome per event, whatever the database does:
 //! - `event` answers `Ok` once the event is committed, and an error only when
@@ -54,6 +66,17 @@ pub const UNSENT_BYTES_MAX: usize = 4 << 20;
 const BATCH_EVENTS_MAX: usize = 1024;
 /// The longest pause between two retries of a failing flush.
 const RETRY_PAUSE_MAX: Duration = Duration::from_secs(2);
+/// How long the group waits, after the first batch of a tick arrives, for
+/// the other writers' batches of that tick (their timers fire together, but
+/// their tasks run one after the other).
+pub const GATHER_DEFAULT: Duration = Duration::from_millis(5);
+/// Rows of one group commit statement at most; more wait for the next.
+pub const GROUP_ROWS_MAX: usize = 4096;
+/// Bytes (kinds and payloads) of one group commit statement at most (past
+/// its first batch, however large).
+pub const GROUP_BYTES_MAX: usize = 8 << 20;
+/// Batches waiting for the group; writers wait when it is full.
+const GROUP_QUEUE_MAX: usize = 4096;
 
 /// The writer's timing.
 #[derive(Debug, Clone, Copy)]
@@ -82,6 +105,19 @@ pub struct JournalStats {
     pub gave_up: AtomicU64,
     /// U+0000 characters replaced with U+FFFD in events and run endings.
     pub nul_replaced: AtomicU64,
+    /// Group commits: statements (each its own commit) that wrote the
+    /// batches of one or more runs.
+    pub group_commits: AtomicU64,
+    /// Rows the group commits wrote (rows per commit: this / `group_commits`).
+    pub group_rows: AtomicU64,
+    /// Run batches the group commits carried (written or fenced).
+    pub group_batches: AtomicU64,
+    /// Run batches a group commit left out because their run was fenced.
+    pub group_fenced: AtomicU64,
+    /// NOTIFYs the group commits sent (at most one each).
+    pub group_notifies: AtomicU64,
+    /// The most rows one group commit wrote.
+    pub group_rows_max: AtomicU64,
 }
 
 /// An event's append number (`run_event.op`): which host call of the run it
@@ -109,7 +145,8 @@ pub struct Journal {
 }
 
 impl Journal {
-    /// Prepares the writer for seqs `first_seq..`. `lost` is cancelled if the
+    /// Prepares the writer for seqs `first_seq..`, with a group of its own
+    /// (one run per commit; tests and tools). `lost` is cancelled if the
     /// fence trips; [`Journal::gave_up`] fires if the writer gives up.
     pub fn start(
         pool: PgPool,
@@ -120,14 +157,29 @@ impl Journal {
         lost: CancellationToken,
         stats: Arc<JournalStats>,
     ) -> Journal {
+        let group = JournalGroup::start(pool, config.flush_every, stats.clone());
+        Journal::start_in(&group, run, token, first_seq, config, lost, stats)
+    }
+
+    /// [`Journal::start`] in the process's group: this run's batches are
+    /// committed with those of every other run due at the same tick.
+    pub fn start_in(
+        group: &JournalGroup,
+        run: RunId,
+        token: ClaimToken,
+        first_seq: i32,
+        config: JournalConfig,
+        lost: CancellationToken,
+        stats: Arc<JournalStats>,
+    ) -> Journal {
         let state = Arc::new(AtomicU8::new(OPEN));
         let gave_up = CancellationToken::new();
         let writer = Writer {
-            pool,
+            pool: group.pool.clone(),
+            group: group.clone(),
             run,
             token,
             next_seq: first_seq,
-            channel: db::notify::events_channel(run),
             config,
             pending: None,
             unsent: Vec::new(),
@@ -223,10 +275,10 @@ struct Pending {
 
 struct Writer {
     pool: PgPool,
+    group: JournalGroup,
     run: RunId,
     token: ClaimToken,
     next_seq: i32,
-    channel: String,
     config: JournalConfig,
     pending: Option<Pending>,
     /// Events not yet written, in order: retried first by every flush.
@@ -272,20 +324,21 @@ impl Writer {
             }
             let deadline = match (&self.retry_at, &self.pending) {
                 (Some(at), _) => Some(*at),
-                (None, Some(p)) => Some(p.since + self.config.flush_every),
+                (None, Some(p)) => Some(self.group.due(p.since)),
                 (None, None) => None,
             };
             let cmd = tokio::select! {
                 cmd = rx.recv() => cmd,
                 _ = sleep_until(deadline) => {
-                    self.flush().await;
+                    self.flush(false).await;
                     continue;
                 }
             };
             match cmd {
                 None => {
                     // Every handle is gone (the run task was dropped): write what we have.
-                    self.flush().await;
+                    self.take_pending();
+                    self.flush(true).await;
                     return;
                 }
                 Some(Cmd::Delta(payload, op)) => {
@@ -303,7 +356,7 @@ impl Writer {
                     if self.pending.as_ref().is_some_and(|p| p.text.len() >= PENDING_BYTES_MAX) {
                         self.take_pending();
                         if self.retry_at.is_none() {
-                            self.flush().await;
+                            self.flush(false).await;
                         }
                     }
                     self.check_bounds();
@@ -359,7 +412,7 @@ impl Writer {
             if let Some(at) = self.retry_at {
                 tokio::time::sleep_until(at).await;
             }
-            self.flush().await;
+            self.flush(true).await;
             if self.done() || self.unsent.is_empty() {
                 return;
             }
@@ -367,8 +420,10 @@ impl Writer {
     }
 
     /// One attempt to write everything unsent (in batches), acking waiting
-    /// emitters once their events are committed.
-    async fn flush(&mut self) {
+    /// emitters once their events are committed. `urgent`: a structural
+    /// event (or a close) waits, so the group commits without waiting for
+    /// the tick.
+    async fn flush(&mut self, urgent: bool) {
         if self.done() {
             return;
         }
@@ -377,12 +432,12 @@ impl Writer {
         } else {
             return;
         }
-        if self.pending.as_ref().is_some_and(|p| p.since + self.config.flush_every <= Instant::now()) {
+        if self.pending.as_ref().is_some_and(|p| self.group.due(p.since) <= Instant::now()) {
             self.take_pending();
         }
         while !self.unsent.is_empty() {
             let n = self.unsent.len().min(BATCH_EVENTS_MAX);
-            match self.write_batch(n).await {
+            match self.write_batch(n, urgent).await {
                 Ok(true) => {
                     let written: Vec<_> = self.unsent.drain(..n).collect();
                     self.unsent_bytes = self
@@ -421,15 +476,13 @@ impl Writer {
         }
     }
 
-    /// Writes the first `n` unsent events. A unique violation on the seq means
-    /// an earlier attempt committed although its answer was lost: the batch is
-    /// written, and is not written again.
-    async fn write_batch(&mut self, n: usize) -> Result<bool, sqlx::Error> {
-        let events: Vec<(&str, Value)> = self.unsent[..n].iter().map(|(k, v, _)| (k.as_str(), v.clone())).collect();
-        let ops: Vec<Op> = self.unsent[..n].iter().map(|e| e.2).collect();
-        let channel = Some(self.channel.as_str());
-        let r =
-            db::journal::append_numbered(&self.pool, self.run, self.token, self.next_seq, &events, &ops, channel).await;
+    /// Writes the first `n` unsent events through the group. A unique
+    /// violation on the seq means an earlier attempt committed although its
+    /// answer was lost: the batch is written, and is not written again.
+    async fn write_batch(&mut self, n: usize, urgent: bool) -> Result<bool, sqlx::Error> {
+        let events = self.unsent[..n].to_vec();
+        let first_kind = events[0].0.clone();
+        let r = self.group.append(self.run, self.token, self.next_seq, events, urgent).await;
         match r {
             Ok(written) => {
                 if written {
@@ -441,7 +494,7 @@ impl Writer {
             Err(sqlx::Error::Database(d)) if d.constraint() == Some("run_event_pkey") => {
                 let first = db::journal::events_after(&self.pool, self.run, self.next_seq - 1, 1).await?;
                 match first.first() {
-                    Some(e) if e.seq == self.next_seq && e.kind == events[0].0 => Ok(true),
+                    Some(e) if e.seq == self.next_seq && e.kind == first_kind => Ok(true),
                     _ => Err(sqlx::Error::Protocol(format!(
                         "seq {} of run {} is taken by another writer",
                         self.next_seq, self.run
@@ -462,6 +515,193 @@ impl Writer {
             let _ = ack.send(Err(gave_up_error()));
         }
         self.gave_up.cancel();
+    }
+}
+
+/// One run's batch handed to the group.
+struct Batch {
+    run: RunId,
+    token: ClaimToken,
+    first_seq: i32,
+    events: Vec<(String, Value, Op)>,
+    bytes: usize,
+    urgent: bool,
+    /// `Ok(true)` written, `Ok(false)` fenced (nothing written).
+    reply: oneshot::Sender<Result<bool, sqlx::Error>>,
+}
+
+/// The process's journal group commit (see the module docs): a task that
+/// writes the batches handed to it, all those due together in one
+/// statement, and the flush clock the writers align their deltas to.
+/// Cheap to clone; the task ends when every handle is gone.
+#[derive(Clone)]
+pub struct JournalGroup {
+    pool: PgPool,
+    batches: mpsc::Sender<Batch>,
+    /// The clock's origin and tick: deltas are due at `t0 + k * every`.
+    t0: Instant,
+    every: Duration,
+}
+
+impl JournalGroup {
+    /// Starts the group's task; `flush_every` is the flush clock's tick.
+    pub fn start(pool: PgPool, flush_every: Duration, stats: Arc<JournalStats>) -> JournalGroup {
+        let gather = GATHER_DEFAULT.min(flush_every / 4);
+        JournalGroup::start_with_gather(pool, flush_every, gather, stats)
+    }
+
+    /// [`JournalGroup::start`] waiting `gather` after a tick's first batch
+    /// (or an urgent one's) for the others: tests make it long, to know
+    /// which batches share a commit.
+    pub fn start_with_gather(
+        pool: PgPool,
+        flush_every: Duration,
+        gather: Duration,
+        stats: Arc<JournalStats>,
+    ) -> JournalGroup {
+        let (batches, rx) = mpsc::channel(GROUP_QUEUE_MAX);
+        let every = flush_every.max(Duration::from_millis(1));
+        tokio::spawn(group_task(pool.clone(), rx, gather, stats));
+        JournalGroup { pool, batches, t0: Instant::now(), every }
+    }
+
+    /// When deltas merged since `since` are due: the clock's first tick
+    /// after `since` (so at most one tick later, and at the same instant
+    /// as every other run's).
+    pub fn due(&self, since: Instant) -> Instant {
+        let every = self.every.as_nanos();
+        let ticks = since.saturating_duration_since(self.t0).as_nanos() / every + 1;
+        self.t0 + Duration::from_nanos((ticks * every).min(u64::MAX as u128) as u64)
+    }
+
+    /// Hands a batch to the group and waits for its commit: `Ok(true)`
+    /// written, `Ok(false)` fenced.
+    async fn append(
+        &self,
+        run: RunId,
+        token: ClaimToken,
+        first_seq: i32,
+        events: Vec<(String, Value, Op)>,
+        urgent: bool,
+    ) -> Result<bool, sqlx::Error> {
+        let bytes = events.iter().map(|(k, v, _)| k.len() + text::json_bytes(v)).sum();
+        let (reply, answer) = oneshot::channel();
+        let batch = Batch { run, token, first_seq, events, bytes, urgent, reply };
+        if self.batches.send(batch).await.is_err() {
+            return Err(sqlx::Error::Protocol("the journal group has stopped".into()));
+        }
+        answer.await.unwrap_or_else(|_| Err(sqlx::Error::Protocol("the journal group has stopped".into())))
+    }
+}
+
+/// The group's task: gathers the batches due together, writes them in one
+/// statement (bounded in rows and bytes), and answers each writer.
+async fn group_task(pool: PgPool, mut rx: mpsc::Receiver<Batch>, gather: Duration, stats: Arc<JournalStats>) {
+    let mut queue: std::collections::VecDeque<Batch> = std::collections::VecDeque::new();
+    loop {
+        if queue.is_empty() {
+            match rx.recv().await {
+                Some(b) => queue.push_back(b),
+                None => return,
+            }
+        }
+        // A tick's first batch waits `gather` for the rest of the tick; an
+        // urgent one (or a leftover past the bounds) does not wait.
+        let mut commit_at = Instant::now() + gather;
+        let mut closed = false;
+        loop {
+            let (rows, bytes): (usize, usize) =
+                queue.iter().fold((0, 0), |(r, b), x| (r + x.events.len(), b + x.bytes));
+            if queue.iter().any(|b| b.urgent) || rows >= GROUP_ROWS_MAX || bytes >= GROUP_BYTES_MAX {
+                commit_at = Instant::now();
+            }
+            // Whatever is already waiting rides along.
+            while let Ok(b) = rx.try_recv() {
+                if b.urgent {
+                    commit_at = Instant::now();
+                }
+                queue.push_back(b);
+            }
+            if Instant::now() >= commit_at || closed {
+                break;
+            }
+            tokio::select! {
+                b = rx.recv() => match b {
+                    Some(b) => queue.push_back(b),
+                    None => closed = true,
+                },
+                _ = tokio::time::sleep_until(commit_at) => {}
+            }
+        }
+        // Take batches up to the bounds (always the first, however large).
+        let (mut rows, mut bytes, mut take) = (0, 0, 0);
+        for b in &queue {
+            if take > 0 && (rows + b.events.len() > GROUP_ROWS_MAX || bytes + b.bytes > GROUP_BYTES_MAX) {
+                break;
+            }
+            rows += b.events.len();
+            bytes += b.bytes;
+            take += 1;
+        }
+        let batches: Vec<Batch> = queue.drain(..take).collect();
+        commit(&pool, batches, &stats).await;
+    }
+}
+
+/// One group commit, and each writer's answer.
+async fn commit(pool: &PgPool, batches: Vec<Batch>, stats: &JournalStats) {
+    let parts: Vec<db::journal::GroupPart<'_>> = batches
+        .iter()
+        .map(|b| db::journal::GroupPart { run: b.run, token: b.token, first_seq: b.first_seq, events: &b.events })
+        .collect();
+    match db::journal::append_group(pool, &parts).await {
+        Ok(written) => {
+            count(stats, &batches, &written);
+            drop(parts);
+            for b in batches {
+                let ok = written.runs.contains(&b.run);
+                let _ = b.reply.send(Ok(ok));
+            }
+        }
+        Err(sqlx::Error::Database(e)) if batches.len() > 1 => {
+            // One part broke the statement (a seq already committed by an
+            // attempt whose answer was lost): each part alone, so the
+            // error reaches its own writer and the others are written.
+            tracing::debug!(error = %e, batches = batches.len(), "journal group commit failed; writing its parts one by one");
+            drop(parts);
+            for b in batches {
+                let part =
+                    [db::journal::GroupPart { run: b.run, token: b.token, first_seq: b.first_seq, events: &b.events }];
+                let r = db::journal::append_group(pool, &part).await;
+                if let Ok(written) = &r {
+                    count(stats, std::slice::from_ref(&b), written);
+                }
+                let _ = b.reply.send(r.map(|w| w.runs.contains(&b.run)));
+            }
+        }
+        Err(e) => {
+            let message = e.to_string();
+            drop(parts);
+            let mut e = Some(e);
+            for b in batches {
+                // Each writer retries on its own clock; the first gets the
+                // error itself (its kind matters to the writer), the rest its text.
+                let err = e.take().unwrap_or_else(|| sqlx::Error::Protocol(message.clone()));
+                let _ = b.reply.send(Err(err));
+            }
+        }
+    }
+}
+
+fn count(stats: &JournalStats, batches: &[Batch], written: &db::journal::GroupWritten) {
+    let rows: usize = batches.iter().filter(|b| written.runs.contains(&b.run)).map(|b| b.events.len()).sum();
+    stats.group_commits.fetch_add(1, Ordering::Relaxed);
+    stats.group_rows.fetch_add(rows as u64, Ordering::Relaxed);
+    stats.group_rows_max.fetch_max(rows as u64, Ordering::Relaxed);
+    stats.group_batches.fetch_add(batches.len() as u64, Ordering::Relaxed);
+    stats.group_fenced.fetch_add((batches.len() - written.runs.len().min(batches.len())) as u64, Ordering::Relaxed);
+    if written.notified {
+        stats.group_notifies.fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -6,5 +6,6 @@
 
 pub mod a2a;
 pub mod decode;
+pub mod feed;
 pub mod responses;
 pub mod tail;

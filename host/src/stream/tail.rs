@@ -17,6 +17,13 @@
 //!   the journal): at the journal's last seq + 1, with `synthesized: true`.
 //!
 //! Live tails are counted per process against a bound ([`LiveTails`]).
+//!
+//! Follow mode shares reads: every live tail of one run on a process is fed
+//! by the run's one feed (`stream::feed`), which reads the journal once per
+//! wake and queues the new events for each tail; a tail reads on its own
+//! only while it is behind the feed (catching up, or its client was slow).
+//! A tail whose client stops reading while events wait is cut after the
+//! stall timeout ([`TailError::Stalled`], with its cursor).
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -32,9 +39,9 @@ use tokio::time::Instant;
 
 use crate::db::events::{complete_payload, COMPLETE};
 use crate::db::journal::{self, Event};
-use crate::db::notify::events_channel;
 use crate::db::RunId;
-use crate::hub::{Hub, Subscription};
+use crate::hub::Hub;
+use crate::stream::feed::{FeedConfig, FeedSub, Feeds, Take, STALL_DEFAULT};
 
 /// Events one journal read returns at most.
 pub const PAGE_EVENTS_MAX: i64 = 500;
@@ -82,6 +89,10 @@ impl Ending {
 pub enum TailError {
     #[error("reading the journal failed: {0}")]
     Db(#[from] sqlx::Error),
+    /// The client stopped reading while events waited for it: the tail was
+    /// cut; the client rejoins after `cursor` (its last SSE id).
+    #[error("the client stopped reading; cut after seq {cursor}")]
+    Stalled { cursor: i32 },
 }
 
 /// A new live tail was refused: the process already serves its bound.
@@ -91,17 +102,24 @@ pub struct TooManyTails {
     pub max: usize,
 }
 
-/// The process's live tails: how many, the bound, and how many were refused.
+/// The process's live tails: how many, the bound, how many were refused,
+/// and the per-run feeds that serve them.
 #[derive(Debug)]
 pub struct LiveTails {
     max: usize,
     live: AtomicUsize,
     refused: AtomicU64,
+    feeds: Feeds,
 }
 
 impl LiveTails {
     pub fn new(max: usize) -> Arc<LiveTails> {
-        Arc::new(LiveTails { max, live: AtomicUsize::new(0), refused: AtomicU64::new(0) })
+        Arc::new(LiveTails { max, live: AtomicUsize::new(0), refused: AtomicU64::new(0), feeds: Feeds::default() })
+    }
+
+    /// The per-run feeds of this process's live tails.
+    pub fn feeds(&self) -> &Feeds {
+        &self.feeds
     }
 
     pub fn max(&self) -> usize {
@@ -146,11 +164,14 @@ pub struct TailConfig {
     pub keepalive: Duration,
     /// Rows per journal read.
     pub page_events_max: i64,
+    /// How long a live tail may take nothing while events wait for it
+    /// before it is cut (its client stopped reading).
+    pub stall: Duration,
 }
 
 impl Default for TailConfig {
     fn default() -> Self {
-        TailConfig { keepalive: KEEPALIVE_DEFAULT, page_events_max: PAGE_EVENTS_MAX }
+        TailConfig { keepalive: KEEPALIVE_DEFAULT, page_events_max: PAGE_EVENTS_MAX, stall: STALL_DEFAULT }
     }
 }
 
@@ -168,6 +189,7 @@ impl Tails {
         let config = TailConfig {
             keepalive: config.keepalive.max(KEEPALIVE_MIN),
             page_events_max: config.page_events_max.max(1),
+            stall: config.stall.max(KEEPALIVE_MIN),
         };
         Tails { pool, hub, config, live }
     }
@@ -192,7 +214,21 @@ impl Tails {
 
     /// [`Tails::follow`] in a place taken by [`Tails::reserve`].
     pub fn follow_reserved(&self, run: RunId, after_seq: i32, place: Reserved) -> TailStream {
-        let follow = Follow { hub: self.hub.clone(), wakes: None, last_sent: Instant::now(), _permit: place.0 };
+        let feed = FeedConfig {
+            pool: self.pool.clone(),
+            hub: self.hub.clone(),
+            poll: self.config.keepalive,
+            stall: self.config.stall,
+            page_events_max: self.config.page_events_max,
+            page_bytes_max: PAGE_BYTES_MAX,
+        };
+        let follow = Follow {
+            feeds: self.live.feeds.clone(),
+            feed,
+            sub: None,
+            last_sent: Instant::now(),
+            permit: Some(place.0),
+        };
         TailStream::new(Reader::new(self, run, after_seq, Some(follow)))
     }
 }
@@ -232,11 +268,13 @@ enum Next {
 
 /// What follow mode adds.
 struct Follow {
-    hub: Option<Hub>,
-    /// Subscribed before the first read; `None` without a hub (or once it has shut down).
-    wakes: Option<Subscription>,
+    feeds: Feeds,
+    feed: FeedConfig,
+    /// This tail's slot in its run's feed, joined at the first read.
+    sub: Option<FeedSub>,
     last_sent: Instant,
-    _permit: Permit,
+    /// The place under the bound, until the slot holds it (a cut gives it back).
+    permit: Option<Permit>,
 }
 
 struct Reader {
@@ -283,6 +321,7 @@ impl Reader {
             }
             let step = match self.next {
                 Next::Done => return None,
+                Next::Read if self.follow.is_some() => self.follow_read().await.map(|()| None),
                 Next::Read => self.read().await.map(|()| None),
                 Next::Check => self.check().await.map(|()| None),
                 Next::Wait => Ok(self.wait().await),
@@ -307,20 +346,38 @@ impl Reader {
         }
     }
 
-    async fn read(&mut self) -> Result<(), TailError> {
-        if let Some(f) = &mut self.follow {
-            match &mut f.wakes {
-                // Wakes queued until now are answered by this read.
-                Some(w) => w.drain(),
-                // Subscribe before the first read: a wake that fires between
-                // this read and the wait is then queued, not lost.
-                None => {
-                    if let Some(hub) = f.hub.take() {
-                        f.wakes = Some(hub.subscribe(&events_channel(self.run)).await);
-                    }
-                }
-            }
+    /// Follow mode: takes what the run's feed queued for this tail, or
+    /// reads on its own while behind the feed.
+    async fn follow_read(&mut self) -> Result<(), TailError> {
+        let f = self.follow.as_mut().expect("follow mode");
+        if f.sub.is_none() {
+            // Joined before the first read (the feed subscribes to the hub
+            // before its own): nothing committed after this can be missed.
+            let keep: Box<dyn Send + Sync> = Box::new(f.permit.take());
+            f.sub = Some(f.feeds.join(&f.feed, self.run, self.cursor, keep));
         }
+        let sub = f.sub.as_ref().expect("joined");
+        match sub.take(self.cursor) {
+            Take::Events(events) => {
+                let cursor = self.cursor;
+                self.ready.extend(events.into_iter().filter(|e| e.seq > cursor));
+                self.next = Next::Read;
+                Ok(())
+            }
+            Take::Empty => {
+                self.next = Next::Wait;
+                Ok(())
+            }
+            Take::Ended => {
+                self.ending = Some(Ending::AlreadyEnded);
+                Ok(())
+            }
+            Take::Cut => Err(TailError::Stalled { cursor: self.cursor }),
+            Take::Lagging => self.read().await,
+        }
+    }
+
+    async fn read(&mut self) -> Result<(), TailError> {
         let (events, cut) = journal::events_after_bounded(
             &self.pool,
             self.run,
@@ -339,8 +396,13 @@ impl Reader {
     /// Caught up with the journal: has the run ended, and where?
     async fn check(&mut self) -> Result<(), TailError> {
         let Some((status, error, last_seq)) = journal::terminal_state(&self.pool, self.run).await? else {
-            match self.follow {
-                Some(_) => self.next = Next::Wait,
+            match &self.follow {
+                // Caught up on its own: follow the feed again, unless it
+                // has read past us meanwhile (then read on).
+                Some(f) => match &f.sub {
+                    Some(sub) if !sub.rejoin(self.cursor) => self.next = Next::Read,
+                    _ => self.next = Next::Wait,
+                },
                 None => self.ending = Some(Ending::CaughtUp),
             }
             return Ok(());
@@ -382,15 +444,10 @@ impl Reader {
             // The poll that just ran found nothing new.
             return Some(Item::Keepalive);
         }
-        match &mut f.wakes {
-            Some(w) => {
+        match &f.sub {
+            Some(sub) => {
                 tokio::select! {
-                    wake = w.recv() => {
-                        if wake.is_none() {
-                            // The hub has shut down: poll from now on.
-                            f.wakes = None;
-                        }
-                    }
+                    _ = sub.changed() => {}
                     _ = tokio::time::sleep_until(due) => {}
                 }
             }

@@ -345,6 +345,9 @@ pub(crate) struct Shared {
     stop_services: CancellationToken,
     stats: Arc<WorkerStats>,
     journal_stats: Arc<crate::run::journal::JournalStats>,
+    /// The process's journal group commit: every run's writer hands its
+    /// batches to it.
+    journal_group: crate::run::journal::JournalGroup,
     /// Conversations whose run this process just ended, for the waker.
     ended: mpsc::Sender<(RunId, ConversationId)>,
     /// Endings for the group commit.
@@ -517,6 +520,9 @@ impl Worker {
         config.validate()?;
         let (ended, ended_rx) = mpsc::channel(waker::QUEUE_MAX);
         let (finisher, finisher_rx) = mpsc::channel(finisher::QUEUE_MAX);
+        let journal_stats = Arc::new(crate::run::journal::JournalStats::default());
+        let journal_group =
+            crate::run::journal::JournalGroup::start(pool.clone(), config.journal_flush, journal_stats.clone());
         let shared = Arc::new(Shared {
             pool,
             agents,
@@ -530,7 +536,8 @@ impl Worker {
             abort_runs: CancellationToken::new(),
             stop_services: CancellationToken::new(),
             stats: Arc::new(WorkerStats::default()),
-            journal_stats: Arc::new(crate::run::journal::JournalStats::default()),
+            journal_stats,
+            journal_group,
             ended,
             finisher,
             hub: hub.clone(),

@@ -225,8 +225,8 @@ async fn prepare(
         }
     };
     let first_seq = recording.as_ref().map_or(FIRST_RUN_SEQ, |r| r.next_seq().max(FIRST_RUN_SEQ));
-    let journal = Journal::start(
-        shared.pool.clone(),
+    let journal = Journal::start_in(
+        &shared.journal_group,
         row.id,
         row.claim_token,
         first_seq,

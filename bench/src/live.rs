@@ -1,0 +1,259 @@
+//! Live runs (issue 43): N concurrent turns of the Rust `chat` plugin on one
+//! `serve` process, each against a streaming mock model built into this
+//! benchmark (an OpenAI-compatible `/v1/chat/completions` that sends
+//! `--live-tokens-per-s` tokens a second for `--live-secs`), each followed by
+//! one SSE client of its own. Prints the database's commits a second
+//! (`pg_stat_database.xact_commit`), the journal's NOTIFYs a second (the
+//! host's `/metrics`), the delay from a token leaving the mock model to its
+//! client reading it (p50, p99, max), and any frame lost or repeated.
+//!
+//! Each token's text is `<index>:<microseconds since the benchmark's
+//! origin> `; the clients read the same clock (one process), so the delay is
+//! exact, whatever merging the journal does to the tokens on the way.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::Response;
+use axum::routing::post;
+use axum::Router;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+use crate::figures::percentiles;
+use crate::library::{self, DbArgs, SseDecoder};
+use crate::{sql, BenchArgs};
+
+/// Bound on one client's wait for the next piece of its stream.
+const READ_MAX: Duration = Duration::from_secs(120);
+
+struct Mock {
+    origin: Instant,
+    tokens: usize,
+    every: Duration,
+    sent: AtomicU64,
+}
+
+fn micros(origin: Instant) -> u64 {
+    origin.elapsed().as_micros() as u64
+}
+
+async fn completions(State(m): State<Arc<Mock>>, _body: String) -> Response {
+    let m2 = m.clone();
+    let chunks = futures::stream::unfold(0usize, move |i| {
+        let m = m2.clone();
+        async move {
+            if i > m.tokens {
+                return None;
+            }
+            if i == m.tokens {
+                let done =
+                    "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+                return Some((Ok::<_, std::convert::Infallible>(done.to_string()), i + 1));
+            }
+            if i > 0 {
+                tokio::time::sleep(m.every).await;
+            }
+            m.sent.fetch_add(1, Ordering::Relaxed);
+            let text = format!("{i}:{} ", micros(m.origin));
+            let chunk = json!({ "model": "mock", "choices": [{ "index": 0, "delta": { "content": text }, "finish_reason": null }] });
+            Some((Ok(format!("data: {chunk}\n\n")), i + 1))
+        }
+    });
+    Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(chunks)).unwrap()
+}
+
+/// What one client saw.
+#[derive(Default)]
+struct Seen {
+    delays: Vec<Duration>,
+    tokens: usize,
+    lost: usize,
+    repeated: usize,
+    frames_out_of_order: usize,
+    completed: bool,
+}
+
+async fn follow(addr: String, token: String, run: String, origin: Instant, tokens: usize) -> anyhow::Result<Seen> {
+    let res = reqwest::Client::new()
+        .get(format!("http://{addr}/v1/runs/{run}/events"))
+        .bearer_auth(&token)
+        .header("Accept", "text/event-stream")
+        .send()
+        .await?
+        .error_for_status()?;
+    let (mut body, mut decoder, mut out) = (res.bytes_stream(), SseDecoder::default(), Vec::new());
+    let (mut seen, mut last_seq, mut got) = (Seen::default(), 0i64, HashSet::new());
+    'read: while let Some(chunk) = tokio::time::timeout(READ_MAX, body.next()).await? {
+        decoder.feed(&chunk?, &mut out).map_err(anyhow::Error::msg)?;
+        let now = micros(origin);
+        for data in out.drain(..) {
+            let event: Value = serde_json::from_str(&data)?;
+            let seq = event["seq"].as_i64().unwrap_or(0);
+            if seq != last_seq + 1 {
+                seen.frames_out_of_order += 1;
+            }
+            last_seq = seq;
+            match event["type"].as_str() {
+                Some("content_delta") => {
+                    for piece in event["delta"].as_str().unwrap_or_default().split_whitespace() {
+                        let Some((i, at)) = piece.split_once(':') else { continue };
+                        let (Ok(i), Ok(at)) = (i.parse::<usize>(), at.parse::<u64>()) else { continue };
+                        if !got.insert(i) {
+                            seen.repeated += 1;
+                        }
+                        seen.tokens += 1;
+                        seen.delays.push(Duration::from_micros(now.saturating_sub(at)));
+                    }
+                }
+                Some("complete") => {
+                    seen.completed = event["status"] == "completed";
+                    break 'read;
+                }
+                _ => {}
+            }
+        }
+    }
+    seen.lost = tokens.saturating_sub(got.len());
+    Ok(seen)
+}
+
+async fn xact_commit(pool: &PgPool) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()")
+        .fetch_one(pool)
+        .await?)
+}
+
+async fn wal_lsn(pool: &PgPool) -> anyhow::Result<String> {
+    Ok(sqlx::query_scalar("SELECT pg_current_wal_lsn()::text").fetch_one(pool).await?)
+}
+
+async fn wal_bytes_since(pool: &PgPool, lsn: &str) -> anyhow::Result<f64> {
+    Ok(sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::float8")
+        .bind(lsn)
+        .fetch_one(pool)
+        .await?)
+}
+
+async fn metric(addr: &str, name: &str) -> anyhow::Result<f64> {
+    let text = reqwest::get(format!("http://{addr}/metrics")).await?.text().await?;
+    let line = text.lines().find(|l| l.starts_with(&format!("{name} "))).with_context(|| format!("{name} missing"))?;
+    Ok(line.split_whitespace().nth(1).unwrap_or("0").parse()?)
+}
+
+/// This binary's hidden `serve` for the live runs, once it listens; returns
+/// the child and its address.
+fn spawn_serve(url: &str, db_args: &DbArgs, n: usize, model: &str) -> anyhow::Result<(std::process::Child, String)> {
+    use std::io::BufRead;
+    let bound = (n + 16).to_string();
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["serve", "--database-url", url, "--cache-dir"])
+        .arg(&db_args.cache_dir)
+        .args(["--listen", "127.0.0.1:0", "--worker-id", "live", "--max-runs", &n.to_string()])
+        .args(["--llm-base-url", model, "--llm-api-key", "sk-bench", "--llm-model", "mock"])
+        .args(["--sse-tails-max", &bound, "--user-max-streams", &bound, "--tenant-max-streams", &bound])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().context("child stdout")?;
+    for line in std::io::BufReader::new(stdout).lines() {
+        let line = line?;
+        if let Some(addr) = line.strip_prefix("agent-host listening on http://") {
+            return Ok((child, addr.trim().to_string()));
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    anyhow::bail!("the serve child exited before listening")
+}
+
+pub async fn live(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs, n: usize) -> anyhow::Result<()> {
+    sql::reset(pool).await?;
+    let origin = Instant::now();
+    let every = Duration::from_secs_f64(1.0 / args.live_tokens_per_s.max(1) as f64);
+    let tokens = (args.live_secs as f64 * args.live_tokens_per_s as f64).round() as usize;
+    let mock = Arc::new(Mock { origin, tokens, every, sent: AtomicU64::new(0) });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let model = format!("http://{}/v1", listener.local_addr()?);
+    let app = Router::new().route("/v1/chat/completions", post(completions)).with_state(mock.clone());
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let wasm = std::fs::read(args.plugin_dir.join("chat.wasm")).context("chat.wasm (build the plugins first)")?;
+    library::put_plugin_with(pool, "chat", &wasm, &json!({ "tools": ["llm"] })).await?;
+    let token = library::token(pool).await?;
+    let (mut child, addr) = spawn_serve(url, db_args, n, &model)?;
+    let result = drive(pool, &addr, &token, origin, tokens, n, args).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    server.abort();
+    result
+}
+
+async fn drive(
+    pool: &PgPool,
+    addr: &str,
+    token: &str,
+    origin: Instant,
+    tokens: usize,
+    n: usize,
+    args: &BenchArgs,
+) -> anyhow::Result<()> {
+    let http = reqwest::Client::new();
+    let commits_before = xact_commit(pool).await?;
+    let lsn_before = wal_lsn(pool).await?;
+    let notifies_before = metric(addr, "agent_host_journal_group_notifies_total").await.unwrap_or(0.0);
+    let group_before = metric(addr, "agent_host_journal_group_commits_total").await.unwrap_or(0.0);
+    let t0 = Instant::now();
+    let mut clients = Vec::with_capacity(n);
+    for i in 0..n {
+        let res = http
+            .post(format!("http://{addr}/v1/runs"))
+            .bearer_auth(token)
+            .json(&json!({ "content": format!("turn {i}"), "plugin": "chat" }))
+            .send()
+            .await?;
+        anyhow::ensure!(res.status() == 202, "enqueue answered {}", res.status());
+        let run: Value = res.json().await?;
+        let run = run["run_id"].as_str().context("run_id")?.to_string();
+        clients.push(tokio::spawn(follow(addr.to_string(), token.to_string(), run, origin, tokens)));
+    }
+    let mut delays = Vec::with_capacity(n * tokens);
+    let (mut lost, mut repeated, mut disorder, mut failed) = (0, 0, 0, 0);
+    for c in clients {
+        let seen = c.await??;
+        lost += seen.lost;
+        repeated += seen.repeated;
+        disorder += seen.frames_out_of_order;
+        failed += usize::from(!seen.completed);
+        delays.extend(seen.delays);
+    }
+    let took = t0.elapsed().as_secs_f64();
+    let commits = xact_commit(pool).await? - commits_before;
+    let wal = wal_bytes_since(pool, &lsn_before).await?;
+    let notifies = metric(addr, "agent_host_journal_group_notifies_total").await? - notifies_before;
+    let group = metric(addr, "agent_host_journal_group_commits_total").await? - group_before;
+    let per_commit = metric(addr, "agent_host_journal_group_rows_per_commit").await?;
+    println!(
+        "live: {n} concurrent chat turns ({} tokens/s for {} s each, one SSE client each), {took:.1} s on one process",
+        args.live_tokens_per_s, args.live_secs
+    );
+    println!(
+        "live: database transactions {:.0}/s (xact_commit, reads included), WAL {:.0} kB/s; journal group commits {:.1}/s ({per_commit:.1} rows each), journal NOTIFYs {:.1}/s",
+        commits as f64 / took,
+        wal / took / 1e3,
+        group / took,
+        notifies / took
+    );
+    println!("live: token to client, {} tokens: {}", delays.len(), percentiles(&mut delays));
+    println!(
+        "live: tokens lost {lost}, repeated {repeated}; frames out of order {disorder}; turns not completed {failed}"
+    );
+    Ok(())
+}
