@@ -150,6 +150,7 @@ pub async fn metrics(
     e.gauge("agent_host_sse_tails", "Live SSE tails this process serves.", tails.live() as f64);
     e.gauge("agent_host_sse_tails_max", "The bound on live SSE tails (--sse-tails-max).", tails.max() as f64);
     e.counter("agent_host_sse_tails_refused_total", "SSE tails refused at the bound (503).", tails.refused());
+    state.agents.tools().model_metrics(&mut e);
     if let Some(sandbox) = state.agents.sandbox() {
         e.gauge("agent_host_sandboxes_live", "Guest instances alive.", sandbox.live() as f64);
         crate::metrics::compile_stats(&mut e, &sandbox.compile_stats());
