@@ -451,3 +451,41 @@ async fn waiting_calls_are_granted_in_arrival_order_whatever_their_tenant() {
         .unwrap();
     assert_eq!(left, 1, "only the last call still waits");
 }
+
+/// Tokens per minute count a call's estimate when it is granted and the
+/// provider's reported usage once it ends; requests per minute say when
+/// the minute frees the request a waiter needs.
+#[tokio::test]
+async fn tokens_count_their_estimate_then_the_usage_and_a_full_minute_says_when_it_frees() {
+    use agent_host::db::model_limits::{self, Bounds, Poll};
+    let db = TestDb::new().await;
+    let run = RunId::new();
+    let tokens = Bounds { minute_ms: 60_000, requests: None, tokens: Some(1000), concurrent: None };
+    let [a, b, c] = [600, 600, 5000].map(|_| uuid::Uuid::now_v7());
+    for (id, estimate) in [(a, 600), (b, 600), (c, 5000)] {
+        model_limits::arrive(&db.pool, id, "t", run, None, estimate, 10_000).await.unwrap();
+    }
+    let poll = |id| model_limits::poll(&db.pool, id, "t", "t", tokens, 60_000, 10_000);
+    assert_eq!(poll(a).await.unwrap(), Poll::Granted);
+    assert!(matches!(poll(b).await.unwrap(), Poll::Waiting { reason: "tokens_per_minute", position: 1, .. }));
+    // The provider said the call used 100 tokens, not 600: room for the next.
+    model_limits::end(&db.pool, a, Some(100)).await.unwrap();
+    assert_eq!(poll(b).await.unwrap(), Poll::Granted);
+    // A call larger than the whole budget waits for an empty minute.
+    assert!(matches!(poll(c).await.unwrap(), Poll::Waiting { reason: "tokens_per_minute", .. }));
+
+    let requests = Bounds { minute_ms: 2000, requests: Some(2), tokens: None, concurrent: None };
+    let [x, y, z] = [0, 1, 2].map(|_| uuid::Uuid::now_v7());
+    for id in [x, y, z] {
+        model_limits::arrive(&db.pool, id, "r", run, None, 0, 10_000).await.unwrap();
+    }
+    let poll = |id| model_limits::poll(&db.pool, id, "r", "r", requests, 60_000, 10_000);
+    assert_eq!(poll(x).await.unwrap(), Poll::Granted);
+    assert_eq!(poll(y).await.unwrap(), Poll::Granted, "granted by x's poll");
+    match poll(z).await.unwrap() {
+        Poll::Waiting { reason: "requests_per_minute", position: 1, wait_ms: Some(ms) } => {
+            assert!(ms > 1000.0 && ms <= 2000.0, "the oldest request leaves the minute in {ms} ms")
+        }
+        other => panic!("{other:?}"),
+    }
+}
