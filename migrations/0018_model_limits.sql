@@ -32,3 +32,17 @@ CREATE TABLE model_limit_pause (
     limit_key     text PRIMARY KEY,
     paused_until  timestamptz NOT NULL
 );
+
+-- Model tokens per tenant (the run owner's) and UTC day, by provider and
+-- model, as the providers report them: what daily token budgets are checked
+-- against. One upsert per model call.
+CREATE TABLE model_usage_day (
+    tenant_id          text NOT NULL,
+    day                date NOT NULL,
+    provider           text NOT NULL,
+    model              text NOT NULL,
+    calls              bigint NOT NULL DEFAULT 0,
+    prompt_tokens      bigint NOT NULL DEFAULT 0,
+    completion_tokens  bigint NOT NULL DEFAULT 0,
+    PRIMARY KEY (tenant_id, day, provider, model)
+);

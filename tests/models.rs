@@ -489,3 +489,48 @@ async fn tokens_count_their_estimate_then_the_usage_and_a_full_minute_says_when_
         other => panic!("{other:?}"),
     }
 }
+
+/// A tenant's daily token budget (a first slice of item 4): usage is
+/// recorded per tenant and day from the provider's reports; the call that
+/// would pass the budget is refused with a named reason and counted; another
+/// tenant's runs are unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_would_pass_its_tenants_token_budget_is_refused_and_others_are_not() {
+    // Every answer reports 5 + 3 tokens.
+    let (provider, url) = Provider::start(Box::new(|_: &[Instant]| Reply::Answer("Counted.".into()))).await;
+    let tools = format!(
+        "[[provider]]\nname = \"p\"\nbase_url = \"{url}\"\n\n[[budget]]\ntenant = \"acme\"\ntokens_per_day = 8\n"
+    );
+    let setup = Setup::new(&tools).await;
+    let host = setup.spawn("A", &["--llm-model", "m"], &[]);
+    let first = setup.post(&host, "hello").await;
+    assert_eq!(wait_terminal(&setup.db.pool, first, LONG).await, "completed");
+    let second = setup.post(&host, "hello").await;
+    assert_eq!(wait_terminal(&setup.db.pool, second, LONG).await, "failed");
+    let error: String = sqlx::query_scalar("SELECT error FROM agent_run WHERE id = $1")
+        .bind(second)
+        .fetch_one(&setup.db.pool)
+        .await
+        .unwrap();
+    assert!(error.contains("budget: tenant \"acme\" has used 8 of its 8 model tokens today"), "{error}");
+    // Another tenant's run is unaffected.
+    let other = tokens::create(&setup.db.pool, "bob", "other", false).await.unwrap();
+    let res = reqwest::Client::new()
+        .post(format!("http://{}/v1/runs", host.addr))
+        .bearer_auth(&other)
+        .json(&json!({ "plugin": "chat", "content": "hello" }))
+        .send()
+        .await
+        .unwrap();
+    let third: RunId = res.json::<Value>().await.unwrap()["run_id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(wait_terminal(&setup.db.pool, third, LONG).await, "completed");
+    assert_eq!(provider.seen().len(), 2, "the refused call never reached the provider");
+    let usage: Vec<(String, i64, i64, i64)> = sqlx::query_as(
+        "SELECT tenant_id, calls, prompt_tokens, completion_tokens FROM model_usage_day ORDER BY tenant_id",
+    )
+    .fetch_all(&setup.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(usage, [("acme".to_string(), 1, 5, 3), ("other".to_string(), 1, 5, 3)]);
+    assert_eq!(metric(&host, "agent_host_model_budget_refusals_total").await, 1.0);
+}

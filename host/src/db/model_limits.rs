@@ -236,3 +236,41 @@ pub async fn pause(pool: &PgPool, key: &str, ms: i64) -> Result<(), sqlx::Error>
 pub async fn run_tenant(pool: &PgPool, run_id: RunId) -> Result<Option<String>, sqlx::Error> {
     sqlx::query_scalar("SELECT tenant_id FROM agent_run WHERE id = $1").bind(run_id).fetch_optional(pool).await
 }
+
+/// Adds one model call's reported tokens to its tenant's day (UTC).
+pub async fn record_usage(
+    pool: &PgPool,
+    tenant: &str,
+    provider: &str,
+    model: &str,
+    prompt_tokens: i64,
+    completion_tokens: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO model_usage_day (tenant_id, day, provider, model, calls, prompt_tokens, completion_tokens)
+         VALUES ($1, (now() AT TIME ZONE 'UTC')::date, $2, $3, 1, $4, $5)
+         ON CONFLICT (tenant_id, day, provider, model) DO UPDATE
+         SET calls = model_usage_day.calls + 1,
+             prompt_tokens = model_usage_day.prompt_tokens + excluded.prompt_tokens,
+             completion_tokens = model_usage_day.completion_tokens + excluded.completion_tokens",
+    )
+    .bind(tenant)
+    .bind(provider)
+    .bind(model)
+    .bind(prompt_tokens.max(0))
+    .bind(completion_tokens.max(0))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The model tokens `tenant` has used today (UTC), every model.
+pub async fn tokens_today(pool: &PgPool, tenant: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(prompt_tokens + completion_tokens), 0)::bigint FROM model_usage_day
+         WHERE tenant_id = $1 AND day = (now() AT TIME ZONE 'UTC')::date",
+    )
+    .bind(tenant)
+    .fetch_one(pool)
+    .await
+}

@@ -215,6 +215,9 @@ pub struct ToolsFile {
     /// How model calls are retried (attempts, backoff with jitter).
     #[serde(default)]
     model_retry: Option<super::models::RetryConfig>,
+    /// Daily model-token budgets of tenants.
+    #[serde(default)]
+    budget: Vec<super::models::BudgetConfig>,
 }
 
 /// Everything the operator's tools file configures, checked, with every
@@ -387,6 +390,7 @@ pub fn parse_tools_file_with(text: &str, env: &dyn Fn(&str) -> Option<String>) -
         aliases: file.model,
         limits: file.limit,
         retry: file.model_retry.unwrap_or_default(),
+        budgets: file.budget,
     };
     models.check()?;
     Ok(ToolsConfig {

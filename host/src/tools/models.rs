@@ -130,6 +130,17 @@ impl LimitConfig {
     }
 }
 
+/// A tenant's daily budget of model tokens (a `[[budget]]` table).
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetConfig {
+    /// The tenant (the run owner's); `"*"`: every tenant without a budget of its own.
+    pub tenant: String,
+    /// Model tokens (prompt and completion, as the providers report them)
+    /// in a UTC day: a call that would pass it is refused (`limit`).
+    pub tokens_per_day: u64,
+}
+
 /// How a call is retried: a model call (the `[model_retry]` table) or a
 /// webhook's (its `retry`).
 #[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
@@ -196,6 +207,7 @@ pub struct ModelsConfig {
     pub aliases: Vec<ModelAlias>,
     pub limits: Vec<LimitConfig>,
     pub retry: RetryConfig,
+    pub budgets: Vec<BudgetConfig>,
 }
 
 fn valid_name(name: &str) -> bool {
@@ -210,6 +222,12 @@ pub fn split_target(target: &str) -> Option<(&str, &str)> {
 }
 
 impl ModelsConfig {
+    /// The daily token budget of `tenant`: its own, else `"*"`'s.
+    pub fn budget_of(&self, tenant: &str) -> Option<u64> {
+        let find = |t: &str| self.budgets.iter().find(|b| b.tenant == t).map(|b| b.tokens_per_day);
+        find(tenant).or_else(|| find("*"))
+    }
+
     /// What can be checked without the flags: names, targets' form, bounds.
     /// Providers named by targets and limits are checked with the flags'
     /// `default` provider known ([`ModelsConfig::check_with`]).
@@ -259,6 +277,14 @@ impl ModelsConfig {
             }
             if self.limits[..i].iter().any(|o| o.key() == l.key()) {
                 return Err(format!("{entry}: an earlier limit has the same provider and model"));
+            }
+        }
+        for (i, b) in self.budgets.iter().enumerate() {
+            if b.tenant.is_empty() || b.tokens_per_day == 0 {
+                return Err(format!("budget #{}: a tenant and tokens_per_day of at least 1", i + 1));
+            }
+            if self.budgets[..i].iter().any(|o| o.tenant == b.tenant) {
+                return Err(format!("budget #{} ({:?}): an earlier budget has the same tenant", i + 1, b.tenant));
             }
         }
         self.retry.check().map_err(|e| format!("model_retry: {e}"))

@@ -90,7 +90,7 @@ impl Gateway {
             default_provider,
             retry: models.retry.clone(),
             timeout: llm.timeout,
-            limits: Limiter::new(models.limits.clone(), llm.timeout),
+            limits: Limiter::new(models.limits.clone(), models.budgets.clone(), llm.timeout),
         };
         gateway.resolve(None).map_err(|e| format!("--llm-model: {e}"))?;
         Ok(Some(gateway))
@@ -137,6 +137,9 @@ impl Tool for Gateway {
         let args = parse_args(&call.args)?;
         let targets = self.resolve(args.model.as_deref()).map_err(|e| HostError::Invalid(format!("llm model: {e}")))?;
         let tokens = estimate_tokens(&args);
+        // The run's tenant: its budget, its usage, its limits per tenant.
+        let tenant = self.limits.tenant_of(call).await?;
+        self.limits.check_budget(tenant.as_deref(), tokens).await?;
         let total = (self.retry.attempts as usize * targets.len()).min(ATTEMPTS_MAX as usize) as u32;
         // A target's own Retry-After when no shared limit carries it.
         let mut paused_until: Vec<Option<Instant>> = vec![None; targets.len()];
@@ -152,7 +155,7 @@ impl Tool for Gateway {
                 if let Some(until) = paused_until[i].take() {
                     tokio::time::sleep_until(tokio::time::Instant::from_std(until)).await;
                 }
-                let lease = self.limits.acquire(call, sink, &t.provider, &t.model, tokens).await?;
+                let lease = self.limits.acquire(call, sink, tenant.as_deref(), &t.provider, &t.model, tokens).await?;
                 let waited_ms = lease.waited.as_millis() as u64;
                 let mut event = json!({
                     "call_index": call.call_index,
@@ -172,6 +175,12 @@ impl Tool for Gateway {
                         lease
                             .end(used.map(|u| (u.prompt_tokens + u.completion_tokens).min(i64::MAX as u64) as i64))
                             .await;
+                        if let Some(u) = used {
+                            let tenant = tenant.as_deref();
+                            self.limits
+                                .record(tenant, &t.provider, &t.model, u.prompt_tokens, u.completion_tokens)
+                                .await;
+                        }
                         return Ok(answer?.into_json());
                     }
                     Err(e) => e,

@@ -19,7 +19,7 @@ use crate::db::events::MODEL_WAIT;
 use crate::db::model_limits::{self, Bounds, Poll};
 use crate::error::HostError;
 use crate::metrics::{label_value, Exposition, Histogram};
-use crate::tools::models::LimitConfig;
+use crate::tools::models::{BudgetConfig, LimitConfig};
 use crate::tools::{EventSink, ToolCall};
 
 /// How long a waiting row lives without a poll (a waiter polls at least
@@ -41,6 +41,8 @@ pub struct ModelStats {
     pub wait_seconds: Histogram,
     /// Pauses a provider's Retry-After put on a shared limit.
     pub pauses: AtomicU64,
+    /// Calls refused at a tenant's daily token budget.
+    pub budget_refusals: AtomicU64,
 }
 
 impl ModelStats {
@@ -77,12 +79,18 @@ impl ModelStats {
             "Shared limits this process paused on a provider's 429 with Retry-After.",
             self.pauses.load(Ordering::Relaxed),
         );
+        e.counter(
+            "agent_host_model_budget_refusals_total",
+            "Model calls this process refused because they would pass their tenant's daily token budget.",
+            self.budget_refusals.load(Ordering::Relaxed),
+        );
     }
 }
 
 /// The shared limits of the tools file, enforced once the host has a database.
 pub struct Limiter {
     limits: Vec<LimitConfig>,
+    budgets: Vec<BudgetConfig>,
     pool: OnceLock<PgPool>,
     /// How long a granted call may hold a concurrency slot before it is
     /// taken for dead (the model call's whole timeout).
@@ -137,9 +145,10 @@ fn unavailable(e: sqlx::Error) -> HostError {
 }
 
 impl Limiter {
-    pub fn new(limits: Vec<LimitConfig>, call_timeout: Duration) -> Self {
+    pub fn new(limits: Vec<LimitConfig>, budgets: Vec<BudgetConfig>, call_timeout: Duration) -> Self {
         Limiter {
             limits,
+            budgets,
             pool: OnceLock::new(),
             call_ms: call_timeout.as_millis().min(i64::MAX as u128) as i64,
             stats: ModelStats::default(),
@@ -165,12 +174,51 @@ impl Limiter {
         self.pool.get().is_some() && !self.applying(provider, model).is_empty()
     }
 
+    /// The tenant of the call's run (its owner's), once there is a database.
+    pub async fn tenant_of(&self, call: &ToolCall<'_>) -> Result<Option<String>, HostError> {
+        match self.pool.get() {
+            Some(pool) => model_limits::run_tenant(pool, call.run_id).await.map_err(unavailable),
+            None => Ok(None),
+        }
+    }
+
+    /// Refuses a call that would pass its tenant's daily token budget
+    /// (`estimate`: its prompt and `max_tokens`), a `limit` naming it.
+    pub async fn check_budget(&self, tenant: Option<&str>, estimate: i64) -> Result<(), HostError> {
+        let (Some(pool), Some(tenant)) = (self.pool.get(), tenant) else { return Ok(()) };
+        let find = |t: &str| self.budgets.iter().find(|b| b.tenant == t).map(|b| b.tokens_per_day);
+        let Some(budget) = find(tenant).or_else(|| find("*")) else { return Ok(()) };
+        let spent = model_limits::tokens_today(pool, tenant).await.map_err(unavailable)?;
+        if spent.saturating_add(estimate) > budget.min(i64::MAX as u64) as i64 {
+            self.stats.budget_refusals.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(tenant, spent, budget, estimate, "a model call refused at its tenant's daily token budget");
+            return Err(HostError::Limit(format!(
+                "budget: tenant {tenant:?} has used {spent} of its {budget} model tokens today (UTC); \
+                 this call (about {estimate} more) would pass it"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Adds a call's reported tokens to its tenant's day.
+    pub async fn record(&self, tenant: Option<&str>, provider: &str, model: &str, prompt: u64, completion: u64) {
+        let (Some(pool), Some(tenant)) = (self.pool.get(), tenant) else { return };
+        let clamp = |n: u64| n.min(i64::MAX as u64) as i64;
+        if let Err(e) =
+            model_limits::record_usage(pool, tenant, provider, model, clamp(prompt), clamp(completion)).await
+        {
+            tracing::warn!(error = %e, "cannot record a model call's usage");
+        }
+    }
+
     /// Takes a lease of every limit on `provider`'s `model`, waiting as long
-    /// as they say; the first wait is journaled as `model_wait`.
+    /// as they say; the first wait is journaled as `model_wait`. `tenant`:
+    /// the run's, for limits per tenant.
     pub async fn acquire(
         &self,
         call: &ToolCall<'_>,
         sink: &dyn EventSink,
+        tenant: Option<&str>,
         provider: &str,
         model: &str,
         tokens: i64,
@@ -180,16 +228,12 @@ impl Limiter {
         if rules.is_empty() {
             return Ok(Lease::none());
         }
-        let tenant = match rules.iter().any(|r| r.per_tenant) {
-            true => model_limits::run_tenant(pool, call.run_id).await.map_err(unavailable)?,
-            false => None,
-        };
         let started = Instant::now();
         let mut lease = Lease { pool: Some(pool.clone()), ids: Vec::new(), waited: Duration::ZERO };
         let mut announced = false;
         for rule in rules {
             let base = rule.key();
-            let key = match (rule.per_tenant, &tenant) {
+            let key = match (rule.per_tenant, tenant) {
                 (true, Some(t)) => format!("{base}@{t}"),
                 _ => base.clone(),
             };
@@ -201,7 +245,7 @@ impl Limiter {
             };
             let id = Uuid::now_v7();
             lease.ids.push(id);
-            let arrive = || model_limits::arrive(pool, id, &key, call.run_id, tenant.as_deref(), tokens, HEARTBEAT_MS);
+            let arrive = || model_limits::arrive(pool, id, &key, call.run_id, tenant, tokens, HEARTBEAT_MS);
             arrive().await.map_err(unavailable)?;
             loop {
                 match model_limits::poll(pool, id, &key, &base, bounds, self.call_ms, HEARTBEAT_MS)
