@@ -533,4 +533,23 @@ async fn a_call_that_would_pass_its_tenants_token_budget_is_refused_and_others_a
     .unwrap();
     assert_eq!(usage, [("acme".to_string(), 1, 5, 3), ("other".to_string(), 1, 5, 3)]);
     assert_eq!(metric(&host, "agent_host_model_budget_refusals_total").await, 1.0);
+    // The usage API: an admin sees its tenant's day, a user is refused.
+    let admin = tokens::create(&setup.db.pool, "acme-admin", "acme", true).await.unwrap();
+    let get = |token: String| {
+        let url = format!("http://{}/v1/usage?days=2", host.addr);
+        async move { reqwest::Client::new().get(url).bearer_auth(token).send().await.unwrap() }
+    };
+    let res = get(admin).await;
+    assert_eq!(res.status(), 200);
+    let answer: Value = res.json().await.unwrap();
+    let rows = answer["usage"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{answer}");
+    assert_eq!(rows[0]["tenant_id"], "acme");
+    assert_eq!(rows[0]["provider"], "p");
+    assert_eq!(rows[0]["model"], "m");
+    assert_eq!(
+        (&rows[0]["calls"], &rows[0]["prompt_tokens"], &rows[0]["completion_tokens"]),
+        (&json!(1), &json!(5), &json!(3))
+    );
+    assert_eq!(get(setup.token.clone()).await.status(), 403);
 }

@@ -274,3 +274,34 @@ pub async fn tokens_today(pool: &PgPool, tenant: &str) -> Result<i64, sqlx::Erro
     .fetch_one(pool)
     .await
 }
+
+/// Rows of the usage API, at most.
+pub const USAGE_ROWS_MAX: i64 = 10_000;
+
+/// One tenant's model tokens on one UTC day with one provider's model.
+#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize, schemars::JsonSchema)]
+pub struct UsageDay {
+    pub tenant_id: String,
+    /// The UTC day.
+    pub day: chrono::NaiveDate,
+    pub provider: String,
+    pub model: String,
+    pub calls: i64,
+    pub prompt_tokens: i64,
+    pub completion_tokens: i64,
+}
+
+/// The usage of today and the `days - 1` days before (UTC), of `tenant`
+/// (`None`: every tenant's), newest day first, at most [`USAGE_ROWS_MAX`] rows.
+pub async fn usage(pool: &PgPool, tenant: Option<&str>, days: i32) -> Result<Vec<UsageDay>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT tenant_id, day, provider, model, calls, prompt_tokens, completion_tokens FROM model_usage_day
+         WHERE ($1::text IS NULL OR tenant_id = $1) AND day > (now() AT TIME ZONE 'UTC')::date - $2
+         ORDER BY day DESC, tenant_id, provider, model LIMIT $3",
+    )
+    .bind(tenant)
+    .bind(days)
+    .bind(USAGE_ROWS_MAX)
+    .fetch_all(pool)
+    .await
+}
