@@ -27,6 +27,7 @@ mod hub;
 mod inspect;
 mod lifecycle;
 mod mcp;
+mod models;
 mod openapi;
 mod operator;
 mod plans;

@@ -81,6 +81,7 @@ fn webhook(name: &str, url: String, timeout_ms: u64) -> WebhookConfig {
         idempotent: false,
         approval: None,
         tenants: None,
+        retry: None,
     }
 }
 

@@ -21,6 +21,7 @@ mod runs;
 mod schedules;
 mod tokens;
 mod tools;
+mod usage;
 mod webhooks;
 
 use std::sync::Arc;

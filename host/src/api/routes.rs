@@ -15,7 +15,7 @@ use crate::db::{ConversationId, RunId, RunStatus};
 
 use super::paging::LIMIT_MAX;
 use super::{
-    a2a, approvals, audit, conversations, events, metrics, plugins, responses, runs, schedules, tokens, tools,
+    a2a, approvals, audit, conversations, events, metrics, plugins, responses, runs, schedules, tokens, tools, usage,
     webhooks, AppState, ErrorCode,
 };
 
@@ -856,6 +856,22 @@ pub const ROUTES: &[Route] = &[
         body: None,
         answer: Answer::Json(|g| page::<AuditEvent>(g, "events")),
         handler: || get(audit::list),
+    },
+    Route {
+        method: "get",
+        path: "/v1/usage",
+        summary: "Model tokens by tenant, UTC day, provider and model, as the providers reported them, newest day \
+                  first (admins: their tenant's; operators: every tenant's)",
+        auth: true,
+        ok: (200, "{usage: [{tenant_id, day, provider, model, calls, prompt_tokens, completion_tokens}]}"),
+        errors: &[400, 403],
+        also: &[],
+        query: &[("days", "integer", "1-366 (default 31): today and the days before it")],
+        body: None,
+        answer: Answer::Json(|g| {
+            object(vec![("usage", json!({ "type": "array", "items": of::<crate::db::model_limits::UsageDay>(g) }))])
+        }),
+        handler: || get(usage::list),
     },
     Route {
         method: "get",

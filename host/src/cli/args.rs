@@ -636,23 +636,28 @@ pub struct ServeArgs {
 #[derive(Debug, Clone, Args)]
 pub struct ToolArgs {
     /// OpenAI-compatible endpoint, e.g. https://api.openai.com/v1 or
-    /// http://127.0.0.1:11434/v1 (Ollama); unset: the built-in offline model.
+    /// http://127.0.0.1:11434/v1 (Ollama): the provider `default` (the tools
+    /// file's `[[provider]]` tables add more); with none at all, the
+    /// built-in offline model.
     #[arg(long, env = "AGENT_HOST_LLM_BASE_URL")]
     pub llm_base_url: Option<String>,
     /// Sent as `Authorization: Bearer` to the endpoint.
     #[arg(long, env = "AGENT_HOST_LLM_API_KEY", hide_env_values = true)]
     pub llm_api_key: Option<String>,
-    /// The model name sent to the endpoint when a plugin names none.
+    /// The model a plugin's call gets when it names none: a `[[model]]`
+    /// alias of the tools file, `<provider>/<model>`, or a model of the
+    /// default provider.
     #[arg(long, env = "AGENT_HOST_LLM_MODEL", default_value = "gpt-4o-mini")]
     pub llm_model: String,
-    /// One whole model call, retries before the first token included.
+    /// One whole model call: waits for shared limits, retries and fallbacks before the first token included.
     #[arg(long, env = "AGENT_HOST_LLM_TIMEOUT_MS", default_value_t = 120_000)]
     pub llm_timeout_ms: u64,
     /// Silence allowed between two pieces of a streamed answer.
     #[arg(long, env = "AGENT_HOST_LLM_IDLE_TIMEOUT_MS", default_value_t = 30_000)]
     pub llm_idle_timeout_ms: u64,
-    /// The tools file (TOML): `[[webhook]]`, `[[mcp]]` and `[[http]]` tables
-    /// and `[secrets]`; `${env:NAME}` takes a value from the environment.
+    /// The tools file (TOML): `[[webhook]]`, `[[mcp]]` and `[[http]]` tables,
+    /// `[secrets]`, and the models' `[[provider]]`, `[[model]]`, `[[limit]]`
+    /// and `[model_retry]`; `${env:NAME}` takes a value from the environment.
     #[arg(long, env = "AGENT_HOST_TOOLS_FILE")]
     pub tools_file: Option<PathBuf>,
     /// What a tools-file entry naming no `tenants` grants the tenants' own

@@ -83,6 +83,8 @@ impl Host {
         tracing::info!(tools = ?tools.names(), "tools ready");
         let database = open_database(db_args).await?;
         let pool = connect_and_migrate(&database.url, db_args.db_pool_max).await?;
+        // The model limits every process shares live in the database.
+        tools.attach_database(pool.clone());
         let hub = (!args.worker.no_hub).then(|| Hub::start(database.listen_url.clone()));
         let sandbox = crate::sandbox::Sandbox::for_process(
             pool.clone(),

@@ -44,6 +44,20 @@ pub const WAIT_ELAPSED: &str = "wait_elapsed";
 /// item of its response (the Responses API): `{call_id, name, arguments}`,
 /// the arguments a JSON text.
 pub const FUNCTION_CALL: &str = "function_call";
+/// One attempt of a model call (issue 46), written by the `llm` tool as
+/// each attempt gets its answer's head: `{call_index, attempt, provider,
+/// model, outcome: ok|retry|fallback|error, status?, error?, retry_after_ms?,
+/// waited_ms}`. `fallback`: the next attempt goes to the alias's next
+/// target; `retry`: the same targets again after a backoff.
+pub const MODEL_ATTEMPT: &str = "model_attempt";
+/// A webhook call's attempt failed and the call is retried (its `retry`
+/// policy): `{call_index, name, attempt, status?, error, retry_in_ms}`.
+pub const TOOL_ATTEMPT: &str = "tool_attempt";
+/// A model call waits for a limit every process shares (issue 46):
+/// `{call_index, provider, model, limit, reason, position}`; `reason` is
+/// `requests_per_minute`, `tokens_per_minute`, `concurrent`, `paused` (a
+/// provider's Retry-After) or `queue` (calls that came first).
+pub const MODEL_WAIT: &str = "model_wait";
 /// The run's one ending: [`complete_payload`].
 pub const COMPLETE: &str = "complete";
 /// Sent on a quiet stream, never stored.
@@ -70,6 +84,9 @@ pub const RESERVED: &[&str] = &[
     TOOL_CALL_STARTED,
     TOOL_CALL_FINISHED,
     FUNCTION_CALL,
+    MODEL_ATTEMPT,
+    MODEL_WAIT,
+    TOOL_ATTEMPT,
     KEEPALIVE,
 ];
 

@@ -30,6 +30,8 @@
 //!   slots, the ceilings of its own plugins' limits).
 //! - [`tokens`]: bearer tokens (expiry, revocation) and stream tickets.
 //! - [`audit`]: the append-only audit trail.
+//! - [`model_limits`]: limits on model calls shared by every process
+//!   (leases granted in arrival order, pauses).
 //! - [`webhooks`]: the completion-webhook outbox; [`schedules`]: cron
 //!   schedules and their firings.
 //!
@@ -44,6 +46,7 @@ pub mod enqueue;
 pub mod events;
 pub mod journal;
 pub mod lifecycle;
+pub mod model_limits;
 pub mod notify;
 pub mod plugins;
 pub mod responses;

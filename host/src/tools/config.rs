@@ -111,6 +111,13 @@ pub struct WebhookConfig {
     /// (the operator's) may use every tool.
     #[serde(default)]
     pub tenants: Option<Vec<String>>,
+    /// Retries of a failed call, within `timeout_ms`: a call that could not
+    /// connect (the receiver never saw it) always; one answered 408, 429 or
+    /// 5xx only when the tool is `idempotent` (the receiver may have acted);
+    /// any other answer never. Each retried attempt is journaled
+    /// (`tool_attempt`). Unset: one attempt.
+    #[serde(default)]
+    pub retry: Option<super::models::RetryConfig>,
 }
 
 fn webhook_timeout_ms_default() -> u64 {
@@ -134,6 +141,7 @@ impl fmt::Debug for WebhookConfig {
             .field("idempotent", &self.idempotent)
             .field("approval", &self.approval)
             .field("tenants", &self.tenants)
+            .field("retry", &self.retry)
             .finish()
     }
 }
@@ -154,6 +162,9 @@ impl WebhookConfig {
         }
         check_http_url(&self.url).map_err(|e| format!("url: {e}"))?;
         check_call_limits(self.timeout_ms, self.max_response_bytes)?;
+        if let Some(r) = &self.retry {
+            r.check().map_err(|e| format!("retry: {e}"))?;
+        }
         let mut headers = HeaderMap::new();
         for (name, value) in &self.headers {
             let name =
@@ -189,6 +200,24 @@ pub struct ToolsFile {
     /// whose rule lists them.
     #[serde(default)]
     secrets: BTreeMap<String, String>,
+    /// Model providers behind the `llm` tool (beside the one `--llm-base-url`
+    /// names, which is the provider `default`).
+    #[serde(default)]
+    provider: Vec<super::models::ProviderConfig>,
+    /// Model aliases: a name a plugin asks for (or `--llm-model`) and the
+    /// provider models it is sent to, in order of preference.
+    #[serde(default)]
+    model: Vec<super::models::ModelAlias>,
+    /// Limits on model calls shared by every process on the database: per
+    /// provider, or per provider model.
+    #[serde(default)]
+    limit: Vec<super::models::LimitConfig>,
+    /// How model calls are retried (attempts, backoff with jitter).
+    #[serde(default)]
+    model_retry: Option<super::models::RetryConfig>,
+    /// Daily model-token budgets of tenants.
+    #[serde(default)]
+    budget: Vec<super::models::BudgetConfig>,
 }
 
 /// Everything the operator's tools file configures, checked, with every
@@ -202,6 +231,8 @@ pub struct ToolsConfig {
     /// What an entry naming no `tenants` admits of the tenants' own plugins:
     /// every tenant (true) or none (`--tenant-tools`, none by default).
     pub tenants_default_all: bool,
+    /// Model providers, aliases, shared limits and the retry policy.
+    pub models: super::models::ModelsConfig,
 }
 
 impl fmt::Debug for ToolsConfig {
@@ -342,7 +373,34 @@ pub fn parse_tools_file_with(text: &str, env: &dyn Fn(&str) -> Option<String>) -
     for (i, rule) in file.http.iter().enumerate() {
         rule.check(&secrets).map_err(|e| format!("http rule #{} ({:?}): {e}", i + 1, rule.url))?;
     }
-    Ok(ToolsConfig { webhooks: file.webhook, mcp: file.mcp, http: file.http, secrets, tenants_default_all: false })
+    for (i, p) in file.provider.iter_mut().enumerate() {
+        let entry = format!("provider #{} ({:?})", i + 1, p.name);
+        p.base_url = expand_env(&p.base_url, env, None).map_err(|e| format!("{entry}: base_url: {e}"))?;
+        if let Some(key) = &p.api_key {
+            let literal = !key.contains("${env:");
+            let key = expand_env(key, env, Some(&mut secrets)).map_err(|e| format!("{entry}: api_key: {e}"))?;
+            if literal && key.len() >= SECRET_BYTES_MIN {
+                secrets.add_value(&key);
+            }
+            p.api_key = Some(key);
+        }
+    }
+    let models = super::models::ModelsConfig {
+        providers: file.provider,
+        aliases: file.model,
+        limits: file.limit,
+        retry: file.model_retry.unwrap_or_default(),
+        budgets: file.budget,
+    };
+    models.check()?;
+    Ok(ToolsConfig {
+        webhooks: file.webhook,
+        mcp: file.mcp,
+        http: file.http,
+        secrets,
+        tenants_default_all: false,
+        models,
+    })
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ mod config;
 mod http;
 pub(crate) mod llm;
 mod mcp;
+pub mod models;
 mod webhook;
 
 use std::collections::HashMap;
@@ -152,6 +153,9 @@ pub struct ToolRegistry {
     scopes: HashMap<String, TenantScope>,
     /// The `http` rules' scopes, for the tool's admission.
     http_scopes: Vec<TenantScope>,
+    /// The model providers behind `llm` (none: the offline model), for the
+    /// shared limits' database and `/metrics`.
+    gateway: Option<Arc<llm::gateway::Gateway>>,
 }
 
 impl ToolRegistry {
@@ -168,8 +172,12 @@ impl ToolRegistry {
         let webhooks = &file.webhooks;
         llm.check()?;
         let mut registry = ToolRegistry::default();
-        let model: Arc<dyn Tool> = match &llm.base_url {
-            Some(base_url) => Arc::new(llm::OpenAi::new(llm, base_url, http_client()?)),
+        let model: Arc<dyn Tool> = match llm::gateway::Gateway::build(llm, &file.models, http_client()?)? {
+            Some(gateway) => {
+                let gateway = Arc::new(gateway);
+                registry.gateway = Some(gateway.clone());
+                gateway
+            }
             None => Arc::new(llm::offline::Offline::new(llm.timeout)),
         };
         registry.insert(LLM_TOOL, model);
@@ -211,6 +219,21 @@ impl ToolRegistry {
             registry.secrets.add_value(key);
         }
         Ok(registry)
+    }
+
+    /// The database the shared model limits live in: until it is given
+    /// (tests without one) they are not enforced.
+    pub fn attach_database(&self, pool: sqlx::PgPool) {
+        if let Some(g) = &self.gateway {
+            g.limits.attach(pool);
+        }
+    }
+
+    /// The model calls' figures (attempts, shared-limit waits, pauses) for `/metrics`.
+    pub fn model_metrics(&self, e: &mut crate::metrics::Exposition) {
+        if let Some(g) = &self.gateway {
+            g.limits.stats.write(e);
+        }
     }
 
     /// Whether a plugin of `tenant` (one of its own, not a published one)
@@ -780,6 +803,7 @@ pub(crate) mod tests {
             idempotent: false,
             approval: None,
             tenants: None,
+            retry: None,
         };
         let r = ToolRegistry::from_config(&llm, &[hook("a"), hook("b")]).unwrap();
         assert_eq!(r.names(), ["a", "b", "llm", "wait"]);

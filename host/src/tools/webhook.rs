@@ -9,7 +9,9 @@ use async_trait::async_trait;
 use reqwest::header::HeaderMap;
 use serde_json::{json, Value};
 
-use super::{body_snippet, describe, read_capped, EventSink, Tool, ToolCall, WebhookConfig};
+use super::models::RetryConfig;
+use super::{body_snippet, clip, describe, read_capped, EventSink, Tool, ToolCall, WebhookConfig};
+use crate::db::events::TOOL_ATTEMPT;
 use crate::error::HostError;
 
 pub(crate) struct Webhook {
@@ -21,7 +23,11 @@ pub(crate) struct Webhook {
     idempotent: bool,
     approval: bool,
     description: Option<String>,
+    retry: Option<RetryConfig>,
 }
+
+/// Bytes of a failed attempt's error kept in its `tool_attempt` event.
+const ATTEMPT_ERROR_BYTES_MAX: usize = 300;
 
 impl Webhook {
     /// `headers` are the config's, as checked by [`WebhookConfig::check`].
@@ -35,17 +41,17 @@ impl Webhook {
             idempotent: config.idempotent,
             approval: config.approval == Some(super::config::Approval::Always),
             description: config.description.clone(),
+            retry: config.retry.clone(),
         }
     }
-}
 
-#[async_trait]
-impl Tool for Webhook {
-    async fn call(&self, call: &ToolCall<'_>, _sink: &dyn EventSink) -> Result<Value, HostError> {
+    /// One attempt: the answer, or the failure and whether another attempt
+    /// may be made (see [`WebhookConfig::retry`]) and how long to wait first.
+    async fn attempt(&self, call: &ToolCall<'_>) -> Result<Value, (HostError, Option<u16>, Option<Duration>, bool)> {
         let name = call.name;
         let call_id = format!("{}:{}", call.run_id, call.call_index);
         let body = json!({ "run_id": call.run_id.to_string(), "call_id": call_id, "name": name, "args": call.args });
-        let resp = self
+        let resp = match self
             .client
             .post(&self.url)
             .headers(self.headers.clone())
@@ -53,9 +59,24 @@ impl Tool for Webhook {
             .json(&body)
             .send()
             .await
-            .map_err(|e| HostError::ToolFailed(format!("webhook {name:?} could not be called: {}", describe(e))))?;
+        {
+            Ok(resp) => resp,
+            Err(e) => {
+                // Not connected: the receiver never saw the call.
+                let retryable = e.is_connect();
+                let e = HostError::ToolFailed(format!("webhook {name:?} could not be called: {}", describe(e)));
+                return Err((e, None, None, retryable));
+            }
+        };
         let status = resp.status();
         if !status.is_success() {
+            let after = resp
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(|s| Duration::from_secs(s.min(600)));
+            let retryable = self.idempotent && (matches!(status.as_u16(), 408 | 429) || status.is_server_error());
             let secrets: Vec<&str> = self
                 .headers
                 .values()
@@ -63,18 +84,53 @@ impl Tool for Webhook {
                 .flat_map(|v| [v, v.split_once(' ').map_or(v, |(_, secret)| secret)])
                 .collect();
             let snippet = body_snippet(resp, &secrets).await;
-            return Err(HostError::ToolFailed(format!("webhook {name:?} answered {status}{snippet}")));
+            let e = HostError::ToolFailed(format!("webhook {name:?} answered {status}{snippet}"));
+            return Err((e, Some(status.as_u16()), after, retryable));
         }
         let max = self.max_response_bytes;
+        let fail = |e: HostError| (e, Some(status.as_u16()), None, false);
         let bytes = read_capped(resp, max)
             .await
             .map_err(|e| {
-                HostError::ToolFailed(format!("webhook {name:?}: reading the answer failed: {}", describe(e)))
+                fail(HostError::ToolFailed(format!("webhook {name:?}: reading the answer failed: {}", describe(e))))
             })?
-            .ok_or_else(|| HostError::ToolFailed(format!("webhook {name:?}: response exceeds {max} bytes")))?;
+            .ok_or_else(|| fail(HostError::ToolFailed(format!("webhook {name:?}: response exceeds {max} bytes"))))?;
         // A receiver that answers plain text still answers something useful.
         Ok(serde_json::from_slice(&bytes)
             .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned())))
+    }
+}
+
+#[async_trait]
+impl Tool for Webhook {
+    /// Attempts as the tool's `retry` says, each failed one that is retried
+    /// journaled (`tool_attempt`); the registry's timeout bounds them all.
+    async fn call(&self, call: &ToolCall<'_>, sink: &dyn EventSink) -> Result<Value, HostError> {
+        let attempts = self.retry.as_ref().map_or(1, |r| r.attempts);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let (e, status, after, retryable) = match self.attempt(call).await {
+                Ok(answer) => return Ok(answer),
+                Err(failure) => failure,
+            };
+            let Some(policy) = self.retry.as_ref().filter(|_| retryable && attempt < attempts) else {
+                return Err(e);
+            };
+            let pause = policy.backoff(attempt).max(after.unwrap_or_default());
+            let mut event = json!({
+                "call_index": call.call_index,
+                "name": call.name,
+                "attempt": attempt,
+                "error": clip(&e.to_string(), ATTEMPT_ERROR_BYTES_MAX),
+                "retry_in_ms": pause.as_millis() as u64,
+            });
+            if let Some(status) = status {
+                event["status"] = json!(status);
+            }
+            sink.event(TOOL_ATTEMPT, event).await?;
+            tokio::time::sleep(pause).await;
+        }
     }
 
     fn timeout(&self) -> Duration {
@@ -126,6 +182,11 @@ mod tests {
         r.arrived.notify_one();
         match mode.as_str() {
             "ok" => Json(json!({ "echo": body["args"], "ok": true })).into_response(),
+            // 503 to a tool's first call, then answers.
+            "flaky" => match r.seen.lock().unwrap().iter().filter(|(_, b)| b["name"] == body["name"]).count() {
+                1 => (StatusCode::SERVICE_UNAVAILABLE, "later").into_response(),
+                _ => Json(json!({ "ok": true })).into_response(),
+            },
             "text" => "plain words".into_response(),
             "missing" => (StatusCode::NOT_FOUND, "no such city").into_response(),
             "broken" => (StatusCode::BAD_GATEWAY, "").into_response(),
@@ -171,6 +232,7 @@ mod tests {
                 idempotent: false,
                 approval: None,
                 tenants: None,
+                retry: None,
             })
             .collect();
         (receiver, registry(&hooks))
@@ -282,11 +344,45 @@ mod tests {
             idempotent: false,
             approval: None,
             tenants: None,
+            retry: None,
         };
         let r = registry(&[hook]);
         let e = invoke(&r, &Collect::default(), "gone").await.unwrap_err();
         let HostError::ToolFailed(m) = e else { panic!("{e:?}") };
         assert!(m.starts_with("webhook \"gone\" could not be called: "), "{m}");
         assert!(!m.contains("token=abc") && !m.contains(&addr.to_string()), "{m}");
+    }
+
+    /// Issue 46: a webhook's retry policy retries a 5xx only when the tool
+    /// is idempotent (the receiver may have acted), journaling the attempt.
+    #[tokio::test]
+    async fn an_idempotent_webhook_is_retried_past_a_5xx_and_another_is_not() {
+        let receiver = Arc::new(Receiver::default());
+        let router = Router::new().route("/hook/{mode}", post(receive)).with_state(receiver.clone());
+        let addr = serve(router).await;
+        let hook = |name: &str, idempotent: bool| WebhookConfig {
+            name: name.into(),
+            url: format!("http://{addr}/hook/flaky"),
+            timeout_ms: 10_000,
+            max_response_bytes: 4096,
+            headers: Default::default(),
+            description: None,
+            idempotent,
+            approval: None,
+            tenants: None,
+            retry: Some(RetryConfig { attempts: 3, backoff_ms: 1, backoff_max_ms: 2 }),
+        };
+        let r = registry(&[hook("again", true), hook("once", false)]);
+        let sink = Collect::default();
+        assert_eq!(invoke(&r, &sink, "again").await.unwrap(), json!({ "ok": true }));
+        let attempts: Vec<Value> =
+            sink.events().into_iter().filter(|(k, _)| k == TOOL_ATTEMPT).map(|(_, p)| p).collect();
+        assert_eq!(attempts.len(), 1, "{attempts:?}");
+        assert_eq!(attempts[0]["status"], 503);
+        assert_eq!(attempts[0]["attempt"], 1);
+        let e = invoke(&r, &Collect::default(), "once").await.unwrap_err();
+        assert_eq!(e, HostError::ToolFailed("webhook \"once\" answered 503 Service Unavailable: later".into()));
+        let names: Vec<Value> = receiver.seen.lock().unwrap().iter().map(|(_, b)| b["name"].clone()).collect();
+        assert_eq!(names, [json!("again"), json!("again"), json!("once")]);
     }
 }

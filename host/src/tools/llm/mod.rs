@@ -1,9 +1,13 @@
 //! The `llm` tool: a guest's chat request, checked, sent to an
 //! OpenAI-compatible chat-completions endpoint with streaming. Text is
 //! journaled as it arrives; tool-call requests go back to the guest, which
-//! runs them and asks again. The client is here; the stream's fold in
-//! `stream`; the offline model (no endpoint configured) in `offline`.
+//! runs them and asks again. One provider's client (one attempt) is here;
+//! the stream's fold in `stream`; the providers, aliases, fallback and
+//! retries in `gateway`; the limits every process shares in `limits`; the
+//! offline model (no endpoint configured) in `offline`.
 
+pub(crate) mod gateway;
+pub(crate) mod limits;
 pub(crate) mod offline;
 mod stream;
 
@@ -12,19 +16,17 @@ use stream::Reply;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use super::{body_snippet, clip, describe, EventSink, LlmConfig, Tool, ToolCall};
+use super::{body_snippet, clip, describe, EventSink};
 use crate::error::HostError;
 
 /// Text and tool-call arguments one reply may carry.
 const REPLY_BYTES_MAX: usize = 1 << 20;
-/// Retries of a request that never got an answer, or got 429 or 5xx.
-const RETRIES: u32 = 2;
-const RETRY_BACKOFF: Duration = Duration::from_millis(200);
+/// The longest Retry-After honoured (a longer one is taken as this).
+const RETRY_AFTER_MAX: Duration = Duration::from_secs(600);
 /// Bytes of a chunk quoted in a malformed-chunk error.
 const CHUNK_SNIPPET_BYTES: usize = 200;
 
@@ -37,6 +39,10 @@ pub(crate) struct LlmArgs {
     pub tools: Vec<ToolSpec>,
     pub temperature: Option<f64>,
     pub max_tokens: Option<u64>,
+    /// The model to ask: a `[[model]]` alias, `<provider>/<model>`, or a
+    /// model of the default provider; unset: `--llm-model`.
+    #[serde(default)]
+    pub model: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -134,6 +140,9 @@ pub(crate) fn parse_args(args: &Value) -> Result<LlmArgs, HostError> {
     if parsed.max_tokens == Some(0) {
         return Err(invalid("max_tokens must be greater than zero".into()));
     }
+    if parsed.model.as_deref().is_some_and(|m| m.trim().is_empty() || m.len() > 200) {
+        return Err(invalid("model must be 1-200 characters".into()));
+    }
     Ok(parsed)
 }
 
@@ -177,15 +186,52 @@ pub(crate) fn usage_of(answer: &Value) -> Value {
     }
 }
 
-/// An OpenAI-compatible chat-completions endpoint (OpenAI, vLLM, Ollama,
-/// llama.cpp's server).
+/// One OpenAI-compatible chat-completions endpoint (OpenAI, vLLM, Ollama,
+/// llama.cpp's server): a provider of the tools file, or the one the
+/// `--llm-base-url` flag makes.
 pub(crate) struct OpenAi {
     client: reqwest::Client,
     url: String,
     api_key: Option<String>,
-    model: String,
-    timeout: Duration,
     idle_timeout: Duration,
+}
+
+/// Why one attempt got no stream, and whether another may.
+#[derive(Debug, Clone)]
+pub(crate) struct AttemptError {
+    /// A failure before the first token that another attempt may not meet:
+    /// a connection error, a timeout, 408, 429 or 5xx. Other 4xx never retry.
+    pub retryable: bool,
+    pub status: Option<u16>,
+    /// The provider's `Retry-After` (or `retry-after-ms`), bounded.
+    pub retry_after: Option<Duration>,
+    /// What failed; the attempts count goes after it.
+    head: String,
+    /// What the endpoint said, after the count.
+    detail: String,
+}
+
+impl AttemptError {
+    /// The guest's error after `attempts` attempts.
+    pub fn message(&self, attempts: u32) -> String {
+        let tries = if attempts <= 1 { String::new() } else { format!(" (after {attempts} attempts)") };
+        format!("{}{tries}{}", self.head, self.detail)
+    }
+}
+
+/// A `Retry-After` of seconds (or OpenAI's `retry-after-ms`), at most
+/// [`RETRY_AFTER_MAX`]; an HTTP date is not read.
+fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let header =
+        |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok());
+    let d = match header("retry-after-ms") {
+        Some(ms) if ms.is_finite() && ms >= 0.0 => Duration::from_secs_f64(ms / 1000.0),
+        _ => match header("retry-after") {
+            Some(s) if s.is_finite() && s >= 0.0 => Duration::from_secs_f64(s.min(RETRY_AFTER_MAX.as_secs_f64())),
+            _ => return None,
+        },
+    };
+    Some(d.min(RETRY_AFTER_MAX))
 }
 
 /// Bytes of a tool's name the model is offered.
@@ -203,18 +249,11 @@ fn failed(message: impl Into<String>) -> HostError {
 }
 
 impl OpenAi {
-    pub fn new(config: &LlmConfig, base_url: &str, client: reqwest::Client) -> Self {
-        OpenAi {
-            client,
-            url: format!("{}/chat/completions", base_url.trim_end_matches('/')),
-            api_key: config.api_key.clone(),
-            model: config.model.clone(),
-            timeout: config.timeout,
-            idle_timeout: config.idle_timeout,
-        }
+    pub fn new(base_url: &str, api_key: Option<String>, idle_timeout: Duration, client: reqwest::Client) -> Self {
+        OpenAi { client, url: format!("{}/chat/completions", base_url.trim_end_matches('/')), api_key, idle_timeout }
     }
 
-    fn request_body(&self, args: &LlmArgs) -> Value {
+    fn request_body(&self, args: &LlmArgs, model: &str) -> Value {
         let messages: Vec<Value> = args
             .messages
             .iter()
@@ -242,7 +281,7 @@ impl OpenAi {
             })
             .collect();
         let mut body = json!({
-            "model": self.model,
+            "model": model,
             "messages": messages,
             "stream": true,
             "stream_options": { "include_usage": true },
@@ -272,40 +311,51 @@ impl OpenAi {
         body
     }
 
-    /// Sends the request, retrying only what cannot have produced a token:
-    /// a connection that never opened, 429 and 5xx.
-    async fn open(&self, body: &Value) -> Result<reqwest::Response, HostError> {
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let mut request = self.client.post(&self.url).json(body);
-            if let Some(key) = &self.api_key {
-                request = request.bearer_auth(key);
+    /// One attempt: the answer's head, or why there is no stream. Retryable
+    /// only what cannot have produced a token: no connection, no answer
+    /// within the idle timeout, 408, 429 and 5xx.
+    async fn open(&self, body: &Value) -> Result<reqwest::Response, AttemptError> {
+        let mut request = self.client.post(&self.url).json(body);
+        if let Some(key) = &self.api_key {
+            request = request.bearer_auth(key);
+        }
+        let fail = |retryable: bool, status: Option<u16>, head: String, detail: String| AttemptError {
+            retryable,
+            status,
+            retry_after: None,
+            head,
+            detail,
+        };
+        match tokio::time::timeout(self.idle_timeout, request.send()).await {
+            Ok(Ok(resp)) if resp.status().is_success() => Ok(resp),
+            Ok(Ok(resp)) => {
+                let status = resp.status();
+                let retryable = matches!(status.as_u16(), 408 | 429) || status.is_server_error();
+                let after = retry_after(resp.headers());
+                let snippet = body_snippet(resp, &[self.api_key.as_deref().unwrap_or_default()]).await;
+                let mut e =
+                    fail(retryable, Some(status.as_u16()), format!("model endpoint answered {status}"), snippet);
+                e.retry_after = after;
+                Err(e)
             }
-            let last = attempt > RETRIES;
-            let tries = if attempt == 1 { String::new() } else { format!(" (after {attempt} attempts)") };
-            match request.send().await {
-                Ok(resp) if resp.status().is_success() => return Ok(resp),
-                Ok(resp) => {
-                    let status = resp.status();
-                    let retry = status == reqwest::StatusCode::TOO_MANY_REQUESTS || status.is_server_error();
-                    if last || !retry {
-                        let snippet = body_snippet(resp, &[self.api_key.as_deref().unwrap_or_default()]).await;
-                        return Err(failed(format!("model endpoint answered {status}{tries}{snippet}")));
-                    }
-                }
-                Err(e) if e.is_connect() && !last => {}
-                Err(e) if e.is_connect() => {
-                    return Err(failed(format!("cannot connect to the model endpoint{tries}: {}", describe(e))))
-                }
-                Err(e) => return Err(failed(format!("model request failed: {}", describe(e)))),
+            Ok(Err(e)) if e.is_connect() => {
+                Err(fail(true, None, "cannot connect to the model endpoint".into(), format!(": {}", describe(e))))
             }
-            tokio::time::sleep(RETRY_BACKOFF * attempt).await;
+            Ok(Err(e)) if e.is_timeout() => {
+                Err(fail(true, None, "the model request timed out".into(), format!(": {}", describe(e))))
+            }
+            Ok(Err(e)) => Err(fail(false, None, format!("model request failed: {}", describe(e)), String::new())),
+            Err(_) => Err(fail(
+                true,
+                None,
+                format!("model endpoint sent no answer within {} ms", self.idle_timeout.as_millis()),
+                String::new(),
+            )),
         }
     }
 
     /// Reads the stream to its end, sending text to `sink` as it arrives.
-    async fn read(&self, resp: reqwest::Response, sink: &dyn EventSink) -> Result<Answer, HostError> {
+    async fn read(&self, resp: reqwest::Response, sink: &dyn EventSink, model: &str) -> Result<Answer, HostError> {
         let content_type = resp.headers().get(reqwest::header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
         if content_type.is_some_and(|t| t.starts_with("application/json")) {
             let snippet = body_snippet(resp, &[self.api_key.as_deref().unwrap_or_default()]).await;
@@ -337,7 +387,7 @@ impl OpenAi {
                     sink.delta(&text).await?;
                 }
                 if reply.done {
-                    return reply.finish(&self.model);
+                    return reply.finish(model);
                 }
             }
             if ended {
@@ -345,27 +395,9 @@ impl OpenAi {
                 if reply.finish_reason.is_none() {
                     return Err(failed("model stream ended before the reply was complete (dropped mid-stream)"));
                 }
-                return reply.finish(&self.model);
+                return reply.finish(model);
             }
         }
-    }
-}
-
-#[async_trait]
-impl Tool for OpenAi {
-    async fn call(&self, call: &ToolCall<'_>, sink: &dyn EventSink) -> Result<Value, HostError> {
-        let args = parse_args(&call.args)?;
-        let resp = self.open(&self.request_body(&args)).await?;
-        Ok(self.read(resp, sink).await?.into_json())
-    }
-
-    fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
-    /// A model call has no side effect: one whose outcome is unknown is asked again.
-    fn idempotent(&self) -> bool {
-        true
     }
 }
 
@@ -384,7 +416,7 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::super::test_support::{call, serve, Collect};
-    use super::super::{ToolRegistry, LLM_TOOL};
+    use super::super::{LlmConfig, ToolRegistry, LLM_TOOL};
     use super::*;
 
     type Piece = Result<String, std::io::Error>;

@@ -1,0 +1,302 @@
+//! The model-call limits every process on the database shares (`[[limit]]`
+//! in the tools file), from the caller's side: before each attempt the call
+//! takes a lease of every limit that applies to its provider and model,
+//! waiting its turn (in arrival order, across processes and tenants) while
+//! the run keeps its slot and its claim; the wait is journaled
+//! (`model_wait`) and counted. A provider's 429 with Retry-After pauses the
+//! limit for every process. The SQL is `db::model_limits`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::db::events::MODEL_WAIT;
+use crate::db::model_limits::{self, Bounds, Poll};
+use crate::error::HostError;
+use crate::metrics::{label_value, Exposition, Histogram};
+use crate::tools::models::{BudgetConfig, LimitConfig};
+use crate::tools::{EventSink, ToolCall};
+
+/// How long a waiting row lives without a poll (a waiter polls at least
+/// every [`POLL_MAX`]).
+const HEARTBEAT_MS: i64 = 10_000;
+/// The longest pause between two polls of a waiting call, and the pause
+/// when nothing says when the limit frees (a concurrent call must end).
+const POLL_MAX: Duration = Duration::from_millis(1000);
+const POLL_UNKNOWN: Duration = Duration::from_millis(100);
+const POLL_MIN: Duration = Duration::from_millis(5);
+
+/// What this process's model calls did, for `/metrics`.
+#[derive(Default)]
+pub struct ModelStats {
+    /// Attempts by (provider, outcome).
+    attempts: Mutex<BTreeMap<(String, String), u64>>,
+    /// Calls that had to wait for a shared limit.
+    pub waits: AtomicU64,
+    pub wait_seconds: Histogram,
+    /// Pauses a provider's Retry-After put on a shared limit.
+    pub pauses: AtomicU64,
+    /// Calls refused at a tenant's daily token budget.
+    pub budget_refusals: AtomicU64,
+}
+
+impl ModelStats {
+    pub fn attempt(&self, provider: &str, outcome: &str) {
+        *self.attempts.lock().unwrap().entry((provider.to_string(), outcome.to_string())).or_default() += 1;
+    }
+
+    pub fn write(&self, e: &mut Exposition) {
+        let samples: Vec<(String, f64)> = self
+            .attempts
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|((p, o), n)| (format!("provider=\"{}\",outcome=\"{}\"", label_value(p), label_value(o)), *n as f64))
+            .collect();
+        e.labelled(
+            "agent_host_model_attempts_total",
+            "counter",
+            "Model call attempts this process made, by provider and outcome (ok, retry, fallback, error).",
+            &samples,
+        );
+        e.counter(
+            "agent_host_model_limit_waits_total",
+            "Model calls of this process that waited for a limit shared by every process.",
+            self.waits.load(Ordering::Relaxed),
+        );
+        e.histogram(
+            "agent_host_model_limit_wait_seconds",
+            "How long model calls of this process waited for shared limits.",
+            &self.wait_seconds,
+        );
+        e.counter(
+            "agent_host_model_limit_pauses_total",
+            "Shared limits this process paused on a provider's 429 with Retry-After.",
+            self.pauses.load(Ordering::Relaxed),
+        );
+        e.counter(
+            "agent_host_model_budget_refusals_total",
+            "Model calls this process refused because they would pass their tenant's daily token budget.",
+            self.budget_refusals.load(Ordering::Relaxed),
+        );
+    }
+}
+
+/// The shared limits of the tools file, enforced once the host has a database.
+pub struct Limiter {
+    limits: Vec<LimitConfig>,
+    budgets: Vec<BudgetConfig>,
+    pool: OnceLock<PgPool>,
+    /// How long a granted call may hold a concurrency slot before it is
+    /// taken for dead (the model call's whole timeout).
+    call_ms: i64,
+    pub stats: ModelStats,
+}
+
+/// The leases one attempt holds; ended when the attempt is over, or (when
+/// the call is dropped: a stop, a timeout) by a task on drop.
+pub struct Lease {
+    pool: Option<PgPool>,
+    ids: Vec<Uuid>,
+    /// How long the attempt waited for them.
+    pub waited: Duration,
+}
+
+impl Lease {
+    fn none() -> Self {
+        Lease { pool: None, ids: Vec::new(), waited: Duration::ZERO }
+    }
+
+    /// Ends the leases; `tokens`: what the provider says the call used.
+    pub async fn end(mut self, tokens: Option<i64>) {
+        let (Some(pool), ids) = (self.pool.take(), std::mem::take(&mut self.ids)) else { return };
+        for id in ids {
+            if let Err(e) = model_limits::end(&pool, id, tokens).await {
+                // The lease lapses at its expiry instead.
+                tracing::warn!(error = %e, "cannot end a model-limit lease");
+            }
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let (Some(pool), false) = (self.pool.take(), self.ids.is_empty()) {
+            let ids = std::mem::take(&mut self.ids);
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    for id in ids {
+                        let _ = model_limits::end(&pool, id, None).await;
+                    }
+                });
+            }
+        }
+    }
+}
+
+fn unavailable(e: sqlx::Error) -> HostError {
+    tracing::warn!(error = %e, "model limits: the database cannot be reached");
+    HostError::Unavailable("the shared model limits cannot be read (database unreachable)".into())
+}
+
+impl Limiter {
+    pub fn new(limits: Vec<LimitConfig>, budgets: Vec<BudgetConfig>, call_timeout: Duration) -> Self {
+        Limiter {
+            limits,
+            budgets,
+            pool: OnceLock::new(),
+            call_ms: call_timeout.as_millis().min(i64::MAX as u128) as i64,
+            stats: ModelStats::default(),
+        }
+    }
+
+    /// From now on the limits hold (before this, in tests without a
+    /// database, they are not enforced).
+    pub fn attach(&self, pool: PgPool) {
+        let _ = self.pool.set(pool);
+    }
+
+    /// The limits on `provider`'s `model`: the provider's first, then the model's.
+    fn applying(&self, provider: &str, model: &str) -> Vec<&LimitConfig> {
+        let mut out: Vec<&LimitConfig> =
+            self.limits.iter().filter(|l| l.provider == provider && l.model.is_none()).collect();
+        out.extend(self.limits.iter().filter(|l| l.provider == provider && l.model.as_deref() == Some(model)));
+        out
+    }
+
+    /// Whether a shared limit applies (and so takes a Retry-After's pause).
+    pub fn shared(&self, provider: &str, model: &str) -> bool {
+        self.pool.get().is_some() && !self.applying(provider, model).is_empty()
+    }
+
+    /// The tenant of the call's run (its owner's), once there is a database.
+    pub async fn tenant_of(&self, call: &ToolCall<'_>) -> Result<Option<String>, HostError> {
+        match self.pool.get() {
+            Some(pool) => model_limits::run_tenant(pool, call.run_id).await.map_err(unavailable),
+            None => Ok(None),
+        }
+    }
+
+    /// Refuses a call that would pass its tenant's daily token budget
+    /// (`estimate`: its prompt and `max_tokens`), a `limit` naming it.
+    pub async fn check_budget(&self, tenant: Option<&str>, estimate: i64) -> Result<(), HostError> {
+        let (Some(pool), Some(tenant)) = (self.pool.get(), tenant) else { return Ok(()) };
+        let find = |t: &str| self.budgets.iter().find(|b| b.tenant == t).map(|b| b.tokens_per_day);
+        let Some(budget) = find(tenant).or_else(|| find("*")) else { return Ok(()) };
+        let spent = model_limits::tokens_today(pool, tenant).await.map_err(unavailable)?;
+        if spent.saturating_add(estimate) > budget.min(i64::MAX as u64) as i64 {
+            self.stats.budget_refusals.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(tenant, spent, budget, estimate, "a model call refused at its tenant's daily token budget");
+            return Err(HostError::Limit(format!(
+                "budget: tenant {tenant:?} has used {spent} of its {budget} model tokens today (UTC); \
+                 this call (about {estimate} more) would pass it"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Adds a call's reported tokens to its tenant's day.
+    pub async fn record(&self, tenant: Option<&str>, provider: &str, model: &str, prompt: u64, completion: u64) {
+        let (Some(pool), Some(tenant)) = (self.pool.get(), tenant) else { return };
+        let clamp = |n: u64| n.min(i64::MAX as u64) as i64;
+        if let Err(e) =
+            model_limits::record_usage(pool, tenant, provider, model, clamp(prompt), clamp(completion)).await
+        {
+            tracing::warn!(error = %e, "cannot record a model call's usage");
+        }
+    }
+
+    /// Takes a lease of every limit on `provider`'s `model`, waiting as long
+    /// as they say; the first wait is journaled as `model_wait`. `tenant`:
+    /// the run's, for limits per tenant.
+    pub async fn acquire(
+        &self,
+        call: &ToolCall<'_>,
+        sink: &dyn EventSink,
+        tenant: Option<&str>,
+        provider: &str,
+        model: &str,
+        tokens: i64,
+    ) -> Result<Lease, HostError> {
+        let Some(pool) = self.pool.get() else { return Ok(Lease::none()) };
+        let rules = self.applying(provider, model);
+        if rules.is_empty() {
+            return Ok(Lease::none());
+        }
+        let started = Instant::now();
+        let mut lease = Lease { pool: Some(pool.clone()), ids: Vec::new(), waited: Duration::ZERO };
+        let mut announced = false;
+        for rule in rules {
+            let base = rule.key();
+            let key = match (rule.per_tenant, tenant) {
+                (true, Some(t)) => format!("{base}@{t}"),
+                _ => base.clone(),
+            };
+            let bounds = Bounds {
+                minute_ms: rule.minute_ms as i64,
+                requests: rule.requests_per_minute.map(|n| n as i64),
+                tokens: rule.tokens_per_minute.map(|n| n as i64),
+                concurrent: rule.concurrent.map(|n| n as i64),
+            };
+            let id = Uuid::now_v7();
+            lease.ids.push(id);
+            let arrive = || model_limits::arrive(pool, id, &key, call.run_id, tenant, tokens, HEARTBEAT_MS);
+            arrive().await.map_err(unavailable)?;
+            loop {
+                match model_limits::poll(pool, id, &key, &base, bounds, self.call_ms, HEARTBEAT_MS)
+                    .await
+                    .map_err(unavailable)?
+                {
+                    Poll::Granted => break,
+                    Poll::Gone => arrive().await.map_err(unavailable)?,
+                    Poll::Waiting { position, reason, wait_ms } => {
+                        if !announced {
+                            announced = true;
+                            self.stats.waits.fetch_add(1, Ordering::Relaxed);
+                            let payload = json!({
+                                "call_index": call.call_index,
+                                "provider": provider,
+                                "model": model,
+                                "limit": key,
+                                "reason": reason,
+                                "position": position,
+                            });
+                            sink.event(MODEL_WAIT, payload).await?;
+                        }
+                        let pause = wait_ms.map_or(POLL_UNKNOWN, |ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0));
+                        // A little jitter, so the waiters of all processes
+                        // do not poll in step.
+                        let jitter = Duration::from_millis(rand::Rng::gen_range(&mut rand::thread_rng(), 0..=5));
+                        tokio::time::sleep(pause.clamp(POLL_MIN, POLL_MAX) + jitter).await;
+                    }
+                }
+            }
+        }
+        lease.waited = started.elapsed();
+        if announced {
+            self.stats.wait_seconds.observe(lease.waited.as_secs_f64());
+        }
+        Ok(lease)
+    }
+
+    /// A provider's 429 with Retry-After: the most specific limit on the
+    /// target (its model's, else its provider's) pauses for every process.
+    pub async fn pause(&self, provider: &str, model: &str, after: Duration) {
+        let Some(pool) = self.pool.get() else { return };
+        let rules = self.applying(provider, model);
+        let Some(rule) = rules.last() else { return };
+        let ms = after.as_millis().min(i64::MAX as u128) as i64;
+        match model_limits::pause(pool, &rule.key(), ms).await {
+            Ok(()) => {
+                self.stats.pauses.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(limit = %rule.key(), pause_ms = ms, "a provider's Retry-After paused a shared model limit");
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot pause a shared model limit"),
+        }
+    }
+}
