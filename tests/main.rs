@@ -26,6 +26,7 @@ mod hub;
 mod inspect;
 mod lifecycle;
 mod mcp;
+mod mcp_server;
 mod openapi;
 mod operator;
 mod plans;

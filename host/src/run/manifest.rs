@@ -35,6 +35,11 @@ pub struct Manifest {
     /// What the agent can be asked to do (its A2A card's skills; at most 50).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skills: Vec<Skill>,
+    /// The JSON Schema of a run's `config` (an object schema): what callers
+    /// are told to send, as the `config` argument of the agent's MCP tool.
+    /// The host passes config through unchecked; the agent reads it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_schema: Option<serde_json::Value>,
 }
 
 /// One thing an agent can be asked to do, as its A2A card lists it.
@@ -57,6 +62,8 @@ pub struct Skill {
 
 /// Characters of a manifest's description (and of each skill's texts).
 pub const DESCRIPTION_CHARS_MAX: usize = 2_000;
+/// Bytes of a manifest's `config_schema`, as JSON, at most.
+pub const CONFIG_SCHEMA_BYTES_MAX: usize = 16 * 1024;
 /// Skills a manifest lists at most.
 pub const SKILLS_MAX: usize = 50;
 
@@ -229,6 +236,15 @@ impl Manifest {
                     "manifest: skill {:?} needs an id, texts of at most {DESCRIPTION_CHARS_MAX} characters and at \
                      most {SKILLS_MAX} tags and examples",
                     skill.id
+                ));
+            }
+        }
+        if let Some(schema) = &m.config_schema {
+            let object = schema.as_object().is_some_and(|o| o.get("type").is_none_or(|t| t == "object"));
+            if !object || schema.to_string().len() > CONFIG_SCHEMA_BYTES_MAX {
+                return Err(format!(
+                    "manifest: config_schema must be a JSON Schema of an object (type \"object\"), at most \
+                     {CONFIG_SCHEMA_BYTES_MAX} bytes"
                 ));
             }
         }

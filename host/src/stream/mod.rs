@@ -6,5 +6,6 @@
 
 pub mod a2a;
 pub mod decode;
+pub mod mcp;
 pub mod responses;
 pub mod tail;
