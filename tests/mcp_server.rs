@@ -19,7 +19,8 @@ use crate::support::durable::*;
 use crate::support::*;
 
 fn env_dir(var: &str, installs: &str) -> PathBuf {
-    let dir = std::env::var(var).unwrap_or_else(|_| panic!("{var} is not set: run scripts/test, which installs {installs}"));
+    let dir =
+        std::env::var(var).unwrap_or_else(|_| panic!("{var} is not set: run scripts/test, which installs {installs}"));
     PathBuf::from(dir)
 }
 
@@ -184,7 +185,11 @@ async fn the_official_typescript_client_lists_calls_with_progress_and_runs_tasks
     assert_eq!(out["task"]["text"], "step 0. step 1. ", "{out}");
 
     let cancel = &out["cancel"];
-    assert_eq!((&cancel["answer"], &cancel["after"], &cancel["listed"]), (&json!("cancelled"), &json!("cancelled"), &json!(true)), "{out}");
+    assert_eq!(
+        (&cancel["answer"], &cancel["after"], &cancel["listed"]),
+        (&json!("cancelled"), &json!("cancelled"), &json!(true)),
+        "{out}"
+    );
     let run = env.get(&host, &format!("/v1/runs/{}", cancel["id"].as_str().unwrap())).await;
     assert_eq!(run["status"], "cancelled", "{run}");
 }

@@ -96,7 +96,13 @@ async def main(url, url2, token):
         counted = await c.call_tool(
             "sleep", {"prompt": "count", "config": {"steps": 4, "step_ms": 50}}, progress_callback=on_progress
         )
-        out["progress"] = {"text": text(counted), "notes": progress}
+        # The SDK runs each progress callback as a task of its own: the
+        # result may come back before the last of them has run.
+        for _ in range(200):
+            if "".join(m for _, m in sorted(progress)) == text(counted):
+                break
+            await asyncio.sleep(0.01)
+        out["progress"] = {"text": text(counted), "notes": sorted(progress)}
 
         bad = await c.call_tool("echo", {})
         out["bad_arguments"] = {"error": bad.is_error, "text": text(bad)}

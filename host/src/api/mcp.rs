@@ -301,8 +301,13 @@ impl Calls<'_> {
         let after = optional_str(params, "cursor")?;
         let mut agents: Vec<Agent> = Vec::new();
         if self.state.agents.sandbox().is_some() {
-            let rows = crate::db::plugins::list(&self.state.pool, Some(&self.p.tenant_id), after, TOOLS_PAGE + 1).await?;
-            agents.extend(rows.into_iter().map(|r| Agent { name: r.name, manifest: r.manifest, digest: Some(r.digest) }));
+            let rows =
+                crate::db::plugins::list(&self.state.pool, Some(&self.p.tenant_id), after, TOOLS_PAGE + 1).await?;
+            agents.extend(rows.into_iter().map(|r| Agent {
+                name: r.name,
+                manifest: r.manifest,
+                digest: Some(r.digest),
+            }));
         }
         for name in self.state.agents.names() {
             if after.is_none_or(|a| name.as_str() > a) && !agents.iter().any(|a| a.name == name) {

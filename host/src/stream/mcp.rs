@@ -90,7 +90,9 @@ pub fn call_result(row: &TaskRow, text: &str) -> Value {
     }
     let note = match status {
         FAILED => Some(format!("the run failed: {}", row.error.as_deref().unwrap_or("no reason given"))),
-        CANCELLED => Some(format!("the run was cancelled{}", row.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default())),
+        CANCELLED => {
+            Some(format!("the run was cancelled{}", row.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default()))
+        }
         INPUT_REQUIRED => row.pending_approval.as_ref().map(|call| approval_note(&row.id, call)),
         _ => None,
     };
