@@ -92,7 +92,7 @@ async fn the_official_python_client_lists_calls_streams_and_runs_tasks_any_proce
     assert_eq!(out["tasks_capability"], true, "{out}");
     // Every agent the token may run is a tool, with its manifest's schema.
     let tools = &out["tools"];
-    for name in ["chat", "echo", "private", "sleep"] {
+    for name in ["chat", "echo", "noop", "private", "sleep"] {
         let tool = &tools[name];
         assert_eq!(tool["properties"], json!(["config", "conversation_id", "prompt"]), "{name}: {out}");
         assert_eq!(tool["required"], json!(["prompt"]), "{name}");
@@ -146,7 +146,7 @@ async fn the_official_python_client_lists_calls_streams_and_runs_tasks_any_proce
     // Another tenant: neither the tenant's own agent nor its task.
     let other = agent_host::db::tokens::create(&env.db.pool, "mallory", "other", true).await.unwrap();
     let theirs = python(&["other", &url_b, &other, created["id"].as_str().unwrap()]);
-    assert_eq!(theirs["tools"], json!(["chat", "echo", "sleep"]), "{theirs}");
+    assert_eq!(theirs["tools"], json!(["chat", "echo", "noop", "sleep"]), "{theirs}");
     assert_eq!((&theirs["get"], &theirs["result"]), (&json!(-32602), &json!(-32602)), "{theirs}");
     assert_eq!(theirs["listed"], json!([]), "{theirs}");
 
@@ -169,7 +169,7 @@ async fn the_official_typescript_client_lists_calls_with_progress_and_runs_tasks
     assert_eq!(out["protocol"], "2025-11-25", "{out}");
     let tools = out["tools"].as_array().unwrap();
     let names: Vec<&str> = tools.iter().map(|t| t[0].as_str().unwrap()).collect();
-    assert_eq!(names, ["chat", "echo", "private", "sleep"], "{out}");
+    assert_eq!(names, ["chat", "echo", "noop", "private", "sleep"], "{out}");
     assert!(tools.iter().all(|t| t[1] == "optional" && t[2] == json!(["prompt"])), "{out}");
 
     let expected = "step 0. step 1. step 2. ";

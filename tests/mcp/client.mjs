@@ -28,7 +28,7 @@ out.tools = tools.map((t) => [t.name, t.execution?.taskSupport ?? null, t.inputS
 const text = (result) => result.content.filter((c) => c.type === 'text').map((c) => c.text).join('');
 const progress = [];
 const counted = await client.callTool(
-  { name: 'sleep', arguments: { prompt: 'count', config: { steps: 3, step_ms: 50 } } },
+  { name: 'sleep', arguments: { prompt: 'count', config: { steps: 3, step_ms: 150 } } },
   CallToolResultSchema,
   { onprogress: (p) => progress.push([p.progress, p.message]) },
 );

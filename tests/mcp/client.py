@@ -94,7 +94,7 @@ async def main(url, url2, token):
             progress.append([value, message])
 
         counted = await c.call_tool(
-            "sleep", {"prompt": "count", "config": {"steps": 4, "step_ms": 50}}, progress_callback=on_progress
+            "sleep", {"prompt": "count", "config": {"steps": 4, "step_ms": 150}}, progress_callback=on_progress
         )
         # The SDK runs each progress callback as a task of its own: the
         # result may come back before the last of them has run.
