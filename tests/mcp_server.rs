@@ -6,8 +6,9 @@
 //! They list the agents as tools (input schemas from the manifests), call
 //! one, call one with progress (the notifications carry the streamed text),
 //! run a long call as a task and cancel it (its run ends cancelled), and
-//! find a task from a new session on another process and read its result.
-//! Another tenant sees neither the tenant's own agent nor its task. Every
+//! find a task from a new session on another process and read its result;
+//! a task whose run waits for a person's approval is `input_required` until
+//! the native API decides it. Another tenant sees neither the tenant's own agent nor its task. Every
 //! call is a run the native API reads.
 
 use std::path::PathBuf;
@@ -158,6 +159,21 @@ async fn the_official_python_client_lists_calls_streams_and_runs_tasks_any_proce
     assert_eq!(res.headers()["www-authenticate"], "Bearer");
     let res = http.get(format!("{url_a}/mcp")).bearer_auth(&env.token).send().await.unwrap();
     assert_eq!(res.status(), 405);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_whose_run_waits_for_approval_is_input_required_and_ends_once_a_person_decides() {
+    let env = env().await;
+    let host = env.spawn("A");
+    let out = python(&["approval", &format!("http://{}", host.addr), &env.token]);
+    assert_eq!(out["waiting"], "input_required", "{out}");
+    let note = out["note"].as_str().unwrap();
+    assert!(note.contains("\"send\"") && note.contains("/approvals/"), "{out}");
+    assert_eq!(out["decided"], 200, "{out}");
+    assert_eq!((&out["after"], &out["error"]), (&json!("completed"), &json!(false)), "{out}");
+    assert!(out["text"].as_str().unwrap().starts_with("Offline reply to: send the report Tool send said"), "{out}");
+    // The approved call ran once.
+    assert_eq!(env.receiver.args.lock().unwrap().len(), 1, "the approved call ran once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,6 +5,8 @@ the Rust test asserts on.
 
     client.py main URL URL2 TOKEN   list, call, call with progress, a task cancelled,
                                     a task found and read by a new session on URL2
+    client.py approval URL TOKEN    a task whose run waits for a person: input_required, approved
+                                    through the native API, then its result
     client.py other URL TOKEN TASK  another tenant: its tools, and the task not found
 """
 
@@ -153,6 +155,23 @@ async def main(url, url2, token):
     print(json.dumps(out), flush=True)
 
 
+async def approval(url, token):
+    offered = {"tools": [{"name": "send", "description": "send it", "parameters": {"type": "object"}}]}
+    async with client(url, token) as c:
+        t = await start_task(c, "chat", {"prompt": "send the report", "config": offered})
+        waiting = await until(c, t.task_id, {"input_required"})
+        # A person decides through the native API: the run is the same one.
+        http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        run = (await http.get(f"{url}/v1/runs/{t.task_id}")).json()
+        call = run["pending_approval"]["call_id"]
+        decided = await http.post(f"{url}/v1/runs/{t.task_id}/approvals/{call}", json={"decision": "approve"})
+        result = await task_result(c, t.task_id)
+        done = await get_task(c, t.task_id)
+    print(json.dumps({"id": t.task_id, "waiting": waiting.status, "note": waiting.status_message,
+                      "decided": decided.status_code, "text": text(result), "error": result.is_error,
+                      "after": done.status}), flush=True)
+
+
 async def other(url, token, task):
     out = {}
     async with client(url, token) as c:
@@ -173,4 +192,4 @@ async def other(url, token, task):
 
 if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
-    asyncio.run({"main": main, "other": other}[what](*args))
+    asyncio.run({"main": main, "approval": approval, "other": other}[what](*args))

@@ -1,5 +1,6 @@
 //! The native HTTP API (DESIGN.md section 5): the state handlers share, the
-//! router built from the one route table (`routes`), and the handlers. The
+//! router built from the one route table (`routes`, and the MCP server's
+//! one JSON-RPC path beside it: `mcp`), and the handlers. The
 //! handlers hold no run logic: they extract (`extract`), call a service
 //! (`service::submit`, `service::plugins`, `stream::tail`) or a `db` read,
 //! and encode; errors are one type with one enum of codes (`error`).
