@@ -71,7 +71,8 @@ pub async fn list(
     limit: i64,
 ) -> Result<Vec<TaskRow>, sqlx::Error> {
     sqlx::query_as(&format!(
-        "{SELECT} WHERE r.owner_id = $1 AND ($2::text IS NULL OR r.plugin = $2) AND ($3::uuid IS NULL OR r.conversation_id = $3)
+        "{SELECT} WHERE r.owner_id = $1 AND ($2::text IS NULL OR r.plugin = $2)
+                    AND ($3::uuid IS NULL OR r.conversation_id = $3)
                     AND ($4::text[] IS NULL OR r.status = ANY($4)) AND ($5::uuid IS NULL OR r.id < $5)
          ORDER BY r.id DESC LIMIT $6"
     ))
