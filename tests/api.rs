@@ -335,6 +335,16 @@ async fn every_documented_route_is_served_guarded_and_owner_scoped() {
         }
     }
     assert_eq!(operations, agent_host::api::ROUTES.len());
+    // The MCP server (JSON-RPC, not in the document) is guarded like /v1 and /a2a.
+    let mcp = agent_host::api::MCP_PATH;
+    let ping = r#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#;
+    for (method, body) in [("POST", Some(("application/json", ping))), ("GET", None), ("DELETE", None)] {
+        let (status, v) = api.call(method, mcp, None, body).await;
+        assert_eq!((status, error_code(&v)), (StatusCode::UNAUTHORIZED, "unauthenticated"), "{method} {mcp}");
+    }
+    assert!(doc["paths"].get(mcp).is_none(), "{mcp} is JSON-RPC, not a documented operation");
+    let (status, v) = api.call("POST", mcp, Some(&api.bob), Some(("application/json", ping))).await;
+    assert_eq!((status, &v), (StatusCode::OK, &json!({ "jsonrpc": "2.0", "id": 1, "result": {} })));
     // Bob still sees his own.
     let (status, _) = api.call("GET", &format!("/v1/runs/{run}"), Some(&api.bob), None).await;
     assert_eq!(status, StatusCode::OK);

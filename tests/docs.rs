@@ -23,6 +23,7 @@ const PAGES: &[(&str, usize)] = &[
     ("guides/rust.md", 5),
     ("guides/testing.md", 2),
     ("guides/a2a.md", 1),
+    ("guides/mcp-server.md", 1),
 ];
 
 /// One block a page's runner does.

@@ -28,6 +28,7 @@ mod inspect;
 mod lifecycle;
 mod mcp;
 mod models;
+mod mcp_server;
 mod openapi;
 mod operator;
 mod plans;

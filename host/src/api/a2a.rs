@@ -149,13 +149,13 @@ fn result_response(id: &Value, result: Value) -> Response {
 
 /// An agent a token may run: a plugin of its tenant or a published one, or
 /// a built-in agent the operator offers.
-struct Agent {
-    name: String,
-    manifest: Value,
-    digest: Option<String>,
+pub(super) struct Agent {
+    pub name: String,
+    pub manifest: Value,
+    pub digest: Option<String>,
 }
 
-async fn find_agent(state: &AppState, p: &Principal, name: &str) -> Result<Option<Agent>, sqlx::Error> {
+pub(super) async fn find_agent(state: &AppState, p: &Principal, name: &str) -> Result<Option<Agent>, sqlx::Error> {
     if state.agents.sandbox().is_some() {
         if let Some(row) = crate::db::plugins::resolve(&state.pool, &p.tenant_id, name).await? {
             return Ok(Some(Agent { name: row.name, manifest: row.manifest, digest: Some(row.digest) }));
@@ -361,7 +361,7 @@ struct Calls<'a> {
 
 impl Calls<'_> {
     async fn row(&self, run: RunId) -> Result<TaskRow, RpcError> {
-        tasks::get(&self.state.pool, run, &self.p.user_id, &self.agent.name)
+        tasks::get(&self.state.pool, run, &self.p.user_id, Some(&self.agent.name))
             .await?
             .ok_or_else(|| RpcError::new(TASK_NOT_FOUND, format!("task {run} not found")))
     }
@@ -682,7 +682,7 @@ impl Calls<'_> {
         let history = history_length(params)?;
         let artifacts = field(params, "includeArtifacts", "include_artifacts").as_bool().unwrap_or(false);
         let (pool, user, plugin) = (&self.state.pool, &self.p.user_id, &self.agent.name);
-        let mut rows = tasks::list(pool, user, plugin, conversation, statuses, after, size + 1).await?;
+        let mut rows = tasks::list(pool, user, Some(plugin), conversation, statuses, after, size + 1).await?;
         let more = rows.len() as i64 > size;
         rows.truncate(size as usize);
         let total = tasks::count(pool, user, plugin, conversation, statuses).await?;

@@ -1,5 +1,6 @@
 //! The native HTTP API (DESIGN.md section 5): the state handlers share, the
-//! router built from the one route table (`routes`), and the handlers. The
+//! router built from the one route table (`routes`, and the MCP server's
+//! one JSON-RPC path beside it: `mcp`), and the handlers. The
 //! handlers hold no run logic: they extract (`extract`), call a service
 //! (`service::submit`, `service::plugins`, `stream::tail`) or a `db` read,
 //! and encode; errors are one type with one enum of codes (`error`).
@@ -12,6 +13,7 @@ mod error;
 mod events;
 mod extract;
 mod live;
+mod mcp;
 mod metrics;
 mod paging;
 mod plugins;
@@ -107,10 +109,16 @@ impl AppState {
     }
 }
 
+/// Where the MCP server answers.
+pub const MCP_PATH: &str = "/mcp";
+
 pub fn router(state: AppState) -> Router {
     routes::ROUTES
         .iter()
         .fold(Router::new(), |router, r| router.route(r.path, (r.handler)()))
+        // The MCP server: JSON-RPC over one path, kept out of the OpenAPI
+        // document (its methods are MCP's, not HTTP operations).
+        .route(MCP_PATH, axum::routing::post(mcp::post).get(mcp::not_served).delete(mcp::not_served))
         .fallback(|| async { ApiError::not_found("route") })
         // A known path with another method: the JSON error shape too.
         .method_not_allowed_fallback(|method: axum::http::Method, uri: axum::http::Uri| async move {

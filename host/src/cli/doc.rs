@@ -122,6 +122,12 @@ fn routes_page() -> String {
             one_line(r.ok.1).replace('|', "\\|"),
         );
     }
+    let _ = writeln!(
+        out,
+        "\nBeside them, `POST {}` 🔒 is the MCP server: JSON-RPC over Streamable HTTP, whose methods are MCP's \
+         rather than operations of the document ([Agents as MCP tools](../guides/mcp-server.md)).",
+        crate::api::MCP_PATH
+    );
     out
 }
 

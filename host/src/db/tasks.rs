@@ -1,6 +1,6 @@
-//! Runs as the A2A protocol's tasks see them (`api::a2a`): one run of one
-//! agent with its user message, its answer as the transcript keeps it and
-//! the approval it waits for. Read by owner, as every run read is.
+//! Runs as the protocols' tasks see them (`api::a2a`, `api::mcp`): one run
+//! of one agent with its user message, its answer as the transcript keeps it
+//! and the approval it waits for. Read by owner, as every run read is.
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
@@ -17,6 +17,7 @@ pub struct TaskRow {
     pub status: RunStatus,
     pub error: Option<String>,
     pub cancel_requested: bool,
+    pub created_at: DateTime<Utc>,
     /// The last change: ended, started or created.
     pub updated_at: DateTime<Utc>,
     pub user_message_id: uuid::Uuid,
@@ -29,7 +30,7 @@ pub struct TaskRow {
 }
 
 const SELECT: &str = "
-    SELECT r.id, r.conversation_id, r.plugin, r.status, r.error, r.cancel_requested,
+    SELECT r.id, r.conversation_id, r.plugin, r.status, r.error, r.cancel_requested, r.created_at,
            coalesce(r.finished_at, r.started_at, r.created_at) AS updated_at,
            r.user_message_id, u.content AS input, a.id AS answer_id, a.content AS answer,
            (SELECT jsonb_build_object('call_id', s.call_index, 'tool', s.tool, 'args', s.args)
@@ -43,14 +44,14 @@ const SELECT: &str = "
         WHERE m.conversation_id = r.conversation_id AND m.run_id = r.id AND m.role = 'assistant'
         ORDER BY m.created_at DESC LIMIT 1) a ON true";
 
-/// The run `id` of agent `plugin` as its owner sees it.
+/// The run `id` (of agent `plugin`, when given) as its owner sees it.
 pub async fn get(
     db: impl PgExecutor<'_>,
     id: RunId,
     owner_id: &str,
-    plugin: &str,
+    plugin: Option<&str>,
 ) -> Result<Option<TaskRow>, sqlx::Error> {
-    sqlx::query_as(&format!("{SELECT} WHERE r.id = $1 AND r.owner_id = $2 AND r.plugin = $3"))
+    sqlx::query_as(&format!("{SELECT} WHERE r.id = $1 AND r.owner_id = $2 AND ($3::text IS NULL OR r.plugin = $3)"))
         .bind(id)
         .bind(owner_id)
         .bind(plugin)
@@ -58,19 +59,20 @@ pub async fn get(
         .await
 }
 
-/// The owner's runs of `plugin`, newest first, before `after`, in one
-/// conversation and one status when given, at most `limit`.
+/// The owner's runs (of `plugin`, when given), newest first, before
+/// `after`, in one conversation and one status when given, at most `limit`.
 pub async fn list(
     db: impl PgExecutor<'_>,
     owner_id: &str,
-    plugin: &str,
+    plugin: Option<&str>,
     conversation: Option<ConversationId>,
     statuses: Option<&[&str]>,
     after: Option<RunId>,
     limit: i64,
 ) -> Result<Vec<TaskRow>, sqlx::Error> {
     sqlx::query_as(&format!(
-        "{SELECT} WHERE r.owner_id = $1 AND r.plugin = $2 AND ($3::uuid IS NULL OR r.conversation_id = $3)
+        "{SELECT} WHERE r.owner_id = $1 AND ($2::text IS NULL OR r.plugin = $2)
+                    AND ($3::uuid IS NULL OR r.conversation_id = $3)
                     AND ($4::text[] IS NULL OR r.status = ANY($4)) AND ($5::uuid IS NULL OR r.id < $5)
          ORDER BY r.id DESC LIMIT $6"
     ))

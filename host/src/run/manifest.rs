@@ -35,6 +35,11 @@ pub struct Manifest {
     /// What the agent can be asked to do (its A2A card's skills; at most 50).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skills: Vec<Skill>,
+    /// The JSON Schema of a run's `config` (an object schema): what callers
+    /// are told to send, as the `config` argument of the agent's MCP tool.
+    /// The host passes config through unchecked; the agent reads it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_schema: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// One thing an agent can be asked to do, as its A2A card lists it.
@@ -57,6 +62,8 @@ pub struct Skill {
 
 /// Characters of a manifest's description (and of each skill's texts).
 pub const DESCRIPTION_CHARS_MAX: usize = 2_000;
+/// Bytes of a manifest's `config_schema`, as JSON, at most.
+pub const CONFIG_SCHEMA_BYTES_MAX: usize = 16 * 1024;
 /// Skills a manifest lists at most.
 pub const SKILLS_MAX: usize = 50;
 
@@ -232,6 +239,15 @@ impl Manifest {
                 ));
             }
         }
+        if let Some(schema) = &m.config_schema {
+            let object = schema.get("type").is_none_or(|t| t == "object");
+            if !object || serde_json::Value::Object(schema.clone()).to_string().len() > CONFIG_SCHEMA_BYTES_MAX {
+                return Err(format!(
+                    "manifest: config_schema must be a JSON Schema of an object (type \"object\"), at most \
+                     {CONFIG_SCHEMA_BYTES_MAX} bytes"
+                ));
+            }
+        }
         if m.approval.values().any(|a| *a == Approval::Always) && !m.resumable() {
             return Err(
                 "manifest: approval needs \"durability\": \"resume\" (a waiting run is resumed by replay)".into()
@@ -291,6 +307,21 @@ mod tests {
         assert!(e.contains("approval needs"), "{e}");
         let e = Manifest::parse(&json!({ "durability": "sometimes" })).unwrap_err();
         assert!(e.contains("expected `at-most-once` or `resume`"), "{e}");
+    }
+
+    #[test]
+    fn a_config_schema_is_an_object_schema_of_bounded_size() {
+        let schema = json!({ "type": "object", "properties": { "steps": { "type": "integer" } } });
+        let m = Manifest::parse(&json!({ "config_schema": schema })).unwrap();
+        assert_eq!(m.config_schema.map(serde_json::Value::Object), Some(schema));
+        assert!(Manifest::parse(&json!({ "config_schema": {} })).is_ok());
+        for bad in [
+            json!({ "type": "string" }),
+            json!("object"),
+            json!({ "description": "x".repeat(CONFIG_SCHEMA_BYTES_MAX) }),
+        ] {
+            assert!(Manifest::parse(&json!({ "config_schema": bad })).is_err(), "{bad}");
+        }
     }
 
     #[test]

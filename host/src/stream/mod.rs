@@ -7,5 +7,6 @@
 pub mod a2a;
 pub mod decode;
 pub mod feed;
+pub mod mcp;
 pub mod responses;
 pub mod tail;
