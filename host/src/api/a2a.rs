@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap, HeaderValue};
+use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -47,8 +47,9 @@ use crate::stream::a2a::{self as view, Folded};
 use crate::stream::tail::{Item, Reserved};
 
 use super::approvals::{decide_call, Decided};
+use super::jsonrpc::{http_error, rpc_error, RpcError, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR};
 use super::runs::{cancel, owner};
-use super::{ApiError, AppState, Auth, ErrorCode};
+use super::{ApiError, AppState, Auth};
 
 /// The protocol version served.
 pub const PROTOCOL_VERSION: &str = "1.0";
@@ -59,12 +60,7 @@ const PAGE_MAX: i64 = 100;
 /// as it stands (still working: the stop is durable and goes on).
 const CANCEL_SETTLE_MAX: Duration = Duration::from_secs(10);
 
-// The protocol's error codes (JSON-RPC's, and A2A's own).
-const PARSE_ERROR: i64 = -32700;
-const INVALID_REQUEST: i64 = -32600;
-const METHOD_NOT_FOUND: i64 = -32601;
-const INVALID_PARAMS: i64 = -32602;
-const INTERNAL_ERROR: i64 = -32603;
+// A2A's own error codes (JSON-RPC's are `jsonrpc`'s).
 const TASK_NOT_FOUND: i64 = -32001;
 const TASK_NOT_CANCELABLE: i64 = -32002;
 const PUSH_NOT_SUPPORTED: i64 = -32003;
@@ -73,73 +69,10 @@ const CONTENT_TYPE_NOT_SUPPORTED: i64 = -32005;
 const EXTENDED_CARD_NOT_CONFIGURED: i64 = -32007;
 const VERSION_NOT_SUPPORTED: i64 = -32009;
 
-/// A JSON-RPC error (answered 200, as the binding says), or one of the
-/// HTTP's own (401, 403, 404 for an unknown agent, 429, 503: answered with
-/// that status in the API's error shape, so clients retry what is retryable).
-#[derive(Debug)]
-enum RpcError {
-    Rpc { code: i64, message: String },
-    Http(ApiError),
-}
-
-impl RpcError {
-    fn new(code: i64, message: impl Into<String>) -> Self {
-        RpcError::Rpc { code, message: message.into() }
-    }
-}
-
-impl From<ApiError> for RpcError {
-    fn from(e: ApiError) -> Self {
-        let code = match e.code {
-            ErrorCode::BadRequest
-            | ErrorCode::Invalid
-            | ErrorCode::TooLarge
-            | ErrorCode::Conflict
-            | ErrorCode::ConversationBusy
-            | ErrorCode::IdempotencyKeyReused
-            | ErrorCode::NotFound => INVALID_PARAMS,
-            ErrorCode::Forbidden
-            | ErrorCode::Unauthenticated
-            | ErrorCode::QuotaExceeded
-            | ErrorCode::TooManyStreams
-            | ErrorCode::Unavailable => return RpcError::Http(e),
-            _ => INTERNAL_ERROR,
-        };
-        RpcError::Rpc { code, message: e.message }
-    }
-}
-
-impl From<sqlx::Error> for RpcError {
-    fn from(e: sqlx::Error) -> Self {
-        ApiError::from(e).into()
-    }
-}
-
-impl From<crate::stream::tail::TailError> for RpcError {
-    fn from(e: crate::stream::tail::TailError) -> Self {
-        ApiError::from(e).into()
-    }
-}
-
-impl From<crate::stream::tail::TooManyTails> for RpcError {
-    fn from(e: crate::stream::tail::TooManyTails) -> Self {
-        ApiError::from(e).into()
-    }
-}
-
 fn error_response(id: &Value, e: RpcError) -> Response {
     match e {
-        RpcError::Rpc { code, message } => {
-            Json(json!({ "jsonrpc": "2.0", "id": id, "error": { "code": code, "message": message } })).into_response()
-        }
-        RpcError::Http(e) => {
-            let unauthenticated = e.code == ErrorCode::Unauthenticated;
-            let mut res = e.into_response();
-            if unauthenticated {
-                res.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            }
-            res
-        }
+        RpcError::Rpc { code, message } => Json(rpc_error(id, code, &message)).into_response(),
+        RpcError::Http(e) => http_error(e),
     }
 }
 
@@ -556,7 +489,7 @@ impl Calls<'_> {
             return Err(RpcError::new(INVALID_PARAMS, "a push notification config is an object"));
         }
         let header_safe = |name: &str, s: &str| {
-            if s.len() > PUSH_FIELD_BYTES_MAX || axum::http::HeaderValue::from_str(s).is_err() {
+            if s.len() > PUSH_FIELD_BYTES_MAX || HeaderValue::from_str(s).is_err() {
                 return Err(RpcError::new(
                     INVALID_PARAMS,
                     format!("{name} must be at most {PUSH_FIELD_BYTES_MAX} bytes of visible ASCII"),

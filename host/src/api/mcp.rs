@@ -40,6 +40,9 @@ use crate::stream::mcp as view;
 use crate::stream::tail::{Item, Reserved};
 
 use super::a2a::{find_agent, Agent};
+use super::jsonrpc::{
+    http_error, rpc_error, RpcError, INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR,
+};
 use super::runs::{cancel, owner};
 use super::{ApiError, AppState, Auth, ErrorCode, BODY_BYTES_MAX};
 
@@ -54,79 +57,6 @@ const TASKS_PAGE: i64 = 50;
 /// How long `tasks/cancel` waits for the run to wind down before answering
 /// its task as it stands (the stop is durable and goes on).
 const CANCEL_SETTLE_MAX: Duration = Duration::from_secs(10);
-
-// JSON-RPC's error codes (MCP uses them for its own errors too).
-const PARSE_ERROR: i64 = -32700;
-const INVALID_REQUEST: i64 = -32600;
-const METHOD_NOT_FOUND: i64 = -32601;
-const INVALID_PARAMS: i64 = -32602;
-const INTERNAL_ERROR: i64 = -32603;
-
-/// A JSON-RPC error (answered 200), or one of HTTP's own (401, 403, 429,
-/// 503: answered with that status in the API's error shape).
-#[derive(Debug)]
-enum RpcError {
-    Rpc { code: i64, message: String },
-    Http(ApiError),
-}
-
-impl RpcError {
-    fn new(code: i64, message: impl Into<String>) -> Self {
-        RpcError::Rpc { code, message: message.into() }
-    }
-}
-
-impl From<ApiError> for RpcError {
-    fn from(e: ApiError) -> Self {
-        let code = match e.code {
-            ErrorCode::BadRequest
-            | ErrorCode::Invalid
-            | ErrorCode::TooLarge
-            | ErrorCode::Conflict
-            | ErrorCode::ConversationBusy
-            | ErrorCode::IdempotencyKeyReused
-            | ErrorCode::NotFound => INVALID_PARAMS,
-            ErrorCode::Forbidden
-            | ErrorCode::Unauthenticated
-            | ErrorCode::QuotaExceeded
-            | ErrorCode::TooManyStreams
-            | ErrorCode::Unavailable => return RpcError::Http(e),
-            _ => INTERNAL_ERROR,
-        };
-        RpcError::Rpc { code, message: e.message }
-    }
-}
-
-impl From<sqlx::Error> for RpcError {
-    fn from(e: sqlx::Error) -> Self {
-        ApiError::from(e).into()
-    }
-}
-
-impl From<crate::stream::tail::TailError> for RpcError {
-    fn from(e: crate::stream::tail::TailError) -> Self {
-        ApiError::from(e).into()
-    }
-}
-
-impl From<crate::stream::tail::TooManyTails> for RpcError {
-    fn from(e: crate::stream::tail::TooManyTails) -> Self {
-        ApiError::from(e).into()
-    }
-}
-
-fn http_error(e: ApiError) -> Response {
-    let unauthenticated = e.code == ErrorCode::Unauthenticated;
-    let mut res = e.into_response();
-    if unauthenticated {
-        res.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    }
-    res
-}
-
-fn rpc_error(id: &Value, code: i64, message: &str) -> Value {
-    json!({ "jsonrpc": "2.0", "id": id, "error": { "code": code, "message": message } })
-}
 
 fn error_response(id: &Value, e: RpcError) -> Response {
     match e {

@@ -12,6 +12,7 @@ mod conversations;
 mod error;
 mod events;
 mod extract;
+mod jsonrpc;
 mod live;
 mod mcp;
 mod metrics;
