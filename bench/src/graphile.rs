@@ -1,6 +1,7 @@
 //! graphile-worker on the same server in the same sitting: its drain (with
-//! its defaults and with its batching) and its pickup, beside ours, and the
-//! ratios. Its drain passes are interleaved with ours, one pass of each at
+//! its defaults, with its batching, and with its batching at equal work:
+//! each task writing what a drained no-op run writes, see
+//! `bench/graphile/drain.js`) and its pickup, beside ours, and the ratios. Its drain passes are interleaved with ours, one pass of each at
 //! a time (`queue::throughput`), and each ratio is of two passes run moments
 //! apart: a machine that slows down mid-sitting slows both sides of a pair,
 //! and the median of the pairs' ratios says more than a ratio of medians
@@ -71,14 +72,19 @@ pub struct Graphile {
     version: String,
 }
 
-/// One drain pass of graphile-worker: jobs/s with its defaults and with its
-/// batching, and what each cost per job.
+/// One drain pass of graphile-worker: jobs/s with its defaults, with its
+/// batching, and with its batching at equal work (each job's task writes
+/// what a drained no-op run writes: its user message's status, one
+/// assistant message and three journal events, in one transaction, into
+/// tables shaped like ours), and what each cost per job.
 #[derive(Debug, Clone, Copy)]
 pub struct Pass {
     pub defaults: f64,
     pub batched: f64,
+    pub equal: f64,
     pub defaults_costs: Costs,
     pub batched_costs: Costs,
+    pub equal_costs: Costs,
 }
 
 /// What one of its drain passes cost per job, read as our drain's are
@@ -133,7 +139,7 @@ impl Graphile {
     }
 
     /// `drain.js` in `mode` (one step of one pass for `prepare`,
-    /// `defaults` and `batched`), its answer.
+    /// `defaults` and `batched`, or `prepare-equal` and `equal`), its answer.
     async fn node(&mut self, args: &BenchArgs, mode: &str) -> anyhow::Result<Value> {
         let (dir, url, args, mode) = (self.dir.clone(), self.url.clone(), args.clone(), mode.to_string());
         let run = move || {
@@ -156,13 +162,15 @@ impl Graphile {
         Ok(v)
     }
 
-    /// One drain pass with its defaults, then one with its batching, each
-    /// of freshly enqueued jobs; `pool` is any database of the same server
-    /// (its counters and CPU are the server's).
+    /// One drain pass with its defaults, then one with its batching, then
+    /// one with its batching at equal work, each of freshly enqueued jobs;
+    /// `pool` is any database of the same server (its counters and CPU are
+    /// the server's).
     pub async fn drain_pass(&mut self, pool: &PgPool, args: &BenchArgs) -> anyhow::Result<Pass> {
         let (defaults, defaults_costs) = self.drain_one(pool, args, "defaults").await?;
         let (batched, batched_costs) = self.drain_one(pool, args, "batched").await?;
-        Ok(Pass { defaults, batched, defaults_costs, batched_costs })
+        let (equal, equal_costs) = self.drain_one(pool, args, "equal").await?;
+        Ok(Pass { defaults, batched, equal, defaults_costs, batched_costs, equal_costs })
     }
 
     /// One drain pass with `preset`: jobs/s and its costs per job. The
@@ -170,7 +178,7 @@ impl Graphile {
     /// start and its connection's few statements are in them too: a few
     /// milliseconds against the pass's seconds).
     async fn drain_one(&mut self, pool: &PgPool, args: &BenchArgs, preset: &str) -> anyhow::Result<(f64, Costs)> {
-        self.node(args, "prepare").await?;
+        self.node(args, if preset == "equal" { "prepare-equal" } else { "prepare" }).await?;
         let server = sql::ServerMarks::read(pool).await?;
         let v = self.node(args, preset).await?;
         let server = server.per(pool, args.runs as f64).await?;
@@ -209,23 +217,28 @@ impl Graphile {
         let version = &self.version;
         let mut defaults: Vec<f64> = theirs.iter().map(|p| p.defaults).collect();
         let mut batched: Vec<f64> = theirs.iter().map(|p| p.batched).collect();
+        let mut equal: Vec<f64> = theirs.iter().map(|p| p.equal).collect();
         let mut to_defaults: Vec<f64> = ours.iter().zip(theirs).map(|(o, t)| o / t.defaults).collect();
         let mut to_batched: Vec<f64> = ours.iter().zip(theirs).map(|(o, t)| o / t.batched).collect();
+        let mut to_equal: Vec<f64> = ours.iter().zip(theirs).map(|(o, t)| o / t.equal).collect();
         let list = |v: &[f64]| v.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(", ");
-        let (d_list, b_list) = (list(&to_defaults), list(&to_batched));
+        let (d_list, b_list, e_list) = (list(&to_defaults), list(&to_batched), list(&to_equal));
         println!(
             "graphile-worker {version}, same server, drain {} jobs, {} in flight: defaults median {:.0} jobs/s, \
-             batched (local queue, batched completions) median {:.0} jobs/s over {} passes",
+             batched (local queue, batched completions) median {:.0} jobs/s, \
+             equal work (batched, each task writing what a no-op run writes) median {:.0} jobs/s over {} passes",
             args.runs,
             args.in_flight,
             median(&mut defaults),
             median(&mut batched),
+            median(&mut equal),
             theirs.len()
         );
         println!(
-            "graphile-worker {version} costs per job (medians): defaults {}; batched {}",
+            "graphile-worker {version} costs per job (medians): defaults {}; batched {}; equal work {}",
             Costs::medians(theirs.iter().map(|p| p.defaults_costs)).line(),
-            Costs::medians(theirs.iter().map(|p| p.batched_costs)).line()
+            Costs::medians(theirs.iter().map(|p| p.batched_costs)).line(),
+            Costs::medians(theirs.iter().map(|p| p.equal_costs)).line()
         );
         println!(
             "graphile-worker {version} pickup, idle worker, {} jobs: addJob resolved to task start p50 {p50:.2} ms, \
@@ -234,9 +247,10 @@ impl Graphile {
         );
         println!(
             "ratio agent-host drain / graphile-worker defaults, pass by pass: median {:.2} ({d_list}); \
-             / batched: median {:.2} ({b_list})",
+             / batched: median {:.2} ({b_list}); / equal work: median {:.2} ({e_list})",
             median(&mut to_defaults),
-            median(&mut to_batched)
+            median(&mut to_batched),
+            median(&mut to_equal)
         );
         println!(
             "ratio agent-host pickup p50 / graphile-worker pickup p50, from the commit: claimed {:.2}, eager start {:.2}; \

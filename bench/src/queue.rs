@@ -218,14 +218,17 @@ pub async fn throughput(
         // Its pass of this round, when there is a comparison.
         if let Some(t) = theirs.last() {
             println!(
-                "  pass {pass}: graphile-worker defaults {:.0} jobs/s ({} per job), batched {:.0} jobs/s ({} per job) \
-                 (ratios {:.2}, {:.2})",
+                "  pass {pass}: graphile-worker defaults {:.0} jobs/s ({} per job), batched {:.0} jobs/s ({} per job), \
+                 equal work {:.0} jobs/s ({} per job) (ratios {:.2}, {:.2}, {:.2})",
                 t.defaults,
                 t.defaults_costs.line(),
                 t.batched,
                 t.batched_costs.line(),
+                t.equal,
+                t.equal_costs.line(),
                 d.rate / t.defaults,
-                d.rate / t.batched
+                d.rate / t.batched,
+                d.rate / t.equal
             );
         }
     }

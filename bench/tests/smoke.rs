@@ -172,7 +172,8 @@ fn a_small_run_prints_every_figure() {
 /// The comparison with graphile-worker (pinned in bench/graphile, installed
 /// from the npm registry into the cache once; the test command makes sure
 /// Node is present): one pass of it interleaved with each of ours, its
-/// first on even passes, and a ratio per pair.
+/// first on even passes, and a ratio per pair, with each preset's, the
+/// equal-work one (its tasks writing what a no-op run writes) among them.
 #[test]
 fn the_comparison_interleaves_graphile_workers_passes_with_ours() {
     let stdout = small_run("compare", "--queue-only --runs 40 --in-flight 4 --passes 2 --samples 3 --compare graphile");
@@ -212,11 +213,17 @@ fn the_comparison_interleaves_graphile_workers_passes_with_ours() {
             "{ours} / {defaults} is not {ratio}"
         );
         ratios.push(ratio);
+        // The equal-work preset's ratio is the third.
+        let equal = number(theirs, "equal work ");
+        let third = &theirs[theirs.find("(ratios ").unwrap()..];
+        let third: f64 = third.trim_end_matches(')').rsplit(", ").next().unwrap().parse().unwrap();
+        assert!(equal > 0.0, "{theirs}");
+        assert!((third - ours / equal).abs() <= 0.01 + 0.005 * ours / equal, "{ours} / {equal} is not {third}");
     }
     // Its costs per job are read as ours are: every job wrote at least one
     // commit, and Node and the (local) server each spent CPU on it.
     let costs = stdout.lines().find(|l| l.contains(" costs per job (medians): defaults ")).unwrap();
-    for preset in ["defaults ", "batched "] {
+    for preset in ["defaults ", "batched ", "equal work "] {
         let part = &costs[costs.find(preset).unwrap()..];
         assert!(number(part, preset) > 0.0, "no commits per job: {costs}");
         assert!(number(part, "CPU node ") > 0.0 && number(part, "database ") > 0.0, "{costs}");
@@ -224,6 +231,7 @@ fn the_comparison_interleaves_graphile_workers_passes_with_ours() {
     let summary = stdout.lines().find(|l| l.starts_with("ratio agent-host drain / graphile-worker")).unwrap();
     let median = number(summary, "pass by pass: median ");
     assert!((median - (ratios[0] + ratios[1]) / 2.0).abs() <= 0.011, "{summary}: not the median of {ratios:?}");
+    assert!(number(summary, "/ equal work: median ") > 0.0, "{summary}");
 }
 
 /// Drops the run's throwaway database on DATABASE_URL's server.
