@@ -83,7 +83,9 @@ async fn complete(State(p): State<Arc<Provider>>, headers: HeaderMap, Json(body)
             };
             let mut sse = chunk(json!({ "content": text }), Value::Null);
             sse += &chunk(json!({}), json!("stop"));
-            sse += "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":3}}\n\n";
+            // 5 prompt tokens (2 of them from the provider's cache) and 3 completion tokens.
+            sse += "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":3,\
+                    \"prompt_tokens_details\":{\"cached_tokens\":2}}}\n\n";
             sse += "data: [DONE]\n\n";
             ([("content-type", "text/event-stream")], sse).into_response()
         }
@@ -499,12 +501,34 @@ async fn a_call_that_would_pass_its_tenants_token_budget_is_refused_and_others_a
     // Every answer reports 5 + 3 tokens.
     let (provider, url) = Provider::start(Box::new(|_: &[Instant]| Reply::Answer("Counted.".into()))).await;
     let tools = format!(
-        "[[provider]]\nname = \"p\"\nbase_url = \"{url}\"\n\n[[budget]]\ntenant = \"acme\"\ntokens_per_day = 8\n"
+        "[[provider]]\nname = \"p\"\nbase_url = \"{url}\"\n\n[[budget]]\ntenant = \"acme\"\ntokens_per_day = 8\n\n\
+         [[price]]\nprovider = \"p\"\nmodel = \"m\"\nprompt = 2.0\ncompletion = 8.0\ncached_prompt = 0.5\n"
     );
+    // The price table's arithmetic for one call: 3 fresh and 2 cached prompt
+    // tokens, 3 completion tokens, in USD per million.
+    let cost = (3.0 * 2.0 + 2.0 * 0.5 + 3.0 * 8.0) / 1e6;
+    let close = |v: &Value, want: f64| (v.as_f64().unwrap_or(f64::NAN) - want).abs() < 1e-12;
     let setup = Setup::new(&tools).await;
     let host = setup.spawn("A", &["--llm-model", "m"], &[]);
     let first = setup.post(&host, "hello").await;
     assert_eq!(wait_terminal(&setup.db.pool, first, LONG).await, "completed");
+    // The run's API answer sums its calls' usage and cost.
+    let run: Value = reqwest::Client::new()
+        .get(format!("http://{}/v1/runs/{first}", host.addr))
+        .bearer_auth(&setup.token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let usage = &run["usage"];
+    assert_eq!(
+        (&usage["model_calls"], &usage["prompt_tokens"], &usage["completion_tokens"], &usage["cached_tokens"]),
+        (&json!(1), &json!(5), &json!(3), &json!(2)),
+        "{run}"
+    );
+    assert!(close(&usage["cost_usd"], cost), "{run}");
     let second = setup.post(&host, "hello").await;
     assert_eq!(wait_terminal(&setup.db.pool, second, LONG).await, "failed");
     let error: String = sqlx::query_scalar("SELECT error FROM agent_run WHERE id = $1")
@@ -551,5 +575,65 @@ async fn a_call_that_would_pass_its_tenants_token_budget_is_refused_and_others_a
         (&rows[0]["calls"], &rows[0]["prompt_tokens"], &rows[0]["completion_tokens"]),
         (&json!(1), &json!(5), &json!(3))
     );
+    assert_eq!(rows[0]["cached_tokens"], 2);
+    assert!(close(&rows[0]["cost_usd"], cost), "{answer}");
+    // On /metrics: both tenants' calls, by provider and model.
+    let labels = "{provider=\"p\",model=\"m\"";
+    assert_eq!(metric(&host, &format!("agent_host_model_tokens_total{labels},kind=\"cached_prompt\"}}")).await, 4.0);
+    assert_eq!(metric(&host, &format!("agent_host_model_tokens_total{labels},kind=\"prompt\"}}")).await, 10.0);
+    let total = metric(&host, &format!("agent_host_model_cost_usd_total{labels}}}")).await;
+    assert!((total - 2.0 * cost).abs() < 1e-12, "{total}");
     assert_eq!(get(setup.token.clone()).await.status(), 403);
+}
+
+/// A tenant's cost budget: the call that would pass it is refused with the
+/// budget named, counted and audited for the operator; another tenant's run
+/// completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_would_pass_its_tenants_cost_budget_is_refused_audited_and_others_are_not() {
+    // Every answer reports 5 prompt tokens (2 cached) and 3 completion tokens:
+    // (3 × 1 + 2 × 0.5 + 3 × 20) / 1e6 = 0.000064 USD a call, the whole day's budget.
+    let (provider, url) = Provider::start(Box::new(|_: &[Instant]| Reply::Answer("Priced.".into()))).await;
+    let tools = format!(
+        "[[provider]]\nname = \"p\"\nbase_url = \"{url}\"\n\n\
+         [[price]]\nprovider = \"p\"\nmodel = \"m\"\nprompt = 1.0\ncompletion = 20.0\ncached_prompt = 0.5\n\n\
+         [[budget]]\ntenant = \"acme\"\ncost_per_day = 0.000064\ntokens_per_month = 1000000\n"
+    );
+    let setup = Setup::new(&tools).await;
+    let host = setup.spawn("A", &["--llm-model", "m"], &[]);
+    let first = setup.post(&host, "hello").await;
+    assert_eq!(wait_terminal(&setup.db.pool, first, LONG).await, "completed");
+    let second = setup.post(&host, "hello").await;
+    assert_eq!(wait_terminal(&setup.db.pool, second, LONG).await, "failed");
+    let error: String = sqlx::query_scalar("SELECT error FROM agent_run WHERE id = $1")
+        .bind(second)
+        .fetch_one(&setup.db.pool)
+        .await
+        .unwrap();
+    assert!(
+        error.contains("budget: tenant \"acme\" has used 0.000064 of its 0.000064 USD today (UTC, cost_per_day)"),
+        "{error}"
+    );
+    // The operator is told: the metric and an audit row naming the run and the budget.
+    assert_eq!(metric(&host, "agent_host_model_budget_refusals_total").await, 1.0);
+    let (tenant, target, detail): (Option<String>, String, Value) =
+        sqlx::query_as("SELECT tenant_id, target, detail FROM audit_event WHERE action = 'model.budget_refused'")
+            .fetch_one(&setup.db.pool)
+            .await
+            .unwrap();
+    assert_eq!((tenant.as_deref(), target), (Some("acme"), second.to_string()));
+    assert_eq!(detail["budget"], "cost_per_day");
+    assert_eq!(detail["limit"], 0.000064);
+    // Another tenant's run is unaffected.
+    let other = tokens::create(&setup.db.pool, "bob", "other", false).await.unwrap();
+    let res = reqwest::Client::new()
+        .post(format!("http://{}/v1/runs", host.addr))
+        .bearer_auth(&other)
+        .json(&json!({ "plugin": "chat", "content": "hello" }))
+        .send()
+        .await
+        .unwrap();
+    let third: RunId = res.json::<Value>().await.unwrap()["run_id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(wait_terminal(&setup.db.pool, third, LONG).await, "completed");
+    assert_eq!(provider.seen().len(), 2, "the refused call never reached the provider");
 }

@@ -860,10 +860,14 @@ pub const ROUTES: &[Route] = &[
     Route {
         method: "get",
         path: "/v1/usage",
-        summary: "Model tokens by tenant, UTC day, provider and model, as the providers reported them, newest day \
-                  first (admins: their tenant's; operators: every tenant's)",
+        summary: "Model tokens and cost (USD, by the tools file's [[price]] table) by tenant, UTC day, provider \
+                  and model, as the providers reported them, newest day first (admins: their tenant's; operators: \
+                  every tenant's)",
         auth: true,
-        ok: (200, "{usage: [{tenant_id, day, provider, model, calls, prompt_tokens, completion_tokens}]}"),
+        ok: (
+            200,
+            "{usage: [{tenant_id, day, provider, model, calls, prompt_tokens, completion_tokens, cached_tokens, cost_usd}]}",
+        ),
         errors: &[400, 403],
         also: &[],
         query: &[("days", "integer", "1-366 (default 31): today and the days before it")],

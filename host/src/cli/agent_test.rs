@@ -264,7 +264,7 @@ impl Tool for ScriptedModel {
             content: answer.content,
             tool_calls,
             finish_reason: finish_reason.into(),
-            usage: Some(Usage { prompt_tokens: 0, completion_tokens: 0 }),
+            usage: Some(Usage::new(0, 0)),
             model: SCRIPTED_MODEL.into(),
         }
         .into_json())

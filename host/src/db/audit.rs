@@ -29,6 +29,8 @@ pub mod action {
     pub const SCHEDULE_RESUMED: &str = "schedule.resumed";
     pub const TENANT_SHARE_SET: &str = "tenant.share_set";
     pub const TENANT_CEILINGS_SET: &str = "tenant.ceilings_set";
+    /// The host refused a model call at its tenant's budget (target: the run).
+    pub const MODEL_BUDGET_REFUSED: &str = "model.budget_refused";
 }
 
 /// Who acted: a token's principal, or the operator's command line.

@@ -237,38 +237,65 @@ pub async fn run_tenant(pool: &PgPool, run_id: RunId) -> Result<Option<String>, 
     sqlx::query_scalar("SELECT tenant_id FROM agent_run WHERE id = $1").bind(run_id).fetch_optional(pool).await
 }
 
-/// Adds one model call's reported tokens to its tenant's day (UTC).
+/// One model call's reported usage and its cost, as a tenant's day adds it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CallCost {
+    pub prompt_tokens: i64,
+    pub completion_tokens: i64,
+    pub cached_tokens: i64,
+    pub cost_usd: f64,
+}
+
+/// Adds one model call's reported tokens and cost to its tenant's day (UTC).
 pub async fn record_usage(
     pool: &PgPool,
     tenant: &str,
     provider: &str,
     model: &str,
-    prompt_tokens: i64,
-    completion_tokens: i64,
+    c: CallCost,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO model_usage_day (tenant_id, day, provider, model, calls, prompt_tokens, completion_tokens)
-         VALUES ($1, (now() AT TIME ZONE 'UTC')::date, $2, $3, 1, $4, $5)
+        "INSERT INTO model_usage_day
+             (tenant_id, day, provider, model, calls, prompt_tokens, completion_tokens, cached_tokens, cost_usd)
+         VALUES ($1, (now() AT TIME ZONE 'UTC')::date, $2, $3, 1, $4, $5, $6, $7)
          ON CONFLICT (tenant_id, day, provider, model) DO UPDATE
          SET calls = model_usage_day.calls + 1,
              prompt_tokens = model_usage_day.prompt_tokens + excluded.prompt_tokens,
-             completion_tokens = model_usage_day.completion_tokens + excluded.completion_tokens",
+             completion_tokens = model_usage_day.completion_tokens + excluded.completion_tokens,
+             cached_tokens = model_usage_day.cached_tokens + excluded.cached_tokens,
+             cost_usd = model_usage_day.cost_usd + excluded.cost_usd",
     )
     .bind(tenant)
     .bind(provider)
     .bind(model)
-    .bind(prompt_tokens.max(0))
-    .bind(completion_tokens.max(0))
+    .bind(c.prompt_tokens.max(0))
+    .bind(c.completion_tokens.max(0))
+    .bind(c.cached_tokens.max(0))
+    .bind(if c.cost_usd.is_finite() { c.cost_usd.max(0.0) } else { 0.0 })
     .execute(pool)
     .await?;
     Ok(())
 }
 
-/// The model tokens `tenant` has used today (UTC), every model.
-pub async fn tokens_today(pool: &PgPool, tenant: &str) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT coalesce(sum(prompt_tokens + completion_tokens), 0)::bigint FROM model_usage_day
-         WHERE tenant_id = $1 AND day = (now() AT TIME ZONE 'UTC')::date",
+/// What a tenant has used of its budgets: today and this calendar month (UTC).
+#[derive(Debug, Clone, Copy, Default, sqlx::FromRow)]
+pub struct Spent {
+    pub tokens_day: i64,
+    pub cost_day: f64,
+    pub tokens_month: i64,
+    pub cost_month: f64,
+}
+
+/// The model tokens and cost `tenant` has used today and this month (UTC), every model.
+pub async fn spent(pool: &PgPool, tenant: &str) -> Result<Spent, sqlx::Error> {
+    sqlx::query_as(
+        "WITH d AS (SELECT (now() AT TIME ZONE 'UTC')::date AS today)
+         SELECT coalesce(sum(prompt_tokens + completion_tokens) FILTER (WHERE u.day = d.today), 0)::bigint AS tokens_day,
+                coalesce(sum(cost_usd) FILTER (WHERE u.day = d.today), 0)::float8 AS cost_day,
+                coalesce(sum(prompt_tokens + completion_tokens), 0)::bigint AS tokens_month,
+                coalesce(sum(cost_usd), 0)::float8 AS cost_month
+         FROM model_usage_day u, d
+         WHERE u.tenant_id = $1 AND u.day >= date_trunc('month', d.today)::date",
     )
     .bind(tenant)
     .fetch_one(pool)
@@ -289,13 +316,18 @@ pub struct UsageDay {
     pub calls: i64,
     pub prompt_tokens: i64,
     pub completion_tokens: i64,
+    /// Of the prompt tokens, those the provider read from its cache.
+    pub cached_tokens: i64,
+    /// USD by the tools file's price table when the calls were made.
+    pub cost_usd: f64,
 }
 
 /// The usage of today and the `days - 1` days before (UTC), of `tenant`
 /// (`None`: every tenant's), newest day first, at most [`USAGE_ROWS_MAX`] rows.
 pub async fn usage(pool: &PgPool, tenant: Option<&str>, days: i32) -> Result<Vec<UsageDay>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT tenant_id, day, provider, model, calls, prompt_tokens, completion_tokens FROM model_usage_day
+        "SELECT tenant_id, day, provider, model, calls, prompt_tokens, completion_tokens, cached_tokens, cost_usd
+         FROM model_usage_day
          WHERE ($1::text IS NULL OR tenant_id = $1) AND day > (now() AT TIME ZONE 'UTC')::date - $2
          ORDER BY day DESC, tenant_id, provider, model LIMIT $3",
     )

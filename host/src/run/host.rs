@@ -60,11 +60,15 @@ pub const EVENT_KIND_BYTES_MAX: usize = 64;
 pub const STREAMED_BYTES_MAX: usize = 1 << 20;
 
 /// Model tokens a run used, over all its model calls.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct Usage {
     pub model_calls: u64,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
+    /// Of the prompt tokens, those the providers read from their caches.
+    pub cached_tokens: u64,
+    /// USD by the tools file's price table (calls without a price count 0).
+    pub cost_usd: f64,
 }
 
 /// What a run's host is built from (by the worker, at the claim).
@@ -736,8 +740,7 @@ impl RunHost {
         let answer = record::recorded_answer(call);
         if let (Ok(text), LLM_TOOL) = (&answer, name) {
             if let Ok(value) = serde_json::from_str::<Value>(text) {
-                let (prompt, completion) = crate::tools::llm_tokens(&value);
-                self.add_usage(prompt, completion);
+                self.add_usage(crate::tools::llm_tokens(&value));
             }
         }
         let text = answer?;
@@ -779,11 +782,13 @@ impl RunHost {
     }
 
     /// Adds one model call's tokens to the run's usage.
-    pub fn add_usage(&self, prompt_tokens: u64, completion_tokens: u64) {
+    pub fn add_usage(&self, used: crate::tools::CallUsage) {
         let mut s = self.state();
         s.usage.model_calls += 1;
-        s.usage.prompt_tokens += prompt_tokens;
-        s.usage.completion_tokens += completion_tokens;
+        s.usage.prompt_tokens += used.prompt_tokens;
+        s.usage.completion_tokens += used.completion_tokens;
+        s.usage.cached_tokens += used.cached_tokens;
+        s.usage.cost_usd += used.cost_usd;
     }
 
     /// The run's model usage so far; `None` if it made no model call.
@@ -917,7 +922,7 @@ impl EventSink for RunHost {
         self.append(kind, payload, false).await
     }
 
-    fn usage(&self, prompt_tokens: u64, completion_tokens: u64) {
-        self.add_usage(prompt_tokens, completion_tokens)
+    fn usage(&self, used: crate::tools::CallUsage) {
+        self.add_usage(used)
     }
 }

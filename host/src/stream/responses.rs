@@ -85,7 +85,7 @@ pub fn usage_object(usage: Option<&Value>) -> Value {
         "input_tokens": input,
         "output_tokens": output,
         "total_tokens": input + output,
-        "input_tokens_details": { "cached_tokens": 0 },
+        "input_tokens_details": { "cached_tokens": tokens("cached_tokens") },
         "output_tokens_details": { "reasoning_tokens": 0 },
     })
 }

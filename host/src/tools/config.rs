@@ -218,6 +218,9 @@ pub struct ToolsFile {
     /// Daily model-token budgets of tenants.
     #[serde(default)]
     budget: Vec<super::models::BudgetConfig>,
+    /// Prices of provider models (USD per million tokens): the cost of each call.
+    #[serde(default)]
+    price: Vec<super::models::PriceConfig>,
 }
 
 /// Everything the operator's tools file configures, checked, with every
@@ -391,6 +394,7 @@ pub fn parse_tools_file_with(text: &str, env: &dyn Fn(&str) -> Option<String>) -
         limits: file.limit,
         retry: file.model_retry.unwrap_or_default(),
         budgets: file.budget,
+        prices: file.price,
     };
     models.check()?;
     Ok(ToolsConfig {

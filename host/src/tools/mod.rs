@@ -32,11 +32,27 @@ pub use http::HttpRule;
 pub use llm::{valid_tool_name, TOOL_NAME_BYTES_MAX};
 pub use mcp::{McpApproval, McpConfig};
 
-/// The tokens an `llm` answer says it used: (prompt, completion).
-pub(crate) fn llm_tokens(answer: &Value) -> (u64, u64) {
+/// The tokens an `llm` answer says it used, and its cost (USD, 0 without a price).
+pub(crate) fn llm_tokens(answer: &Value) -> CallUsage {
     let usage = llm::usage_of(answer);
     let tokens = |k: &str| usage.get(k).and_then(Value::as_u64).unwrap_or(0);
-    (tokens("prompt_tokens"), tokens("completion_tokens"))
+    CallUsage {
+        prompt_tokens: tokens("prompt_tokens"),
+        completion_tokens: tokens("completion_tokens"),
+        cached_tokens: tokens("cached_tokens"),
+        cost_usd: usage.get("cost_usd").and_then(Value::as_f64).unwrap_or(0.0),
+    }
+}
+
+/// What one model call used, as the run's usage sums it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CallUsage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    /// Of the prompt tokens, those read from the provider's cache.
+    pub cached_tokens: u64,
+    /// USD, by the tools file's price table.
+    pub cost_usd: f64,
 }
 
 /// The model tool's name; no webhook may take it.
@@ -64,7 +80,7 @@ pub trait EventSink: Send + Sync {
     /// A host-written event such as `tool_call_started`.
     async fn event(&self, kind: &str, payload: Value) -> Result<(), HostError>;
     /// Tokens a model call used, added to the run's total.
-    fn usage(&self, _prompt_tokens: u64, _completion_tokens: u64) {}
+    fn usage(&self, _used: CallUsage) {}
 }
 
 /// One call of a tool by a run.
@@ -422,8 +438,7 @@ impl ToolRegistry {
             Ok(answer) => {
                 if call.name == LLM_TOOL {
                     // The run's token usage lives in the journal, call by call.
-                    let (prompt, completion) = llm_tokens(&answer);
-                    sink.usage(prompt, completion);
+                    sink.usage(llm_tokens(&answer));
                     finished["usage"] = llm::usage_of(&answer);
                 }
                 // Secrets are cut out of the answer's strings, never out of

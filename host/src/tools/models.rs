@@ -130,7 +130,8 @@ impl LimitConfig {
     }
 }
 
-/// A tenant's daily budget of model tokens (a `[[budget]]` table).
+/// A tenant's budgets of model tokens and cost (a `[[budget]]` table): a
+/// day and a calendar month, both UTC; at least one is given.
 #[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BudgetConfig {
@@ -138,7 +139,47 @@ pub struct BudgetConfig {
     pub tenant: String,
     /// Model tokens (prompt and completion, as the providers report them)
     /// in a UTC day: a call that would pass it is refused (`limit`).
-    pub tokens_per_day: u64,
+    #[serde(default)]
+    pub tokens_per_day: Option<u64>,
+    /// Cost in USD (by the `[[price]]` table) in a UTC day.
+    #[serde(default)]
+    pub cost_per_day: Option<f64>,
+    /// Model tokens in a UTC calendar month.
+    #[serde(default)]
+    pub tokens_per_month: Option<u64>,
+    /// Cost in USD in a UTC calendar month.
+    #[serde(default)]
+    pub cost_per_month: Option<f64>,
+}
+
+/// What one provider model costs (a `[[price]]` table), in USD per million
+/// tokens as the provider reports them.
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PriceConfig {
+    /// The provider (a `[[provider]]`'s name, or `default` for the flags').
+    pub provider: String,
+    /// The model's name at the provider.
+    pub model: String,
+    /// USD per million prompt tokens (those not read from the provider's cache).
+    pub prompt: f64,
+    /// USD per million completion tokens.
+    pub completion: f64,
+    /// USD per million cached prompt tokens (`usage.prompt_tokens_details.cached_tokens`);
+    /// `prompt`'s price when left out.
+    #[serde(default)]
+    pub cached_prompt: Option<f64>,
+}
+
+impl PriceConfig {
+    /// The cost in USD of a call's reported usage: `prompt` counts its cached
+    /// tokens too (as OpenAI reports them), priced at `cached_prompt`.
+    pub fn cost(&self, prompt: u64, completion: u64, cached: u64) -> f64 {
+        let cached = cached.min(prompt);
+        let fresh = (prompt - cached) as f64 * self.prompt;
+        let cached = cached as f64 * self.cached_prompt.unwrap_or(self.prompt);
+        (fresh + cached + completion as f64 * self.completion) / 1_000_000.0
+    }
 }
 
 /// How a call is retried: a model call (the `[model_retry]` table) or a
@@ -208,6 +249,7 @@ pub struct ModelsConfig {
     pub limits: Vec<LimitConfig>,
     pub retry: RetryConfig,
     pub budgets: Vec<BudgetConfig>,
+    pub prices: Vec<PriceConfig>,
 }
 
 fn valid_name(name: &str) -> bool {
@@ -222,9 +264,9 @@ pub fn split_target(target: &str) -> Option<(&str, &str)> {
 }
 
 impl ModelsConfig {
-    /// The daily token budget of `tenant`: its own, else `"*"`'s.
-    pub fn budget_of(&self, tenant: &str) -> Option<u64> {
-        let find = |t: &str| self.budgets.iter().find(|b| b.tenant == t).map(|b| b.tokens_per_day);
+    /// The budget of `tenant`: its own, else `"*"`'s.
+    pub fn budget_of(&self, tenant: &str) -> Option<&BudgetConfig> {
+        let find = |t: &str| self.budgets.iter().find(|b| b.tenant == t);
         find(tenant).or_else(|| find("*"))
     }
 
@@ -280,14 +322,40 @@ impl ModelsConfig {
             }
         }
         for (i, b) in self.budgets.iter().enumerate() {
-            if b.tenant.is_empty() || b.tokens_per_day == 0 {
-                return Err(format!("budget #{}: a tenant and tokens_per_day of at least 1", i + 1));
+            let tokens = [b.tokens_per_day, b.tokens_per_month];
+            let costs = [b.cost_per_day, b.cost_per_month];
+            if b.tenant.is_empty() || (tokens.iter().all(Option::is_none) && costs.iter().all(Option::is_none)) {
+                return Err(format!(
+                    "budget #{}: a tenant and at least one of tokens_per_day, cost_per_day, tokens_per_month, cost_per_month",
+                    i + 1
+                ));
+            }
+            if tokens.contains(&Some(0)) || costs.into_iter().flatten().any(|c| !c.is_finite() || c <= 0.0) {
+                return Err(format!("budget #{} ({:?}): a budget is more than 0", i + 1, b.tenant));
             }
             if self.budgets[..i].iter().any(|o| o.tenant == b.tenant) {
                 return Err(format!("budget #{} ({:?}): an earlier budget has the same tenant", i + 1, b.tenant));
             }
         }
+        for (i, p) in self.prices.iter().enumerate() {
+            let entry = format!("price #{} ({}/{})", i + 1, p.provider, p.model);
+            let prices = [Some(p.prompt), Some(p.completion), p.cached_prompt];
+            if p.provider.is_empty() || p.model.trim().is_empty() {
+                return Err(format!("{entry}: a provider and a model"));
+            }
+            if prices.into_iter().flatten().any(|x| !x.is_finite() || x < 0.0) {
+                return Err(format!("{entry}: prices are USD per million tokens, 0 or more"));
+            }
+            if self.prices[..i].iter().any(|o| o.provider == p.provider && o.model == p.model) {
+                return Err(format!("{entry}: an earlier price has the same provider and model"));
+            }
+        }
         self.retry.check().map_err(|e| format!("model_retry: {e}"))
+    }
+
+    /// The price of `provider`'s `model`, if the tools file gives one.
+    pub fn price_of(&self, provider: &str, model: &str) -> Option<&PriceConfig> {
+        self.prices.iter().find(|p| p.provider == provider && p.model == model)
     }
 
     /// The cross-checks once every provider is known (`default` included
@@ -310,6 +378,11 @@ impl ModelsConfig {
         for l in &self.limits {
             if !known(&l.provider) {
                 return Err(format!("limit {:?}: names no provider", l.key()));
+            }
+        }
+        for p in &self.prices {
+            if !known(&p.provider) {
+                return Err(format!("price {}/{}: names no provider", p.provider, p.model));
             }
         }
         if !self.aliases.is_empty() && self.providers.is_empty() && !has_default {

@@ -16,10 +16,10 @@ use async_trait::async_trait;
 use serde_json::{json, Value};
 
 use super::limits::Limiter;
-use super::{failed, parse_args, LlmArgs, OpenAi, Role};
+use super::{failed, parse_args, Answer, LlmArgs, OpenAi, Role};
 use crate::db::events::MODEL_ATTEMPT;
 use crate::error::HostError;
-use crate::tools::models::{split_target, ModelsConfig, RetryConfig, ATTEMPTS_MAX, DEFAULT_PROVIDER};
+use crate::tools::models::{split_target, ModelsConfig, PriceConfig, RetryConfig, ATTEMPTS_MAX, DEFAULT_PROVIDER};
 use crate::tools::{clip, EventSink, LlmConfig, Tool, ToolCall};
 
 /// Bytes of an attempt's error kept in its `model_attempt` event.
@@ -42,6 +42,8 @@ pub(crate) struct Gateway {
     retry: RetryConfig,
     timeout: Duration,
     pub limits: Limiter,
+    /// The `[[price]]` table: each call's cost.
+    prices: Vec<PriceConfig>,
 }
 
 impl Gateway {
@@ -91,6 +93,7 @@ impl Gateway {
             retry: models.retry.clone(),
             timeout: llm.timeout,
             limits: Limiter::new(models.limits.clone(), models.budgets.clone(), llm.timeout),
+            prices: models.prices.clone(),
         };
         gateway.resolve(None).map_err(|e| format!("--llm-model: {e}"))?;
         Ok(Some(gateway))
@@ -139,7 +142,13 @@ impl Tool for Gateway {
         let tokens = estimate_tokens(&args);
         // The run's tenant: its budget, its usage, its limits per tenant.
         let tenant = self.limits.tenant_of(call).await?;
-        self.limits.check_budget(tenant.as_deref(), tokens).await?;
+        // The call's cost before it is made: its estimate at its first
+        // priced target's prompt price.
+        let estimate_usd = targets
+            .iter()
+            .find_map(|t| self.prices.iter().find(|p| p.provider == t.provider && p.model == t.model))
+            .map_or(0.0, |p| p.cost(tokens.max(0) as u64, 0, 0));
+        self.limits.check_budget(call.run_id, tenant.as_deref(), tokens, estimate_usd).await?;
         let total = (self.retry.attempts as usize * targets.len()).min(ATTEMPTS_MAX as usize) as u32;
         // A target's own Retry-After when no shared limit carries it.
         let mut paused_until: Vec<Option<Instant>> = vec![None; targets.len()];
@@ -170,16 +179,21 @@ impl Tool for Gateway {
                         event["outcome"] = json!("ok");
                         event["status"] = json!(resp.status().as_u16());
                         sink.event(MODEL_ATTEMPT, event).await?;
-                        let answer = endpoint.read(resp, sink, &t.model).await;
+                        let mut answer = endpoint.read(resp, sink, &t.model).await;
+                        // The cost by the price table, on the answer's usage.
+                        if let Ok(Answer { usage: Some(u), .. }) = &mut answer {
+                            u.cost_usd = self
+                                .prices
+                                .iter()
+                                .find(|p| p.provider == t.provider && p.model == t.model)
+                                .map(|p| p.cost(u.prompt_tokens, u.completion_tokens, u.cached_tokens));
+                        }
                         let used = answer.as_ref().ok().and_then(|a| a.usage);
                         lease
                             .end(used.map(|u| (u.prompt_tokens + u.completion_tokens).min(i64::MAX as u64) as i64))
                             .await;
                         if let Some(u) = used {
-                            let tenant = tenant.as_deref();
-                            self.limits
-                                .record(tenant, &t.provider, &t.model, u.prompt_tokens, u.completion_tokens)
-                                .await;
+                            self.limits.record(tenant.as_deref(), &t.provider, &t.model, &u).await;
                         }
                         return Ok(answer?.into_json());
                     }

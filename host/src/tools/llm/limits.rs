@@ -43,6 +43,17 @@ pub struct ModelStats {
     pub pauses: AtomicU64,
     /// Calls refused at a tenant's daily token budget.
     pub budget_refusals: AtomicU64,
+    /// Reported usage by (provider, model).
+    used: Mutex<BTreeMap<(String, String), Used>>,
+}
+
+/// What the calls of one provider model used, as reported.
+#[derive(Default, Clone, Copy)]
+struct Used {
+    prompt: u64,
+    completion: u64,
+    cached: u64,
+    cost_usd: f64,
 }
 
 impl ModelStats {
@@ -50,7 +61,40 @@ impl ModelStats {
         *self.attempts.lock().unwrap().entry((provider.to_string(), outcome.to_string())).or_default() += 1;
     }
 
+    /// Counts one call's reported usage and cost.
+    pub fn used(&self, provider: &str, model: &str, u: &super::Usage) {
+        let mut used = self.used.lock().unwrap();
+        let e = used.entry((provider.to_string(), model.to_string())).or_default();
+        e.prompt += u.prompt_tokens;
+        e.completion += u.completion_tokens;
+        e.cached += u.cached_tokens;
+        e.cost_usd += u.cost_usd.unwrap_or(0.0);
+    }
+
     pub fn write(&self, e: &mut Exposition) {
+        let used: Vec<((String, String), Used)> =
+            self.used.lock().unwrap().iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let labels = |p: &str, m: &str| format!("provider=\"{}\",model=\"{}\"", label_value(p), label_value(m));
+        let mut tokens = Vec::new();
+        for ((p, m), u) in &used {
+            for (kind, n) in [("prompt", u.prompt), ("completion", u.completion), ("cached_prompt", u.cached)] {
+                tokens.push((format!("{},kind=\"{kind}\"", labels(p, m)), n as f64));
+            }
+        }
+        e.labelled(
+            "agent_host_model_tokens_total",
+            "counter",
+            "Model tokens this process's calls used as the providers reported them, by provider, model and kind \
+             (prompt, completion, cached_prompt: the prompt tokens read from the provider's cache, counted in prompt too).",
+            &tokens,
+        );
+        let cost: Vec<(String, f64)> = used.iter().map(|((p, m), u)| (labels(p, m), u.cost_usd)).collect();
+        e.labelled(
+            "agent_host_model_cost_usd_total",
+            "counter",
+            "The cost in USD of this process's model calls by the tools file's [[price]] table, by provider and model.",
+            &cost,
+        );
         let samples: Vec<(String, f64)> = self
             .attempts
             .lock()
@@ -81,7 +125,7 @@ impl ModelStats {
         );
         e.counter(
             "agent_host_model_budget_refusals_total",
-            "Model calls this process refused because they would pass their tenant's daily token budget.",
+            "Model calls this process refused because they would pass one of their tenant's budgets (tokens or cost, day or month).",
             self.budget_refusals.load(Ordering::Relaxed),
         );
     }
@@ -182,31 +226,93 @@ impl Limiter {
         }
     }
 
-    /// Refuses a call that would pass its tenant's daily token budget
-    /// (`estimate`: its prompt and `max_tokens`), a `limit` naming it.
-    pub async fn check_budget(&self, tenant: Option<&str>, estimate: i64) -> Result<(), HostError> {
+    /// Refuses a call that would pass one of its tenant's budgets (tokens
+    /// or cost, a UTC day or calendar month), a `limit` naming the budget,
+    /// what was used and the limit; counted, logged and audited.
+    /// `estimate`: the call's tokens (its prompt and `max_tokens`);
+    /// `estimate_usd`: those at its first target's prompt price.
+    pub async fn check_budget(
+        &self,
+        run_id: crate::db::RunId,
+        tenant: Option<&str>,
+        estimate: i64,
+        estimate_usd: f64,
+    ) -> Result<(), HostError> {
         let (Some(pool), Some(tenant)) = (self.pool.get(), tenant) else { return Ok(()) };
-        let find = |t: &str| self.budgets.iter().find(|b| b.tenant == t).map(|b| b.tokens_per_day);
-        let Some(budget) = find(tenant).or_else(|| find("*")) else { return Ok(()) };
-        let spent = model_limits::tokens_today(pool, tenant).await.map_err(unavailable)?;
-        if spent.saturating_add(estimate) > budget.min(i64::MAX as u64) as i64 {
-            self.stats.budget_refusals.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(tenant, spent, budget, estimate, "a model call refused at its tenant's daily token budget");
-            return Err(HostError::Limit(format!(
-                "budget: tenant {tenant:?} has used {spent} of its {budget} model tokens today (UTC); \
-                 this call (about {estimate} more) would pass it"
-            )));
+        let find = |t: &str| self.budgets.iter().find(|b| b.tenant == t);
+        let Some(b) = find(tenant).or_else(|| find("*")) else { return Ok(()) };
+        let spent = model_limits::spent(pool, tenant).await.map_err(unavailable)?;
+        let clamp = |n: u64| n.min(i64::MAX as u64) as i64;
+        let mut refusal = None;
+        for (budget, used, limit, period) in [
+            ("tokens_per_day", spent.tokens_day, b.tokens_per_day, "today"),
+            ("tokens_per_month", spent.tokens_month, b.tokens_per_month, "this month"),
+        ] {
+            if let Some(limit) = limit.map(clamp).filter(|l| used.saturating_add(estimate) > *l) {
+                refusal = Some((
+                    budget,
+                    json!(used),
+                    json!(limit),
+                    format!(
+                        "budget: tenant {tenant:?} has used {used} of its {limit} model tokens {period} (UTC, \
+                         {budget}); this call (about {estimate} more) would pass it"
+                    ),
+                ));
+                break;
+            }
         }
-        Ok(())
+        if refusal.is_none() {
+            for (budget, used, limit, period) in [
+                ("cost_per_day", spent.cost_day, b.cost_per_day, "today"),
+                ("cost_per_month", spent.cost_month, b.cost_per_month, "this month"),
+            ] {
+                if let Some(limit) = limit.filter(|l| used >= *l || used + estimate_usd > *l) {
+                    refusal = Some((
+                        budget,
+                        json!(used),
+                        json!(limit),
+                        format!(
+                            "budget: tenant {tenant:?} has used {used:.6} of its {limit:.6} USD {period} (UTC, \
+                             {budget}); this call (about {estimate_usd:.6} more) would pass it"
+                        ),
+                    ));
+                    break;
+                }
+            }
+        }
+        let Some((budget, used, limit, message)) = refusal else { return Ok(()) };
+        self.stats.budget_refusals.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(tenant, budget, %used, %limit, estimate, "a model call refused at its tenant's budget");
+        // The operator is told: an audit row of the tenant's.
+        let actor = crate::db::audit::Actor { user: "host".into(), tenant: None, token: None };
+        let detail = json!({
+            "budget": budget,
+            "used": used,
+            "limit": limit,
+            "estimate_tokens": estimate,
+            "estimate_usd": estimate_usd,
+        });
+        let action = crate::db::audit::action::MODEL_BUDGET_REFUSED;
+        if let Err(e) = crate::db::audit::record(pool, &actor, action, Some(tenant), &run_id.to_string(), detail).await
+        {
+            tracing::warn!(error = %e, "cannot audit a budget refusal");
+        }
+        Err(HostError::Limit(message))
     }
 
-    /// Adds a call's reported tokens to its tenant's day.
-    pub async fn record(&self, tenant: Option<&str>, provider: &str, model: &str, prompt: u64, completion: u64) {
+    /// Adds a call's reported tokens and cost to its tenant's day, and to
+    /// this process's counters.
+    pub async fn record(&self, tenant: Option<&str>, provider: &str, model: &str, u: &super::Usage) {
+        self.stats.used(provider, model, u);
         let (Some(pool), Some(tenant)) = (self.pool.get(), tenant) else { return };
         let clamp = |n: u64| n.min(i64::MAX as u64) as i64;
-        if let Err(e) =
-            model_limits::record_usage(pool, tenant, provider, model, clamp(prompt), clamp(completion)).await
-        {
+        let cost = model_limits::CallCost {
+            prompt_tokens: clamp(u.prompt_tokens),
+            completion_tokens: clamp(u.completion_tokens),
+            cached_tokens: clamp(u.cached_tokens),
+            cost_usd: u.cost_usd.unwrap_or(0.0),
+        };
+        if let Err(e) = model_limits::record_usage(pool, tenant, provider, model, cost).await {
             tracing::warn!(error = %e, "cannot record a model call's usage");
         }
     }

@@ -164,12 +164,47 @@ pub(crate) struct AnswerCall {
     pub arguments: String,
 }
 
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub(crate) struct Usage {
     #[serde(default)]
     pub prompt_tokens: u64,
     #[serde(default)]
     pub completion_tokens: u64,
+    /// Of `prompt_tokens`, those the provider read from its cache (its
+    /// `prompt_tokens_details.cached_tokens`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cached_tokens: u64,
+    /// The call's cost in USD by the tools file's `[[price]]` of its
+    /// provider model (none: no price given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_usd: Option<f64>,
+    /// As the provider sends it; folded into `cached_tokens`.
+    #[serde(default, skip_serializing)]
+    prompt_tokens_details: Option<PromptDetails>,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+struct PromptDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: u64, completion_tokens: u64) -> Self {
+        Usage { prompt_tokens, completion_tokens, ..Default::default() }
+    }
+
+    /// The provider's report with its cached tokens where the host keeps them.
+    pub fn normalised(mut self) -> Self {
+        if let Some(cached) = self.prompt_tokens_details.take().and_then(|d| d.cached_tokens) {
+            self.cached_tokens = cached.min(self.prompt_tokens);
+        }
+        self
+    }
 }
 
 impl Answer {

@@ -60,7 +60,7 @@ fn reply(args: &LlmArgs) -> Answer {
     if let (Some(tool), true) = (args.tools.first(), results.is_empty()) {
         let earlier_calls = args.messages.iter().map(|m| m.tool_calls.len()).sum::<usize>();
         let arguments = json!({ "input": asked }).to_string();
-        let usage = Usage { prompt_tokens, completion_tokens: words(&arguments) };
+        let usage = Usage::new(prompt_tokens, words(&arguments));
         return Answer {
             content: String::new(),
             tool_calls: vec![AnswerCall {
@@ -81,7 +81,7 @@ fn reply(args: &LlmArgs) -> Answer {
             args.messages.iter().flat_map(|m| &m.tool_calls).find(|c| c.id == id).map_or(id, |c| c.name.as_str());
         content.push_str(&format!(" Tool {name} said: {}", result.text()));
     }
-    let usage = Usage { prompt_tokens, completion_tokens: words(&content) };
+    let usage = Usage::new(prompt_tokens, words(&content));
     Answer {
         content,
         tool_calls: Vec::new(),

@@ -88,7 +88,7 @@ impl Reply {
             self.model = chunk.model;
         }
         if chunk.usage.is_some() {
-            self.usage = chunk.usage;
+            self.usage = chunk.usage.map(Usage::normalised);
         }
         let mut text = String::new();
         for choice in chunk.choices.unwrap_or_default() {
