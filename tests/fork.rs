@@ -73,6 +73,10 @@ async fn a_fork_replays_the_record_up_to_its_point_and_runs_live_after_it() {
     assert_eq!(ended(&env, &host, branch).await["status"], "completed");
     assert_eq!(env.assistant(branch).await, r#"Offline reply to: go Tool record said: {"edited":true}"#);
     assert_eq!(env.receiver.keys("record").len(), 1, "the tool was not called again");
+    let view = env.view(&host, branch).await;
+    assert_eq!(view["forked_from"], run.to_string(), "{view}");
+    assert_eq!(view["fork_after"], record_at, "{view}");
+    assert!(env.view(&host, run).await["forked_from"].is_null());
     let replayed: i64 = scalar(&env.db, "SELECT count(*) FROM run_call WHERE run_id = $1", branch).await;
     assert!(replayed > record_at as i64, "the branch recorded its own calls after the point");
 

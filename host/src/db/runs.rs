@@ -34,6 +34,11 @@ pub struct RunView {
     pub webhook: Option<Value>,
     /// Model calls and tokens, once the run has ended (null without a model call).
     pub usage: Option<Value>,
+    /// The run this one is a fork of (`POST /v1/runs/{id}/fork`), and the
+    /// call-log position up to which it replayed that run's calls; null
+    /// for a run that is no fork.
+    pub forked_from: Option<RunId>,
+    pub fork_after: Option<i32>,
 }
 
 /// A run in a list (`GET /v1/runs`).
@@ -78,7 +83,7 @@ pub async fn list(
 pub async fn get_run(db: impl PgExecutor<'_>, id: RunId, owner_id: &str) -> Result<Option<RunView>, sqlx::Error> {
     sqlx::query_as(
         "SELECT r.id, r.conversation_id, r.status, r.plugin, r.plugin_digest, r.cancel_requested,
-                r.error, r.created_at, r.started_at, r.finished_at,
+                r.error, r.created_at, r.started_at, r.finished_at, r.forked_from, r.fork_after,
                 coalesce((SELECT max(seq) FROM run_event e WHERE e.run_id = r.id), 0) AS last_seq,
                 r.attempt,
                 (SELECT jsonb_build_object('call_id', s.call_index, 'tool', s.tool, 'args', s.args,
