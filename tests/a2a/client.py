@@ -88,12 +88,15 @@ async def send(c, m, immediately=False, push=None):
 
 
 async def until(c, task_id, states, within=60):
-    for _ in range(int(within / 0.05)):
+    """Polls the task until it reaches one of `states`, or fails at the deadline."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
         t = await c.get_task(GetTaskRequest(id=task_id))
         if state(t) in states:
             return t
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"task {task_id} never reached {states} within {within} s: {t}")
         await asyncio.sleep(0.05)
-    raise AssertionError(f"task {task_id} never reached {states}: {t}")
 
 
 async def main(url, token):

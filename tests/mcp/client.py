@@ -61,12 +61,15 @@ def text(result):
 
 
 async def until(c, task_id, statuses, within=60):
-    for _ in range(int(within / 0.05)):
+    """Polls the task until it reaches one of `statuses`, or fails at the deadline."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
         t = await get_task(c, task_id)
         if t.status in statuses:
             return t
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"task {task_id} never reached {statuses} within {within} s: {t}")
         await asyncio.sleep(0.05)
-    raise AssertionError(f"task {task_id} never reached {statuses}: {t}")
 
 
 async def main(url, url2, token):
@@ -100,9 +103,10 @@ async def main(url, url2, token):
         )
         # The SDK runs each progress callback as a task of its own: the
         # result may come back before the last of them has run.
-        for _ in range(200):
-            if "".join(m for _, m in sorted(progress)) == text(counted):
-                break
+        deadline = asyncio.get_running_loop().time() + 10
+        while "".join(m for _, m in sorted(progress)) != text(counted):
+            if asyncio.get_running_loop().time() > deadline:
+                break  # the Rust test reports what arrived
             await asyncio.sleep(0.01)
         out["progress"] = {"text": text(counted), "notes": sorted(progress)}
 
