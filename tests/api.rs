@@ -325,6 +325,7 @@ async fn every_documented_route_is_served_guarded_and_owner_scoped() {
                         Some(("application/json", r#"{"decision":"approve"}"#))
                     }
                     ("POST", p) if p.ends_with("/fork") => Some(("application/json", r#"{"after_call":0}"#)),
+                    ("POST", p) if p.ends_with("/steer") => Some(("application/json", r#"{"content":"shorter"}"#)),
                     _ => None,
                 };
                 let (status, v) = api.call(&method, &uri, Some(&api.alice), body).await;

@@ -362,6 +362,89 @@ async fn the_console_shows_a_pending_approval_and_approve_resumes_the_run_on_the
     browser.quit().await;
 }
 
+/// Issue 45: the run pane steers a running turn (the instruction reaches the
+/// agent, whose offline model answers it) and forks an ended one into a new
+/// conversation with another message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_steers_a_running_turn_and_forks_an_ended_one() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let manifest = json!({ "tools": ["llm"], "durability": "resume" });
+    let wasm = example_wasm("chat-python");
+    let env = crate::support::durable::Env::with_wasm("chat-python", &wasm, &manifest, true, &[]).await;
+    let host = env.spawn("A");
+    let browser = Browser::start().await;
+    browser.goto(&format!("http://{}/", host.addr)).await;
+    browser
+        .run(
+            "document.getElementById('token').value = arguments[0]; document.getElementById('signin-button').click()",
+            json!([env.token]),
+        )
+        .await;
+    browser
+        .until(
+            "the plugin list",
+            "return [...document.getElementById('plugin').options].some(o => o.value === 'chat-python')",
+        )
+        .await;
+    // A turn that streams dots for a while before it asks its model.
+    browser
+        .run(
+            "document.getElementById('plugin').value = 'chat-python';
+             document.getElementById('message').value = 'hello';
+             document.getElementById('config').value = '{\"hold_ms\": 4000}';
+             document.getElementById('send').click();",
+            json!([]),
+        )
+        .await;
+    browser.until("the run streaming", "return document.getElementById('output').textContent.includes('.')").await;
+    browser
+        .run(
+            "document.getElementById('steer-text').value = 'say bonjour'; document.getElementById('steer').click()",
+            json!([]),
+        )
+        .await;
+    browser
+        .until(
+            "the instruction received",
+            "return document.getElementById('timeline').textContent.includes('steer_received')",
+        )
+        .await;
+    browser
+        .until("the run to finish", "return document.getElementById('run-status').textContent === 'completed'")
+        .await;
+    let run: RunId = browser.text("run-id").await.parse().unwrap();
+    let timeline = browser.text("timeline").await;
+    assert!(timeline.contains("steer_taken"), "{timeline}");
+    let (answer, _) = answer_of(&env.db.pool, run).await;
+    assert!(answer.contains("say bonjour"), "the model was given the instruction: {answer}");
+    assert!(browser.run("return document.getElementById('steer').disabled", json!([])).await.as_bool().unwrap());
+
+    // Fork the ended turn with another message: a new conversation, its run watched.
+    browser
+        .run(
+            "document.getElementById('fork-content').value = 'hello again'; document.getElementById('fork').click()",
+            json!([]),
+        )
+        .await;
+    let original = run.to_string();
+    browser
+        .until(
+            "the fork's run",
+            &format!("return document.getElementById('run-id').textContent !== '{original}' && document.getElementById('run-status').textContent === 'completed'"),
+        )
+        .await;
+    let fork: RunId = browser.text("run-id").await.parse().unwrap();
+    let forked_from: Option<RunId> = sqlx::query_scalar("SELECT forked_from FROM agent_run WHERE id = $1")
+        .bind(fork)
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(forked_from, Some(run));
+    let (answer, _) = answer_of(&env.db.pool, fork).await;
+    assert!(answer.contains("hello again"), "{answer}");
+    browser.quit().await;
+}
+
 /// What a newcomer sees: after sign-in only the app (the sign-in form is
 /// gone, not merely marked hidden), a plugin picker that names each plugin's
 /// language, digest and granted tools, and a run pane whose timeline stays

@@ -39,6 +39,7 @@ mod resume;
 mod run_core;
 mod run_host;
 mod sandbox;
+mod steer;
 mod stop;
 mod streams;
 mod throughput;

@@ -66,6 +66,8 @@ function chat(turn) {
   const maxSteps = Math.min(Math.max(turn.configInt("max_steps", 8), 1), 64);
   for (let n = 1; n <= maxSteps; n++) {
     turn.emit("step", { n });
+    // Instructions queued for this turn since the last step (steering).
+    for (const instruction of turn.takeInstructions()) messages.push({ role: "user", content: instruction });
     const answer = turn.callTool("llm", { messages, tools });
     const content = answer.content ?? "";
     const calls = answer.tool_calls ?? [];

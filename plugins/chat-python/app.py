@@ -77,6 +77,8 @@ def chat(turn: Turn) -> str:
     max_steps = min(max(turn.config_int("max_steps", 8), 1), 64)
     for n in range(1, max_steps + 1):
         turn.emit("step", {"n": n})
+        # Instructions queued for this turn since the last step (steering).
+        messages.extend({"role": "user", "content": i} for i in turn.take_instructions())
         answer = turn.call_tool("llm", {"messages": messages, "tools": tools})
         content = answer.get("content") or ""
         calls = answer.get("tool_calls") or []

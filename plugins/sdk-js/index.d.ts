@@ -98,6 +98,8 @@ export class Turn {
   grantedTools(): ToolInfo[];
   /** The granted tools but `llm` and `wait`, named as a model takes them; `callTool` takes those names. */
   modelTools(): ModelTool[];
+  /** The instructions queued for this turn since the last take (steering), oldest first; each taken once. */
+  takeInstructions(): string[];
   /** Whether a stop was requested. */
   cancelled(): boolean;
   /** Throws Cancelled when a stop was requested. */

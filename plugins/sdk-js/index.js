@@ -175,6 +175,17 @@ export class Turn {
     return offered;
   }
 
+  /**
+   * The instructions queued for this turn since the last take
+   * (`POST /v1/runs/{id}/steer`), oldest first, each taken once: append them
+   * to the model's context before its next call. A resumed run takes the
+   * same ones at the same point. Empty when none are queued.
+   */
+  takeInstructions() {
+    const out = host(() => callTool("take-instructions", "{}"));
+    return (JSON.parse(out).instructions ?? []).map(String);
+  }
+
   /** Whether a stop was requested: return soon (the host interrupts a guest that does not). */
   cancelled() {
     return checkCancel();

@@ -183,6 +183,12 @@ impl Env {
 
     /// [`Env::new`] with the whole manifest given.
     pub async fn with_manifest(plugin: &str, component: &str, manifest: &Value, fast: bool, extra: &[&str]) -> Env {
+        Env::with_wasm(plugin, &plugin_wasm(component), manifest, fast, extra).await
+    }
+
+    /// [`Env::with_manifest`] with the component's bytes given (an example
+    /// agent in another language, built by `scripts/build-plugin`).
+    pub async fn with_wasm(plugin: &str, wasm: &[u8], manifest: &Value, fast: bool, extra: &[&str]) -> Env {
         let db = TestDb::new().await;
         let receiver = Arc::new(Receiver::default());
         let base = serve(Router::new().route("/{route}", post(receive)).with_state(receiver.clone())).await;
@@ -200,7 +206,7 @@ impl Env {
             ),
         )
         .unwrap();
-        plugins::put(&db.pool, plugin, &plugin_wasm(component), manifest).await.unwrap();
+        plugins::put(&db.pool, plugin, wasm, manifest).await.unwrap();
         let token = tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
         let mut args: Vec<String> = if fast {
             FAST.iter().map(|s| s.to_string()).collect()

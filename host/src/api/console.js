@@ -8,7 +8,8 @@
 const $ = (id) => document.getElementById(id);
 const KINDS = ["user_message_created", "run_queued", "run_started", "run_resumed", "content_delta",
                "content_rollback", "tool_call_started", "tool_call_finished", "approval_requested",
-               "approval_decided", "wait_started", "wait_elapsed", "step", "complete"];
+               "approval_decided", "wait_started", "wait_elapsed", "steer_received", "steer_taken", "step",
+               "complete"];
 let token = localStorage.getItem("agent-host-token") || "";
 let source = null, ticker = null;
 const run = { id: null, text: "", events: 0, lastSeq: 0, started: null, lastAt: null, pending: null };
@@ -206,7 +207,11 @@ function renderRun() {
 function setStatus(status) {
   $("run-status").textContent = status;
   $("run-status").className = "status " + status;
-  $("stop").disabled = ["completed", "failed", "cancelled"].includes(status);
+  const ended = ["completed", "failed", "cancelled"].includes(status);
+  $("stop").disabled = ended;
+  $("steer").disabled = ended;
+  $("steer-row").hidden = ended;
+  $("fork-row").hidden = !ended;
 }
 
 async function showTimings(id) {
@@ -255,6 +260,7 @@ function watch(id) {
   $("run").hidden = false;
   $("run-id").textContent = id;
   $("run-error").textContent = "";
+  $("steer-info").textContent = "";
   $("timeline").replaceChildren();
   setStatus("…");
   showTimings(id);
@@ -299,6 +305,8 @@ function onEvent(kind, data) {
     : kind === "approval_requested" ? `${data.tool} #${data.call_id} waits for approval`
     : kind === "approval_decided" ? `#${data.call_id} ${data.decision}${data.reason ? ": " + data.reason : ""}`
     : kind === "wait_started" ? `until ${new Date(data.until).toLocaleTimeString()}`
+    : kind === "steer_received" ? `"${data.content}"`
+    : kind === "steer_taken" ? `${data.instructions.length} taken at call ${data.position}`
     : "";
   li.textContent = `${data.seq} ${kind} ${extra} · ${new Date().toLocaleTimeString()}`;
   $("timeline").append(li);
@@ -348,6 +356,31 @@ $("composer").addEventListener("submit", async (e) => {
 });
 $("stop").onclick = async () => {
   try { await api("POST", path`/v1/runs/${run.id}/cancel`); } catch (e) { $("run-error").textContent = e.message; }
+};
+// Steering: an instruction for the running turn, which its agent takes at
+// its next step (the timeline shows steer_received, then steer_taken).
+$("steer").onclick = async () => {
+  const content = $("steer-text").value;
+  try {
+    const s = await api("POST", path`/v1/runs/${run.id}/steer`, { content });
+    $("steer-text").value = "";
+    $("steer-info").textContent = `instruction ${s.id} queued`;
+  } catch (e) { $("steer-info").textContent = e.message; }
+};
+// A fork: this turn again in a new conversation, with another message (from
+// the start) or from a tool call on (the calls before it replayed).
+$("fork").onclick = async () => {
+  const at = $("fork-at").value.trim();
+  const body = at ? { after_tool_call: Number(at) } : { after_call: 0, content: $("fork-content").value };
+  try {
+    const r = await api("POST", path`/v1/runs/${run.id}/fork`, body);
+    $("fork-content").value = "";
+    $("fork-at").value = "";
+    setHash(r.conversation_id, r.run_id);
+    await loadConversations();
+    await loadTranscript(r.conversation_id);
+    watch(r.run_id);
+  } catch (e) { $("steer-info").textContent = e.message; }
 };
 $("approve").onclick = () => decide("approve");
 $("reject").onclick = () => decide("reject");

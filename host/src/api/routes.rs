@@ -10,6 +10,7 @@ use crate::db::enqueue::Enqueued;
 use crate::db::lifecycle::suspensions::Pending;
 use crate::db::lifecycle::Stopped;
 use crate::db::runs::{RunSummary, RunView};
+use crate::db::steer::SteerView;
 use crate::db::{audit::AuditEvent, schedules::Schedule, tokens::TokenInfo};
 use crate::db::{ConversationId, RunId, RunStatus};
 
@@ -128,9 +129,10 @@ fn run_body() -> Value {
         "conversation_id": { "type": "string", "format": "uuid" },
         "config": { "type": "object", "description": "at most 16 KiB of JSON" },
         "webhook": { "type": "string", "description": "told when the run ends; under a prefix the operator allows" },
-        "multitask_strategy": { "type": "string", "enum": ["enqueue", "reject", "interrupt"],
-            "description": "when the conversation has an active turn: queue behind it (default), 409, or stop it \
-                            and run this one next" } } })
+        "multitask_strategy": { "type": "string", "enum": ["enqueue", "reject", "interrupt", "steer"],
+            "description": "when the conversation has an active turn: queue behind it (default), 409, stop it \
+                            and run this one next, or steer it (the content becomes an instruction its agent \
+                            takes; no run is enqueued)" } } })
 }
 
 fn fork_body() -> Value {
@@ -143,6 +145,24 @@ fn fork_body() -> Value {
         "tool_answer": { "description": "the answer call after_call (a tool call) gives instead of the recorded one" },
         "content": { "type": "string", "minLength": 1, "maxLength": 65536,
             "description": "the turn's user message instead of the original's (with after_call 0)" } } })
+}
+
+/// An enqueue's answer: the run, or (the strategy `steer` on a busy
+/// conversation) the instruction its active turn was given.
+fn enqueued_or_steered(g: &mut SchemaGenerator) -> Value {
+    let steered = object(vec![
+        ("steered", json!({ "const": true })),
+        ("run_id", of::<RunId>(g)),
+        ("conversation_id", of::<ConversationId>(g)),
+        ("steer", of::<SteerView>(g)),
+    ]);
+    json!({ "anyOf": [of::<Enqueued>(g), steered] })
+}
+
+fn steer_body() -> Value {
+    json!({ "type": "object", "required": ["content"], "additionalProperties": false, "properties": {
+        "content": { "type": "string", "minLength": 1, "maxLength": 65536,
+            "description": "the instruction; the agent's next take-instructions answers it" } } })
 }
 
 fn responses_body() -> Value {
@@ -234,12 +254,12 @@ pub const ROUTES: &[Route] = &[
         path: "/v1/runs",
         summary: "Enqueue a run (creates the conversation when absent); optional Idempotency-Key",
         auth: true,
-        ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
+        ok: (202, "{run_id, status: queued, conversation_id, user_message_id}, or {steered, run_id, conversation_id, steer}"),
         errors: &[400, 404, 409, 413, 415, 422, 429],
         also: &[],
         query: &[],
         body: Some(("application/json", run_body)),
-        answer: Answer::Json(of::<Enqueued>),
+        answer: Answer::Json(enqueued_or_steered),
         handler: || post(runs::create_run),
     },
     Route {
@@ -597,6 +617,33 @@ pub const ROUTES: &[Route] = &[
         handler: || post(runs::fork_run),
     },
     Route {
+        method: "post",
+        path: "/v1/runs/{id}/steer",
+        summary: "Queue an instruction for the run's turn: its agent takes it at its next host-call boundary \
+                  (take-instructions); refused once the run has ended",
+        auth: true,
+        ok: (202, "{id, run_id, content, source, created_at, announced_at, taken_at}"),
+        errors: &[400, 404, 409, 413, 415, 422],
+        also: &[],
+        query: &[],
+        body: Some(("application/json", steer_body)),
+        answer: Answer::Json(of::<SteerView>),
+        handler: || post(runs::steer_run),
+    },
+    Route {
+        method: "get",
+        path: "/v1/runs/{id}/steers",
+        summary: "The run's instructions, oldest first: when each was queued, announced and taken",
+        auth: true,
+        ok: (200, "{steers: [{id, run_id, content, source, created_at, announced_at, taken_at}]}"),
+        errors: &[404],
+        also: &[],
+        query: &[],
+        body: None,
+        answer: Answer::Json(|g| object(vec![("steers", json!({ "type": "array", "items": of::<SteerView>(g) }))])),
+        handler: || get(runs::list_steers),
+    },
+    Route {
         method: "get",
         path: "/v1/runs",
         summary: "The caller's runs, newest first, 100 a page unless ?limit says otherwise",
@@ -673,12 +720,12 @@ pub const ROUTES: &[Route] = &[
         path: "/v1/conversations/{id}/runs",
         summary: "Enqueue the conversation's next turn; optional Idempotency-Key",
         auth: true,
-        ok: (202, "{run_id, status: queued, conversation_id, user_message_id}"),
+        ok: (202, "{run_id, status: queued, conversation_id, user_message_id}, or {steered, run_id, conversation_id, steer}"),
         errors: &[400, 404, 409, 413, 415, 422, 429],
         also: &[],
         query: &[],
         body: Some(("application/json", turn_body)),
-        answer: Answer::Json(of::<Enqueued>),
+        answer: Answer::Json(enqueued_or_steered),
         handler: || post(runs::create_run_in_conversation),
     },
     Route {

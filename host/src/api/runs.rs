@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 use crate::db::enqueue::Owner;
 use crate::db::lifecycle::{self, Cancelled, ForkError, RetryError};
 use crate::db::runs;
+use crate::db::steer::{self, SteerError};
 use crate::db::tokens::Principal;
 use crate::db::{ConversationId, RunId, RunStatus};
 use crate::service::submit::{self, Busy, RetryRefused, Submission};
@@ -31,7 +32,8 @@ pub struct CreateRun {
     #[serde(default)]
     pub webhook: Option<String>,
     /// When the conversation has an active turn: `enqueue` (default),
-    /// `reject` (409) or `interrupt` (stop it; this one runs next).
+    /// `reject` (409), `interrupt` (stop it; this one runs next) or `steer`
+    /// (the content becomes an instruction for it; no run is enqueued).
     #[serde(default)]
     pub multitask_strategy: Busy,
 }
@@ -70,7 +72,23 @@ async fn enqueue(
     p: &Principal,
     headers: &HeaderMap,
     body: CreateRun,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<axum::response::Response, ApiError> {
+    if let (Busy::Steer, Some(conversation)) = (body.multitask_strategy, body.conversation_id) {
+        submit::check_content(&body.content)?;
+        match steer::queue_busy(&state.pool, conversation, &p.user_id, &body.content).await {
+            Ok(Some(steer)) => {
+                audit::record(state, p, action::RUN_STEERED, steer.run_id, json!({ "steer_id": steer.id })).await;
+                let steered = json!({ "steered": true, "run_id": steer.run_id, "conversation_id": conversation,
+                                      "steer": steer });
+                return Ok((StatusCode::ACCEPTED, Json(steered)).into_response());
+            }
+            // No active turn: a run, as `enqueue` makes one.
+            Ok(None) => {}
+            Err(SteerError::Full(run)) => return Err(ApiError::conflict(SteerError::Full(run).to_string())),
+            Err(SteerError::Db(e)) => return Err(e.into()),
+            Err(e @ (SteerError::NotFound | SteerError::Ended(..))) => return Err(ApiError::internal(&e)),
+        }
+    }
     let submission = Submission {
         owner: owner(p),
         conversation_id: body.conversation_id,
@@ -87,7 +105,7 @@ async fn enqueue(
     if submitted.replayed() {
         headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
     }
-    Ok((StatusCode::ACCEPTED, headers, Json(submitted.enqueued().clone())))
+    Ok((StatusCode::ACCEPTED, headers, Json(submitted.enqueued().clone())).into_response())
 }
 
 pub async fn get_run(
@@ -230,6 +248,47 @@ pub async fn fork_run(
         Err(ForkError::QueueFull { max }) => Err(submit::queue_full(&state.policy.quotas, &p.tenant_id, max).into()),
         Err(ForkError::Db(e)) => Err(e.into()),
     }
+}
+
+/// `POST /v1/runs/{id}/steer`'s body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SteerRun {
+    pub content: String,
+}
+
+/// `POST /v1/runs/{id}/steer`: queues an instruction for the run's turn;
+/// its guest takes it at its next host-call boundary (`take-instructions`).
+/// 202 with the instruction; 409 once the run has ended, or past the most a
+/// run takes.
+pub async fn steer_run(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    id: PathId<RunId>,
+    ApiJson(body): ApiJson<SteerRun>,
+) -> Result<impl IntoResponse, ApiError> {
+    let content = body.content;
+    submit::check_content(&content)?;
+    match steer::queue(&state.pool, id.0, &p.user_id, &content).await {
+        Ok(steer) => {
+            audit::record(&state, &p, action::RUN_STEERED, id.0, json!({ "steer_id": steer.id })).await;
+            Ok((StatusCode::ACCEPTED, Json(steer)))
+        }
+        Err(SteerError::NotFound) => Err(ApiError::not_found(id)),
+        Err(e @ (SteerError::Ended(..) | SteerError::Full(_))) => Err(ApiError::conflict(e.to_string())),
+        Err(SteerError::Db(e)) => Err(e.into()),
+    }
+}
+
+/// `GET /v1/runs/{id}/steers`: the run's instructions, oldest first, with
+/// when each was announced and taken (null while queued).
+pub async fn list_steers(
+    State(state): State<AppState>,
+    Auth(p): Auth,
+    id: PathId<RunId>,
+) -> Result<impl IntoResponse, ApiError> {
+    let steers = steer::list(&state.pool, id.0, &p.user_id).await?.or_not_found(id)?;
+    Ok(Json(json!({ "steers": steers })))
 }
 
 /// `POST /v1/runs/{id}/retry`: a new run for the same user message, asked for

@@ -329,6 +329,14 @@ pub enum RunsCommand {
         /// The run's id.
         id: String,
     },
+    /// Queue an instruction for a run's turn: its agent takes it at its next
+    /// step (steering); prints the instruction as queued.
+    Steer {
+        /// The run's id.
+        id: String,
+        /// The instruction.
+        content: String,
+    },
     /// Approve a waiting run's tool call (with other arguments: --args).
     Approve {
         /// The waiting run's id.

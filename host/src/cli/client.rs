@@ -120,6 +120,12 @@ pub async fn runs(args: &ApiArgs, command: RunsCommand) -> anyhow::Result<()> {
             println!("{answer}");
             Ok(())
         }
+        RunsCommand::Steer { id, content } => {
+            let path = format!("/v1/runs/{}/steer", segment(&id));
+            let answer = api.call(reqwest::Method::POST, &path, Some(json!({ "content": content }))).await?;
+            println!("{answer}");
+            Ok(())
+        }
         RunsCommand::Approve { id, call, args } => {
             let body = match args {
                 None => json!({ "decision": "approve" }),

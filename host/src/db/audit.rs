@@ -21,6 +21,7 @@ pub mod action {
     pub const RUN_CANCELLED: &str = "run.cancelled";
     pub const RUN_RETRIED: &str = "run.retried";
     pub const RUN_FORKED: &str = "run.forked";
+    pub const RUN_STEERED: &str = "run.steered";
     pub const CONVERSATION_STOPPED: &str = "conversation.stopped";
     pub const APPROVAL_DECIDED: &str = "approval.decided";
     pub const SCHEDULE_CREATED: &str = "schedule.created";

@@ -58,6 +58,17 @@ pub const TOOL_ATTEMPT: &str = "tool_attempt";
 /// `requests_per_minute`, `tokens_per_minute`, `concurrent`, `paused` (a
 /// provider's Retry-After) or `queue` (calls that came first).
 pub const MODEL_WAIT: &str = "model_wait";
+/// An instruction queued for the running turn (`POST /v1/runs/{id}/steer`,
+/// or a message to its busy conversation with the strategy `steer`), as the
+/// run's worker learns of it: `{steer_id, content, queued_at}`. At most
+/// once per instruction (a worker lost between marking and journaling it
+/// leaves it to `steer_taken`).
+pub const STEER_RECEIVED: &str = "steer_received";
+/// The guest took queued instructions at a host-call boundary
+/// (`take-instructions`): `{instructions: [{steer_id, content}], position}`,
+/// `position` the call-log position of the take (null for a run that
+/// records nothing). A resumed run takes the same ones at the same point.
+pub const STEER_TAKEN: &str = "steer_taken";
 /// The run's one ending: [`complete_payload`].
 pub const COMPLETE: &str = "complete";
 /// Sent on a quiet stream, never stored.
@@ -87,6 +98,8 @@ pub const RESERVED: &[&str] = &[
     MODEL_ATTEMPT,
     MODEL_WAIT,
     TOOL_ATTEMPT,
+    STEER_RECEIVED,
+    STEER_TAKEN,
     KEEPALIVE,
 ];
 

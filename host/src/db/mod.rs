@@ -53,6 +53,7 @@ pub mod responses;
 pub mod runs;
 pub mod schedules;
 pub mod status;
+pub mod steer;
 pub mod tasks;
 pub use lifecycle::suspensions;
 pub mod tenants;

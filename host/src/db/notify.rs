@@ -13,6 +13,10 @@ pub const RUN_ENQUEUED: &str = "run_enqueued";
 /// once, instead of a LISTEN/UNLISTEN round trip per run it claims.
 pub const RUN_CANCEL: &str = "run_cancel";
 
+/// One channel for every steer (an instruction queued for a run), the run id
+/// as payload: the process holding the run journals `steer_received`.
+pub const RUN_STEER: &str = "run_steer";
+
 /// The payload of a run's events channel when its `complete` is written.
 pub const COMPLETE_PAYLOAD: &str = "complete";
 

@@ -22,14 +22,21 @@ use async_trait::async_trait;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
-use crate::db::events::{CONTENT_DELTA, CONTENT_ROLLBACK, RESERVED, RUN_RESUMED};
+use crate::db::events::{CONTENT_DELTA, CONTENT_ROLLBACK, RESERVED, RUN_RESUMED, STEER_RECEIVED, STEER_TAKEN};
 use crate::db::suspensions::{Kind as SuspendKind, Suspend};
-use crate::db::RunId;
+use crate::db::{ClaimToken, RunId};
 use crate::error::{AgentError, FailReason, HostError};
 use crate::run::journal::Journal;
 use crate::run::manifest::Manifest;
 use crate::run::record::{self, Decided, Divergence, Next, NextReading, Recording};
 use crate::tools::{EventSink, ToolCall, ToolInfo, ToolRegistry, LLM_TOOL, WAIT_TOOL};
+
+/// The name a guest calls `call-tool` with to take the instructions queued
+/// for its turn (steering): answered by the run host itself, granted to
+/// every plugin (it reads only the run's own input), not a tool call (no
+/// ordinal, no `tool_call_*` events), recorded and replayed as a reading.
+/// Components of every world version reach it through `call-tool`.
+pub const TAKE_INSTRUCTIONS: &str = "take-instructions";
 
 /// The longest durable wait.
 pub const WAIT_MAX: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -52,6 +59,9 @@ fn wait_for(args: &Value) -> Result<Duration, HostError> {
     }
     Ok(d)
 }
+
+/// A take that found nothing, as the log keeps it.
+const NONE_TAKEN: &str = "[]";
 
 /// Length of an event kind.
 pub const EVENT_KIND_BYTES_MAX: usize = 64;
@@ -90,6 +100,10 @@ pub struct RunHostParts {
     /// built-in agent): its calls are held to the operator's grants for
     /// that tenant too, not only to its manifest's.
     pub plugin_tenant: Option<String>,
+    /// Where the run's queued instructions are read (steering), and the
+    /// claim that fences those reads.
+    pub pool: sqlx::PgPool,
+    pub token: ClaimToken,
 }
 
 /// The imports of one run. Cheap to clone (a guest's store holds a clone);
@@ -111,6 +125,11 @@ struct Inner {
     recording: Option<Recording>,
     require_approval: Vec<String>,
     plugin_tenant: Option<String>,
+    pool: sqlx::PgPool,
+    token: ClaimToken,
+    /// Serialises announcing and taking instructions, so `steer_received`
+    /// always precedes its `steer_taken` in the journal.
+    steering: tokio::sync::Mutex<()>,
     /// Fired when the run must end now with its failure (a replay diverged,
     /// a call's outcome is unknown).
     abort: CancellationToken,
@@ -206,6 +225,9 @@ impl RunHost {
                 recording: parts.recording,
                 require_approval: parts.require_approval,
                 plugin_tenant: parts.plugin_tenant,
+                pool: parts.pool,
+                token: parts.token,
+                steering: tokio::sync::Mutex::new(()),
                 abort: CancellationToken::new(),
                 suspension_settled: CancellationToken::new(),
                 state: Mutex::new(State::default()),
@@ -462,6 +484,10 @@ impl RunHost {
     /// `tool_call_finished`, dropped on a stop or past its timeout) and
     /// returns its JSON answer as text.
     pub async fn call_tool(&self, name: &str, args: &str) -> Result<String, HostError> {
+        if name == TAKE_INSTRUCTIONS {
+            let taken = self.take_instructions().await?;
+            return Ok(json!({ "instructions": taken }).to_string());
+        }
         let mut call = self.gate(name, args).await?;
         let recorded = match self.plan(&call, args) {
             Plan::Unrecorded => None,
@@ -669,6 +695,86 @@ impl RunHost {
                 input_schema: t["input_schema"].clone(),
             })
             .collect())
+    }
+
+    /// `take-instructions`: the instructions queued for this turn since the
+    /// last take (steering), oldest first, each taken once. A resumable run
+    /// records the answer as a reading, so a resumed one takes the same
+    /// instructions at the same point; a take that finds some is journaled
+    /// (`steer_taken`, after the `steer_received` of any not yet announced).
+    pub async fn take_instructions(&self) -> Result<Vec<String>, HostError> {
+        let _serial = self.inner.steering.lock().await;
+        let (text, position) = match &self.inner.recording {
+            None => {
+                self.ended()?;
+                (self.take_live(None).await?, None)
+            }
+            Some(rec) => match self.plan_reading(rec, record::TAKE_INSTRUCTIONS)? {
+                Planned::Answer(text) => (text, None),
+                Planned::Live(at, ops) => {
+                    let live = self.take_live(Some(at)).await?;
+                    let taken = live != NONE_TAKEN;
+                    let text = rec.record_reading(at, record::TAKE_INSTRUCTIONS, ops, live);
+                    // Durable before the guest acts on it: the rows are
+                    // marked taken at this position already.
+                    if taken {
+                        rec.flush().await?;
+                    }
+                    (text, Some(at))
+                }
+            },
+        };
+        let taken: Value = serde_json::from_str(&text).unwrap_or_else(|_| json!([]));
+        let list = taken.as_array().cloned().unwrap_or_default();
+        if list.is_empty() {
+            return Ok(Vec::new());
+        }
+        let contents = list.iter().map(|i| i["content"].as_str().unwrap_or_default().to_string()).collect();
+        // Numbered: a replayed take journals nothing the first attempt did.
+        let position = position.or_else(|| list.first().and_then(|i| i["position"].as_i64()).map(|p| p as i32));
+        let instructions: Vec<Value> =
+            list.iter().map(|i| json!({ "steer_id": i["steer_id"], "content": i["content"] })).collect();
+        self.append(STEER_TAKEN, json!({ "instructions": instructions, "position": position }), false).await?;
+        Ok(contents)
+    }
+
+    /// Takes the queued instructions from the database (fenced), journaling
+    /// `steer_received` for any not yet announced; the answer as the log
+    /// keeps it: `[{steer_id, content, position}]`.
+    async fn take_live(&self, position: Option<i32>) -> Result<String, HostError> {
+        let rows = crate::db::steer::take(&self.inner.pool, self.inner.run_id, self.inner.token, position)
+            .await
+            .map_err(|e| {
+                tracing::warn!(run_id = %self.inner.run_id, error = %e, "taking instructions failed");
+                HostError::Unavailable("the run's instructions could not be read".into())
+            })?;
+        self.journal_received(rows.iter().filter(|r| r.unannounced)).await?;
+        let list: Vec<Value> =
+            rows.iter().map(|r| json!({ "steer_id": r.id, "content": r.content, "position": position })).collect();
+        Ok(Value::Array(list).to_string())
+    }
+
+    async fn journal_received<'a>(
+        &self,
+        rows: impl Iterator<Item = &'a crate::db::steer::Marked>,
+    ) -> Result<(), HostError> {
+        for r in rows {
+            let payload = json!({ "steer_id": r.id, "content": r.content, "queued_at": r.created_at });
+            self.append_unnumbered(STEER_RECEIVED, payload).await?;
+        }
+        Ok(())
+    }
+
+    /// Journals `steer_received` for the instructions queued since the last
+    /// announcement (the worker calls it when a steer's NOTIFY names the
+    /// run), so clients see an instruction arrive before the guest takes it.
+    pub async fn announce_instructions(&self) -> Result<(), HostError> {
+        let _serial = self.inner.steering.lock().await;
+        self.ended()?;
+        let rows = crate::db::steer::announce(&self.inner.pool, self.inner.run_id, self.inner.token)
+            .await
+            .map_err(|e| HostError::Unavailable(format!("the run's instructions could not be read: {e}")))?;
+        self.journal_received(rows.iter()).await
     }
 
     /// Whether a call of `name` waits, and for what: the durable wait until

@@ -39,6 +39,9 @@ pub const WALL_CLOCK: &str = "wall-clock";
 pub const MONOTONIC_CLOCK: &str = "monotonic-clock";
 /// A 0.2.0 guest's `list-tools` (its answer, the granted tools, as JSON).
 pub const LIST_TOOLS: &str = "list-tools";
+/// A take of the run's queued instructions (steering; its answer, the
+/// instructions taken, as JSON).
+pub const TAKE_INSTRUCTIONS: &str = "take-instructions";
 
 /// How long a failing write to the call log is retried before the run
 /// stands down (to be resumed from its log once its lease lapses).

@@ -253,11 +253,25 @@ pub async fn submit_within(
     enqueue(pool, policy, s, pinned, rate_wait_max, local).await
 }
 
+/// A message's content as every door checks it: storable text, not blank,
+/// at most [`CONTENT_CHARS_MAX`] characters (a steer's instruction too).
+pub fn check_content(content: &str) -> Result<(), SubmitError> {
+    text::refuse_text("content", content)?;
+    if content.trim().is_empty() {
+        return Err(SubmitError::EmptyContent);
+    }
+    let chars = content.chars().count();
+    if chars > CONTENT_CHARS_MAX {
+        return Err(SubmitError::ContentTooLong(chars));
+    }
+    Ok(())
+}
+
 /// A submission's checks, before anything reaches the database: text it
 /// cannot store, the webhook allow-list, the content, the config and the
 /// idempotency key. Returns the config (`{}` when none was given).
 fn validate(policy: &Policy, s: &Submission) -> Result<Value, SubmitError> {
-    text::refuse_text("content", &s.content)?;
+    check_content(&s.content)?;
     text::refuse_text("plugin", &s.plugin)?;
     if let Some(config) = &s.config {
         text::refuse_json("config", config)?;
@@ -273,13 +287,6 @@ fn validate(policy: &Policy, s: &Submission) -> Result<Value, SubmitError> {
         if !policy.allows_webhook(url) {
             return Err(SubmitError::WebhookNotAllowed(url.clone()));
         }
-    }
-    if s.content.trim().is_empty() {
-        return Err(SubmitError::EmptyContent);
-    }
-    let chars = s.content.chars().count();
-    if chars > CONTENT_CHARS_MAX {
-        return Err(SubmitError::ContentTooLong(chars));
     }
     let config = s.config.clone().unwrap_or_else(|| json!({}));
     if !config.is_object() {

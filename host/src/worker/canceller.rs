@@ -8,7 +8,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::db::{self, notify::RUN_CANCEL, RunId};
+use crate::db::notify::{RUN_CANCEL, RUN_STEER};
+use crate::db::{self, RunId};
 use crate::hub::{Hub, Wake};
 
 use super::Shared;
@@ -69,6 +70,39 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Hub) {
             }
             // The heartbeat re-reads the flag: a failed read costs one beat.
             Err(e) => tracing::warn!(error = %e, "reading cancel flags failed"),
+        }
+    }
+}
+
+/// The steer fast path, the same way: a NOTIFY names a run with a new
+/// instruction; if this process holds it, its task is woken to journal
+/// `steer_received`. A hub reconnect wakes every held run (one read each).
+/// Missed or early wakes lose nothing: the guest's next take announces
+/// whatever was not announced before it takes it.
+pub(super) async fn steers(shared: Arc<Shared>, hub: Hub) {
+    let mut wakes = hub.subscribe(RUN_STEER).await;
+    loop {
+        let wake = tokio::select! {
+            _ = shared.stop_services.cancelled() => return,
+            w = wakes.recv() => match w {
+                Some(w) => w,
+                None => return,
+            },
+        };
+        let mut everything = false;
+        let mut named = Vec::new();
+        let mut take = |w: Wake| match w {
+            Wake::Notify(payload) => named.extend(payload.parse::<RunId>().ok()),
+            Wake::Reconnected => everything = true,
+        };
+        take(wake);
+        while let Some(w) = wakes.try_recv() {
+            take(w);
+        }
+        let map = shared.held.lock().unwrap();
+        match everything {
+            true => map.values().for_each(|h| h.steered.notify_one()),
+            false => named.iter().filter_map(|id| map.get(id)).for_each(|h| h.steered.notify_one()),
         }
     }
 }

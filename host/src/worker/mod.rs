@@ -252,6 +252,9 @@ struct Held {
     tenant: String,
     /// Fired when a stop is requested (cancel NOTIFY, or the flag on a heartbeat).
     cancel: CancellationToken,
+    /// Woken when an instruction is queued for the run (steer NOTIFY): its
+    /// task journals `steer_received`.
+    steered: Arc<tokio::sync::Notify>,
 }
 
 /// A run's slot: its task's permit, taken by the finisher when the slot goes
@@ -562,6 +565,7 @@ impl Worker {
         }
         if let Some(hub) = &hub {
             services.push(tokio::spawn(canceller::run(shared.clone(), hub.clone())));
+            services.push(tokio::spawn(canceller::steers(shared.clone(), hub.clone())));
         }
         let dispatcher = shared.config.dispatch.then(|| tokio::spawn(dispatcher::run(shared.clone(), hub)));
         Ok(Worker { shared, dispatcher, services })

@@ -44,6 +44,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
     let lost = CancellationToken::new();
     let cancel = CancellationToken::new();
     let slot: super::Slot = Arc::new(std::sync::Mutex::new(Some(permit)));
+    let steered = Arc::new(tokio::sync::Notify::new());
     {
         let mut held = shared.held.lock().unwrap();
         // A stop that committed right after our claim may have NOTIFYed
@@ -59,6 +60,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                 lost: lost.clone(),
                 cancel: cancel.clone(),
                 tenant: row.tenant_id.clone(),
+                steered: steered.clone(),
             },
         );
     }
@@ -72,7 +74,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
             // A panic in the run is caught here rather than losing its
             // ending (in this task: a task of its own would cost a spawn
             // and a wake per run).
-            let outcome: Outcome = AssertUnwindSafe(execute(shared.clone(), row, lost, cancel))
+            let outcome: Outcome = AssertUnwindSafe(execute(shared.clone(), row, lost, cancel, steered))
                 .catch_unwind()
                 .await
                 .unwrap_or_else(|_| {
@@ -145,12 +147,18 @@ async fn backstop(shared: &Shared, id: db::RunId, token: db::ClaimToken, reason:
     }
 }
 
-async fn execute(shared: Arc<Shared>, row: ClaimedRun, lost: CancellationToken, cancel: CancellationToken) -> Outcome {
+async fn execute(
+    shared: Arc<Shared>,
+    row: ClaimedRun,
+    lost: CancellationToken,
+    cancel: CancellationToken,
+    steered: Arc<tokio::sync::Notify>,
+) -> Outcome {
     let (agent, host, input) = match prepare(&shared, &row, &lost, &cancel).await {
         Ok(prepared) => prepared,
         Err(outcome) => return outcome,
     };
-    let race = race(&shared, agent.as_ref(), &host, input, &lost, &cancel).await;
+    let race = race(&shared, agent.as_ref(), &host, input, &lost, &cancel, &steered).await;
     let verdict = Verdict {
         suspended: host.suspended(),
         failure: host.failure(),
@@ -245,6 +253,8 @@ async fn prepare(
         recording,
         require_approval: config.require_approval.clone(),
         plugin_tenant,
+        pool: shared.pool.clone(),
+        token: row.claim_token,
     });
     if let Err(outcome) = journal_resumed(shared, row, &host).await {
         return Err(outcome);
@@ -294,6 +304,7 @@ async fn race(
     input: RunInput,
     lost: &CancellationToken,
     cancel: &CancellationToken,
+    steered: &tokio::sync::Notify,
 ) -> Race {
     // A stop is cooperative first: the agent sees `check-cancel` and refusals.
     // One that has not returned within the grace is interrupted (its future,
@@ -318,6 +329,17 @@ async fn race(
             false => tokio::time::sleep(std::time::Duration::from_millis(wall_ms)).await,
         }
     };
+    // An instruction queued for the turn is journaled as it arrives
+    // (`steer_received`); the guest takes it at its next boundary. Never
+    // ends: the agent's own branch does.
+    let announcing = async {
+        loop {
+            steered.notified().await;
+            if let Err(e) = host.announce_instructions().await {
+                tracing::debug!(error = %e, "announcing instructions failed; the next take announces them");
+            }
+        }
+    };
     tokio::select! {
         biased;
         _ = lost_or_suspended => Race::Lost,
@@ -329,6 +351,7 @@ async fn race(
         _ = shared.abort_runs.cancelled() => Race::ShutDown,
         _ = wall => Race::Wall(wall_ms),
         _ = host.journal_gave_up() => Race::JournalGaveUp,
+        _ = announcing => unreachable!("announcing never ends"),
         r = agent.run(host, input) => {
             // An agent of a resumed run that ends before making every
             // recorded call again behaves otherwise than it did (the host

@@ -36,6 +36,10 @@ impl Agent for Chat {
         let max_steps = turn.config_u64("max_steps", 8).clamp(1, 64);
         for n in 1..=max_steps {
             turn.emit("step", &json!({ "n": n }))?;
+            // Instructions queued for this turn since the last step (steering).
+            for instruction in turn.take_instructions()? {
+                messages.push(json!({ "role": "user", "content": instruction }));
+            }
             let answer = turn.call_tool("llm", &json!({ "messages": messages, "tools": tools }))?;
             let content = answer["content"].as_str().unwrap_or_default().to_string();
             let calls = answer["tool_calls"].as_array().cloned().unwrap_or_default();

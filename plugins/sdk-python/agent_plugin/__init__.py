@@ -243,6 +243,18 @@ class Turn:
         guest that does not)."""
         return host.check_cancel()
 
+    def take_instructions(self) -> List[str]:
+        """The instructions queued for this turn since the last take
+        (``POST /v1/runs/{id}/steer``), oldest first, each taken once: append
+        them to the model's context before its next call. A resumed run
+        takes the same ones at the same point. Empty when none are queued."""
+        try:
+            out = host.call_tool("take-instructions", "{}")
+        except Err as e:
+            raise _refusal(e.value) from None
+        taken = json.loads(out).get("instructions") or []
+        return [str(i) for i in taken]
+
     def check_cancel(self) -> None:
         """Raises :class:`Cancelled` when a stop was requested."""
         if self.cancelled():

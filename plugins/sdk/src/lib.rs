@@ -193,6 +193,18 @@ impl Turn {
         host::check_cancel()
     }
 
+    /// The instructions queued for this turn since the last take
+    /// (`POST /v1/runs/{id}/steer`), oldest first, each taken once: append
+    /// them to the model's context before its next call. A resumed run takes
+    /// the same ones at the same point. Empty when none are queued.
+    pub fn take_instructions(&self) -> Result<Vec<String>, Refusal> {
+        let out = host::call_tool("take-instructions", "{}")?;
+        let taken: Value = serde_json::from_str(&out)
+            .map_err(|e| Refusal(HostError::ToolFailed(format!("instructions answered non-JSON: {e}"))))?;
+        let list = taken["instructions"].as_array().cloned().unwrap_or_default();
+        Ok(list.into_iter().filter_map(|i| i.as_str().map(str::to_string)).collect())
+    }
+
     /// `Err(cancelled)` when a stop was requested (as the Python and
     /// JavaScript SDKs' `check_cancel`/`checkCancel`): `?` ends the turn.
     pub fn check_cancel(&self) -> Result<(), Refusal> {

@@ -16,6 +16,10 @@ pub enum Busy {
     /// partial text kept; queued and waiting ones cancelled) and run this
     /// one next: in one transaction, so nothing else starts in between.
     Interrupt,
+    /// Steer it: the message becomes an instruction its turn takes at its
+    /// next host-call boundary ([`crate::db::steer::queue_busy`]), and no run
+    /// is enqueued; with no active turn, enqueue as `enqueue` does.
+    Steer,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -51,7 +55,7 @@ pub async fn enqueue_with(
     // Queueing behind a busy turn with no quota to count needs no lock and no
     // read first: the enqueue's one statement is the whole transaction (a
     // used idempotency key fails it on its index, as below).
-    if strategy == Busy::Enqueue && tenant_max_queued.is_none() {
+    if matches!(strategy, Busy::Enqueue | Busy::Steer) && tenant_max_queued.is_none() {
         return Ok(match eager {
             Some(eager) => enqueue_eager(pool, new, eager).await?,
             None => (crate::db::enqueue::enqueue(pool, new).await?, None),
@@ -61,7 +65,8 @@ pub async fn enqueue_with(
     // A retry of a request already enqueued is answered as its first was
     // (the enqueue below hits the key): the strategy must not refuse or
     // stop its own run.
-    let mut strategy = strategy;
+    // A steer reaches here only when there was no turn to steer.
+    let mut strategy = if strategy == Busy::Steer { Busy::Enqueue } else { strategy };
     let mut replay = false;
     if let Some(key) = new.idempotency_key {
         let used: bool =
