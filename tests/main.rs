@@ -42,5 +42,6 @@ mod sandbox;
 mod steer;
 mod stop;
 mod streams;
+mod subagents;
 mod throughput;
 mod tools;

@@ -795,6 +795,7 @@ async fn a_guest_cannot_forge_a_log_line() {
         request: &request,
         idempotency_key: None,
         webhook: None,
+        parent: None,
     };
     let run = agent_host::db::enqueue::enqueue(&db.pool, &new).await.unwrap().run_id;
     assert_eq!(wait_terminal(&db.pool, run, LONG).await, "completed");

@@ -105,6 +105,7 @@ async fn failed_enqueue_leaves_nothing_and_wakes_nobody() {
             request: &config,
             idempotency_key: None,
             webhook: None,
+            parent: None,
         },
     )
     .await;

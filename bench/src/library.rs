@@ -82,6 +82,7 @@ fn new_run<'a>(owner: &'a enqueue::Owner, content: &'a str, plugin: &'a str, con
         request: config,
         idempotency_key: None,
         webhook: None,
+        parent: None,
     }
 }
 

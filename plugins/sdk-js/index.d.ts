@@ -5,6 +5,17 @@
 /// <reference path="./wit.d.ts" />
 
 /** One message of the conversation before this turn. */
+/** A child run as `awaitAgents` answers it. */
+export interface AgentResult {
+  run_id: string;
+  plugin: string;
+  conversation_id: string;
+  status: "queued" | "running" | "waiting" | "completed" | "failed" | "cancelled";
+  output: string | null;
+  error: string | null;
+  truncated?: boolean;
+}
+
 export interface Message {
   /** "user" or "assistant". */
   role: string;
@@ -100,6 +111,10 @@ export class Turn {
   modelTools(): ModelTool[];
   /** The instructions queued for this turn since the last take (steering), oldest first; each taken once. */
   takeInstructions(): string[];
+  /** Starts a child run of `plugin` (a sub-agent granted as `agent:<plugin>`); answers its run id at once. */
+  startAgent(plugin: string, input: string, config?: Record<string, unknown>): string;
+  /** Waits for child runs this run started (all, or the first to end), suspended meanwhile. */
+  awaitAgents(runs?: string[], any?: boolean): AgentResult[];
   /** Whether a stop was requested. */
   cancelled(): boolean;
   /** Throws Cancelled when a stop was requested. */

@@ -186,6 +186,31 @@ export class Turn {
     return (JSON.parse(out).instructions ?? []).map(String);
   }
 
+  /**
+   * Starts a child run of `plugin` (a sub-agent: the manifest grants
+   * `agent:<plugin>`) with `input` as its user message, and answers its run
+   * id at once; `awaitAgents` waits for it. A resumed run never starts the
+   * same child twice.
+   */
+  startAgent(plugin, input, config) {
+    const args = { input };
+    if (config !== undefined) args.config = config;
+    const out = host(() => callTool(`agent:${plugin}`, JSON.stringify(args)));
+    return String(JSON.parse(out).run_id);
+  }
+
+  /**
+   * Waits for child runs this run started (every one when `runs` is empty):
+   * all of them, or with `any` the first to end, suspended with nothing held
+   * meanwhile. Answers each awaited child as `{run_id, plugin,
+   * conversation_id, status, output, error}`; a failed child is a value
+   * here, not this run's failure.
+   */
+  awaitAgents(runs = [], any = false) {
+    const out = host(() => callTool("await-agents", JSON.stringify({ runs, mode: any ? "any" : "all" })));
+    return JSON.parse(out).runs ?? [];
+  }
+
   /** Whether a stop was requested: return soon (the host interrupts a guest that does not). */
   cancelled() {
     return checkCancel();

@@ -170,6 +170,7 @@ pub fn new_run<'a>(
         request,
         idempotency_key: None,
         webhook: None,
+        parent: None,
     }
 }
 
@@ -496,6 +497,7 @@ pub async fn enqueue_pinned(db: &TestDb, plugin: &str, manifest: Option<&Value>,
         request: &request,
         idempotency_key: None,
         webhook: None,
+        parent: None,
     };
     enqueue::enqueue(&db.pool, &new).await.unwrap().run_id
 }

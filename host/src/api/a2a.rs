@@ -403,6 +403,7 @@ impl Calls<'_> {
             idempotency_key: Some(format!("a2a:{message_id}")),
             webhook: None,
             strategy: Busy::Enqueue,
+            parent: None,
         };
         let submitted = submit::submit(
             &self.state.pool,

@@ -8,7 +8,8 @@
 const $ = (id) => document.getElementById(id);
 const KINDS = ["user_message_created", "run_queued", "run_started", "run_resumed", "content_delta",
                "content_rollback", "tool_call_started", "tool_call_finished", "approval_requested",
-               "approval_decided", "wait_started", "wait_elapsed", "steer_received", "steer_taken", "step",
+               "approval_decided", "wait_started", "wait_elapsed", "steer_received", "steer_taken", "agent_started",
+               "agent_finished", "agents_joined", "step",
                "complete"];
 let token = localStorage.getItem("agent-host-token") || "";
 let source = null, ticker = null;
@@ -224,7 +225,27 @@ async function showTimings(id) {
     $("timings").textContent = `created ${t(v.created_at)} · started ${t(v.started_at)} · finished ${t(v.finished_at)}${took}${usage}`;
     if (v.error) $("run-error").textContent = v.error;
     showApproval(v.pending_approval);
+    showTree(v);
   } catch (e) { $("run-error").textContent = e.message; }
+}
+
+// A run's place in its tree (sub-agents): its parent, and its children with
+// their statuses, each a link that watches that run.
+function showTree(v) {
+  const items = [];
+  const link = (label, id) => {
+    const li = document.createElement("li");
+    const b = document.createElement("button");
+    b.className = "link";
+    b.textContent = label;
+    b.onclick = () => { setHash(null, id); watch(id); };
+    li.append(b);
+    items.push(li);
+  };
+  if (v.parent_run_id) link(`↑ parent ${v.parent_run_id}`, v.parent_run_id);
+  for (const c of v.children || []) link(`↳ ${c.plugin} ${c.run_id} · ${c.status}`, c.run_id);
+  $("tree").replaceChildren(...items);
+  $("tree").hidden = items.length === 0;
 }
 
 // A waiting run's pending call, with its arguments, to approve or reject.
@@ -307,6 +328,8 @@ function onEvent(kind, data) {
     : kind === "wait_started" ? `until ${new Date(data.until).toLocaleTimeString()}`
     : kind === "steer_received" ? `"${data.content}"`
     : kind === "steer_taken" ? `${data.instructions.length} taken at call ${data.position}`
+    : kind === "agent_started" ? `${data.plugin} ${data.run_id}`
+    : kind === "agent_finished" ? `${data.plugin} ${data.run_id} ${data.status}`
     : "";
   li.textContent = `${data.seq} ${kind} ${extra} · ${new Date().toLocaleTimeString()}`;
   $("timeline").append(li);
@@ -315,7 +338,8 @@ function onEvent(kind, data) {
   // what it had streamed is withdrawn (counted in Unicode scalar values).
   if (kind === "content_rollback") run.text = Array.from(run.text).slice(0, data.keep_chars).join("");
   if (kind === "run_started" || kind === "run_resumed") setStatus("running");
-  if (kind === "run_queued" || kind === "approval_decided" || kind === "wait_elapsed") setStatus("queued");
+  if (kind === "run_queued" || kind === "approval_decided" || kind === "wait_elapsed" || kind === "agents_joined") setStatus("queued");
+  if (kind === "agent_started" || kind === "agent_finished") showTimings(run.id);
   if (kind === "approval_requested") {
     setStatus("waiting");
     showApproval({ call_id: data.call_id, tool: data.tool, args: data.args });

@@ -66,6 +66,8 @@ pub async fn stop_conversation(
 ) -> Result<impl IntoResponse, ApiError> {
     let stopped = lifecycle::stop_conversation(&state.pool, id.0, &p.user_id).await?.or_not_found(id)?;
     state.record_ended(stopped.cancelled.len());
+    let parents: Vec<_> = stopped.cancelled.iter().chain(&stopped.cancelling).copied().collect();
+    super::runs::stop_children(&state, &parents).await;
     let detail = json!({ "cancelled": stopped.cancelled, "cancelling": stopped.cancelling });
     super::audit::record(&state, &p, crate::db::audit::action::CONVERSATION_STOPPED, id.0, detail).await;
     Ok(Json(stopped))

@@ -328,6 +328,7 @@ impl Calls<'_> {
             idempotency_key: key,
             webhook: None,
             strategy: Busy::Enqueue,
+            parent: None,
         };
         let submitted = submit::submit(
             &self.state.pool,

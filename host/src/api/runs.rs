@@ -98,6 +98,7 @@ async fn enqueue(
         idempotency_key: idempotency_key(&headers),
         webhook: body.webhook,
         strategy: body.multitask_strategy,
+        parent: None,
     };
     let submitted =
         submit::submit(&state.pool, &state.agents, &state.policy, &submission, state.local_worker()).await?;
@@ -179,12 +180,26 @@ pub(super) async fn cancel(state: &AppState, p: &Principal, run: RunId) -> Resul
     if let Some(Cancelled::Queued | Cancelled::Waiting) = done {
         state.record_ended(1);
     }
+    if let Some(Cancelled::Queued | Cancelled::Waiting | Cancelled::Flagged { .. }) = done {
+        stop_children(state, &[run]).await;
+    }
     // A cancel that changed something is audited; a repeat (of a flagged or
     // ended run) is not.
     if matches!(done, Some(Cancelled::Queued | Cancelled::Waiting | Cancelled::Flagged { first: true })) {
         audit::record(state, p, action::RUN_CANCELLED, run, json!({})).await;
     }
     Ok(done)
+}
+
+/// A stop reaches the stopped runs' child runs (sub-agents) and theirs,
+/// once the stop committed; what a failure here leaves, the waiting runs'
+/// scheduler stops on its next pass.
+pub(super) async fn stop_children(state: &AppState, parents: &[RunId]) {
+    match crate::db::children::stop(&state.pool, parents).await {
+        Ok(stopped) if !stopped.is_empty() => tracing::info!(children = stopped.len(), "a stop reached child runs"),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "stopping child runs failed; the scheduler will"),
+    }
 }
 
 /// `POST /v1/runs/{id}/fork`'s body.

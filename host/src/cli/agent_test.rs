@@ -484,6 +484,7 @@ async fn one_turn(
             request: &request,
             idempotency_key: None,
             webhook: None,
+            parent: None,
         },
     )
     .await?;

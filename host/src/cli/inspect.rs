@@ -298,6 +298,10 @@ fn check_grants(grants: &Value, (tools, down): &(Vec<Value>, Vec<String>), url: 
         .flatten()
         .filter_map(Value::as_str)
         .map(|grant| {
+            // A sub-agent is a plugin, started by the run host.
+            if let Some(plugin) = grant.strip_prefix(crate::tools::AGENT_TOOL_PREFIX) {
+                return json!({ "grant": grant, "present": true, "kind": "agent", "tools": [plugin] });
+            }
             let server = grant.split_once('.').map(|(s, _)| s);
             let reached: Vec<&str> = match grant.strip_suffix(".*") {
                 Some(s) => names.iter().copied().filter(|n| n.split_once('.').is_some_and(|(p, _)| p == s)).collect(),

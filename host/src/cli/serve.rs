@@ -252,6 +252,7 @@ async fn demo_run(pool: &PgPool, plugin: &str, content: &str) -> anyhow::Result<
             request: &request,
             idempotency_key: None,
             webhook: None,
+            parent: None,
         },
     )
     .await?;

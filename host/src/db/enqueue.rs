@@ -39,6 +39,10 @@ pub struct NewRun<'a> {
     pub idempotency_key: Option<&'a str>,
     /// Told when the run ends (an allowed URL; see `service::submit`).
     pub webhook: Option<&'a str>,
+    /// The run whose agent starts this one (a sub-agent), and that agent's
+    /// tool call which does: the child's depth is its parent's plus one.
+    /// Only the queued enqueue writes it (a child never starts eagerly).
+    pub parent: Option<(RunId, i32)>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, schemars::JsonSchema)]
@@ -124,7 +128,8 @@ target AS (
 pub(crate) use enqueue_target_sql;
 
 /// The enqueue's statement: the conversation ([`enqueue_target_sql`]), the
-/// message, the run `queued`, journal seq 1-2 and the wake.
+/// message, the run `queued` (with its parent, `$21`-`$22`), journal seq
+/// 1-2 and the wake.
 const ENQUEUE_SQL: &str = concat!(
     enqueue_target_sql!(),
     ",
@@ -137,8 +142,9 @@ msg AS (
 run AS (
     INSERT INTO agent_run (id, conversation_id, owner_id, tenant_id, user_message_id,
                            plugin, plugin_digest, request, config, idempotency_key, plugin_manifest, webhook,
-                           status)
-    SELECT $6, m.conversation_id, $3, $4, $5, $9, $10, $11, $12, $13, $14, $15, 'queued'
+                           status, parent_run_id, parent_call, depth)
+    SELECT $6, m.conversation_id, $3, $4, $5, $9, $10, $11, $12, $13, $14, $15, 'queued', $21::uuid, $22::int,
+           coalesce((SELECT p.depth + 1 FROM agent_run p WHERE p.id = $21::uuid), 0)
     FROM msg m
     RETURNING id, conversation_id
 ),
@@ -197,8 +203,11 @@ pub(crate) fn not_found(new: &NewRun<'_>) -> EnqueueError {
 async fn enqueue_on(db: impl PgExecutor<'_>, new: &NewRun<'_>) -> Result<Enqueued, EnqueueError> {
     let run_id = RunId::new();
     let message_id = MessageId::new();
-    let row: Option<(ConversationId,)> =
-        bind_new_run(sqlx::query_as(ENQUEUE_SQL), new, run_id, message_id).fetch_optional(db).await?;
+    let row: Option<(ConversationId,)> = bind_new_run(sqlx::query_as(ENQUEUE_SQL), new, run_id, message_id)
+        .bind(new.parent.map(|p| p.0))
+        .bind(new.parent.map(|p| p.1))
+        .fetch_optional(db)
+        .await?;
     let Some((conversation_id,)) = row else {
         return Err(not_found(new));
     };

@@ -69,6 +69,17 @@ pub const STEER_RECEIVED: &str = "steer_received";
 /// `position` the call-log position of the take (null for a run that
 /// records nothing). A resumed run takes the same ones at the same point.
 pub const STEER_TAKEN: &str = "steer_taken";
+/// The run's agent started a child run (a sub-agent, `agent:<plugin>`):
+/// `{call_index, run_id, plugin, conversation_id, events}`, `events` the
+/// path of the child's own stream.
+pub const AGENT_STARTED: &str = "agent_started";
+/// A child the run's agent awaited (`await-agents`) had ended:
+/// `{call_index, run_id, plugin, status, error}`, once per child.
+pub const AGENT_FINISHED: &str = "agent_finished";
+/// A waiting parent's awaited children were joined, and it is queued to
+/// resume (written by the ending of the child that joined them, or when the
+/// wait timed out): `{call_id, run_id, status}` or `{call_id, timed_out}`.
+pub const AGENTS_JOINED: &str = "agents_joined";
 /// The run's one ending: [`complete_payload`].
 pub const COMPLETE: &str = "complete";
 /// Sent on a quiet stream, never stored.
@@ -100,6 +111,9 @@ pub const RESERVED: &[&str] = &[
     TOOL_ATTEMPT,
     STEER_RECEIVED,
     STEER_TAKEN,
+    AGENT_STARTED,
+    AGENT_FINISHED,
+    AGENTS_JOINED,
     KEEPALIVE,
 ];
 

@@ -40,6 +40,7 @@
 pub mod artifacts;
 pub mod audit;
 pub mod calls;
+pub mod children;
 pub mod claimed;
 pub mod conversations;
 pub mod enqueue;

@@ -39,6 +39,11 @@ pub struct RunView {
     /// for a run that is no fork.
     pub forked_from: Option<RunId>,
     pub fork_after: Option<i32>,
+    /// The run whose agent started this one (a sub-agent), or null.
+    pub parent_run_id: Option<RunId>,
+    /// The child runs this run's agent started, in order:
+    /// `[{run_id, plugin, status, conversation_id, call_index}]`.
+    pub children: Value,
 }
 
 /// A run in a list (`GET /v1/runs`).
@@ -84,6 +89,11 @@ pub async fn get_run(db: impl PgExecutor<'_>, id: RunId, owner_id: &str) -> Resu
     sqlx::query_as(
         "SELECT r.id, r.conversation_id, r.status, r.plugin, r.plugin_digest, r.cancel_requested,
                 r.error, r.created_at, r.started_at, r.finished_at, r.forked_from, r.fork_after,
+                r.parent_run_id,
+                coalesce((SELECT jsonb_agg(jsonb_build_object('run_id', c.id, 'plugin', c.plugin, 'status', c.status,
+                                                              'conversation_id', c.conversation_id,
+                                                              'call_index', c.parent_call) ORDER BY c.parent_call)
+                          FROM agent_run c WHERE c.parent_run_id = r.id), '[]'::jsonb) AS children,
                 coalesce((SELECT max(seq) FROM run_event e WHERE e.run_id = r.id), 0) AS last_seq,
                 r.attempt,
                 (SELECT jsonb_build_object('call_id', s.call_index, 'tool', s.tool, 'args', s.args,

@@ -22,14 +22,19 @@ use async_trait::async_trait;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
-use crate::db::events::{CONTENT_DELTA, CONTENT_ROLLBACK, RESERVED, RUN_RESUMED, STEER_RECEIVED, STEER_TAKEN};
+use crate::db::children::Child;
+use crate::db::enqueue::Owner;
+use crate::db::events::{
+    AGENT_FINISHED, AGENT_STARTED, CONTENT_DELTA, CONTENT_ROLLBACK, RESERVED, RUN_RESUMED, STEER_RECEIVED, STEER_TAKEN,
+};
 use crate::db::suspensions::{Kind as SuspendKind, Suspend};
 use crate::db::{ClaimToken, RunId};
 use crate::error::{AgentError, FailReason, HostError};
 use crate::run::journal::Journal;
+use crate::run::manifest::Limits;
 use crate::run::manifest::Manifest;
 use crate::run::record::{self, Decided, Divergence, Next, NextReading, Recording};
-use crate::tools::{EventSink, ToolCall, ToolInfo, ToolRegistry, LLM_TOOL, WAIT_TOOL};
+use crate::tools::{EventSink, ToolCall, ToolInfo, ToolRegistry, AGENT_TOOL_PREFIX, AWAIT_AGENTS, LLM_TOOL, WAIT_TOOL};
 
 /// The name a guest calls `call-tool` with to take the instructions queued
 /// for its turn (steering): answered by the run host itself, granted to
@@ -58,6 +63,48 @@ fn wait_for(args: &Value) -> Result<Duration, HostError> {
         return Err(HostError::Invalid(format!("wait at most {} days", WAIT_MAX.as_secs() / 86_400)));
     }
     Ok(d)
+}
+
+/// How long `await-agents` waits at most; then it answers the children as
+/// they are.
+pub const AWAIT_AGENTS_MAX: Duration = WAIT_MAX;
+
+/// Child runs one `await-agents` names at most.
+pub const AWAIT_RUNS_MAX: usize = crate::run::manifest::CHILDREN_CEILING as usize;
+
+/// What a run's host starts and reads its child runs with (sub-agents):
+/// the worker's, built on the enqueue service
+/// ([`crate::service::children::Starter`]).
+#[async_trait]
+pub trait Children: Send + Sync {
+    /// Starts the child a parent's tool call asks for within the parent's
+    /// limits, or finds the one that call started before (a re-issued
+    /// call starts nothing).
+    async fn start(&self, child: &ChildStart<'_>) -> Result<StartedChild, HostError>;
+    /// The parent's children among `runs` (every one when empty), in the
+    /// order they were started.
+    async fn read(&self, parent: RunId, runs: &[RunId]) -> Result<Vec<Child>, HostError>;
+}
+
+/// A child run as its parent's agent asks for it.
+pub struct ChildStart<'a> {
+    pub parent: RunId,
+    /// The parent's tool-call ordinal that starts it.
+    pub call: i32,
+    /// The parent's owner and tenant: the child's.
+    pub owner: &'a Owner,
+    pub plugin: &'a str,
+    pub input: &'a str,
+    pub config: Option<Value>,
+    /// The parent's limits (`children_max`, `children_active_max`, `agent_depth_max`).
+    pub limits: &'a Limits,
+}
+
+/// A child run started (or found).
+#[derive(Debug, Clone, Copy)]
+pub struct StartedChild {
+    pub run_id: RunId,
+    pub conversation_id: crate::db::ConversationId,
 }
 
 /// A take that found nothing, as the log keeps it.
@@ -104,6 +151,10 @@ pub struct RunHostParts {
     /// claim that fences those reads.
     pub pool: sqlx::PgPool,
     pub token: ClaimToken,
+    /// The run's owner and tenant (its children's).
+    pub owner: Owner,
+    /// What starts and reads its children (`None`: no sub-agents here).
+    pub children: Option<Arc<dyn Children>>,
 }
 
 /// The imports of one run. Cheap to clone (a guest's store holds a clone);
@@ -127,6 +178,8 @@ struct Inner {
     plugin_tenant: Option<String>,
     pool: sqlx::PgPool,
     token: ClaimToken,
+    owner: Owner,
+    children: Option<Arc<dyn Children>>,
     /// Serialises announcing and taking instructions, so `steer_received`
     /// always precedes its `steer_taken` in the journal.
     steering: tokio::sync::Mutex<()>,
@@ -164,6 +217,9 @@ struct State {
     suspending: bool,
     /// The run was suspended: it waits, and the worker lets it go.
     suspended: bool,
+    /// Children whose ending an await told the agent (`agent_finished`
+    /// journaled once each; replayed awaits count too).
+    agents_told: std::collections::HashSet<RunId>,
 }
 
 /// A call-tool past its gate.
@@ -227,6 +283,8 @@ impl RunHost {
                 plugin_tenant: parts.plugin_tenant,
                 pool: parts.pool,
                 token: parts.token,
+                owner: parts.owner,
+                children: parts.children,
                 steering: tokio::sync::Mutex::new(()),
                 abort: CancellationToken::new(),
                 suspension_settled: CancellationToken::new(),
@@ -489,6 +547,9 @@ impl RunHost {
             return Ok(json!({ "instructions": taken }).to_string());
         }
         let mut call = self.gate(name, args).await?;
+        if name == AWAIT_AGENTS {
+            call.args = self.await_args(&call.args).await?;
+        }
         let recorded = match self.plan(&call, args) {
             Plan::Unrecorded => None,
             Plan::Answer(logged) => return self.replay_answer(&logged, name),
@@ -504,6 +565,14 @@ impl RunHost {
             },
             Plan::Suspend(position, wait) => {
                 self.recording().start(position, name, &record::args_hash(args), call.ops).await?;
+                // Children joined already: answered now, nothing waits.
+                if name == AWAIT_AGENTS {
+                    if let Some(joined) = self.joined(&call).await? {
+                        let ops = self.state().ops;
+                        self.recording().complete(position, ops, &joined).await?;
+                        return joined;
+                    }
+                }
                 return self.suspend(position, call.ordinal, name, &call.args, wait).await;
             }
             Plan::Live(position) => {
@@ -622,6 +691,11 @@ impl RunHost {
             }
             Some((Decided::Reject(reason), _)) => answered(Err(HostError::Denied(reason))).await,
             Some((Decided::Elapsed, _)) => answered(Ok(json!({ "waited": true }).to_string())).await,
+            // Joined (or timed out): the children as they are now.
+            Some((Decided::Joined, _)) => {
+                let answer = self.join_answer(ordinal, &call.args).await;
+                answered(answer).await
+            }
         }
     }
 
@@ -639,7 +713,10 @@ impl RunHost {
             timeout_max: Some(Duration::from_millis(self.inner.manifest.limits.tool_timeout_ms)),
             tenant: self.inner.plugin_tenant.as_deref(),
         };
-        let answer = self.inner.tools.invoke(tool_call, self, self.cancelled()).await;
+        let answer = match call.name.strip_prefix(AGENT_TOOL_PREFIX) {
+            Some(plugin) => self.start_child(plugin, tool_call.call_index, &tool_call.args).await,
+            None => self.inner.tools.invoke(tool_call, self, self.cancelled()).await,
+        };
         if let Some(position) = recorded {
             let ops = self.state().ops;
             self.recording().complete(position, ops, &answer).await?;
@@ -777,10 +854,132 @@ impl RunHost {
         self.journal_received(rows.iter()).await
     }
 
+    fn children(&self) -> Result<&Arc<dyn Children>, HostError> {
+        self.inner.children.as_ref().ok_or_else(|| HostError::Unavailable("this host starts no sub-agents".into()))
+    }
+
+    /// `agent:<plugin>`: starts a child run of `plugin` with `{input,
+    /// config?}` (or finds the one this call started before) and answers
+    /// `{run_id, conversation_id, plugin}` at once; `await-agents` waits.
+    async fn start_child(&self, plugin: &str, call_index: u32, args: &Value) -> Result<String, HostError> {
+        let invalid = || {
+            HostError::Invalid(format!("{AGENT_TOOL_PREFIX}{plugin} takes {{\"input\": text, \"config\"?: object}}"))
+        };
+        let input = args.get("input").and_then(Value::as_str).ok_or_else(invalid)?;
+        let config = match args.get("config") {
+            None | Some(Value::Null) => None,
+            Some(c @ Value::Object(_)) => Some(c.clone()),
+            Some(_) => return Err(invalid()),
+        };
+        let start = ChildStart {
+            parent: self.run_id(),
+            call: call_index as i32,
+            owner: &self.inner.owner,
+            plugin,
+            input,
+            config,
+            limits: &self.inner.manifest.limits,
+        };
+        let child = self.children()?.start(&start).await?;
+        let payload = json!({ "call_index": call_index, "run_id": child.run_id, "plugin": plugin,
+                              "conversation_id": child.conversation_id,
+                              "events": format!("/v1/runs/{}/events", child.run_id) });
+        self.append(AGENT_STARTED, payload, false).await?;
+        Ok(json!({ "run_id": child.run_id, "conversation_id": child.conversation_id, "plugin": plugin }).to_string())
+    }
+
+    /// `await-agents`' arguments checked and made whole: `runs` (this
+    /// run's children; every child started so far when absent or empty)
+    /// and `mode` (`all`, the default, or `any`).
+    async fn await_args(&self, args: &Value) -> Result<Value, HostError> {
+        let invalid = |why: String| {
+            HostError::Invalid(format!(
+                "{AWAIT_AGENTS} takes {{\"runs\"?: [run ids], \"mode\"?: \"all\" | \"any\"}}: {why}"
+            ))
+        };
+        let mode = match args.get("mode").and_then(Value::as_str) {
+            None => "all",
+            Some(m @ ("all" | "any")) => m,
+            Some(m) => return Err(invalid(format!("mode {m:?}"))),
+        };
+        let asked: Vec<RunId> = match args.get("runs") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(runs)) if runs.len() <= AWAIT_RUNS_MAX => runs
+                .iter()
+                .map(|r| r.as_str().and_then(|r| r.parse().ok()).ok_or_else(|| invalid(format!("{r} is no run id"))))
+                .collect::<Result<_, _>>()?,
+            Some(_) => return Err(invalid(format!("runs is a list of at most {AWAIT_RUNS_MAX} run ids"))),
+        };
+        let found = self.children()?.read(self.run_id(), &asked).await?;
+        if let Some(missing) = asked.iter().find(|r| !found.iter().any(|c| c.run_id == **r)) {
+            return Err(HostError::Invalid(format!("run {missing} is not a child of this run")));
+        }
+        if found.is_empty() {
+            return Err(HostError::Invalid("this run has started no child run to await".into()));
+        }
+        let runs: Vec<String> = found.iter().map(|c| c.run_id.to_string()).collect();
+        Ok(json!({ "runs": runs, "mode": mode }))
+    }
+
+    /// The answer of an await whose children are joined now (`None`: they
+    /// are not; the run waits).
+    async fn joined(&self, call: &GatedCall<'_>) -> Result<Option<Result<String, HostError>>, HostError> {
+        let runs = Self::awaited(&call.args);
+        let children = self.children()?.read(self.run_id(), &runs).await?;
+        let joined = match call.args["mode"].as_str() {
+            Some("any") => children.iter().any(Child::ended),
+            _ => children.iter().all(Child::ended),
+        };
+        if !joined {
+            return Ok(None);
+        }
+        Ok(Some(self.answer_children(call.ordinal, &call.args, children).await))
+    }
+
+    fn awaited(args: &Value) -> Vec<RunId> {
+        let runs = args["runs"].as_array().map(Vec::as_slice).unwrap_or_default();
+        runs.iter().filter_map(|r| r.as_str()?.parse().ok()).collect()
+    }
+
+    /// The answer of an await the join (or its timeout) woke.
+    async fn join_answer(&self, ordinal: u64, args: &Value) -> Result<String, HostError> {
+        let children = self.children()?.read(self.run_id(), &Self::awaited(args)).await?;
+        self.answer_children(ordinal, args, children).await
+    }
+
+    /// `{mode, runs: [{run_id, plugin, conversation_id, status, output,
+    /// error}]}`, each ended child's `agent_finished` journaled the first
+    /// time an await tells of it. A failed child is a value here, not the
+    /// parent's failure. Outputs share the run's payload limit.
+    async fn answer_children(&self, ordinal: u64, args: &Value, children: Vec<Child>) -> Result<String, HostError> {
+        let share = (self.inner.manifest.limits.payload_bytes as usize / (children.len() + 1)).max(1024);
+        let mut runs = Vec::with_capacity(children.len());
+        for c in children {
+            let first = c.ended() && self.state().agents_told.insert(c.run_id);
+            if first {
+                let payload = json!({ "call_index": ordinal, "run_id": c.run_id, "plugin": c.plugin,
+                                      "status": c.status, "error": c.error });
+                self.append(AGENT_FINISHED, payload, false).await?;
+            }
+            let mut view = json!({ "run_id": c.run_id, "plugin": c.plugin, "conversation_id": c.conversation_id,
+                                   "status": c.status, "output": c.output, "error": c.error });
+            if let Some(out) = c.output.as_deref().filter(|o| o.len() > share) {
+                let cut = (0..=share).rev().find(|i| out.is_char_boundary(*i)).unwrap_or(0);
+                view["output"] = json!(&out[..cut]);
+                view["truncated"] = json!(true);
+            }
+            runs.push(view);
+        }
+        Ok(json!({ "mode": args["mode"], "runs": runs }).to_string())
+    }
+
     /// Whether a call of `name` waits, and for what: the durable wait until
     /// its time, or a person's approval (the manifest, the run's config or the
     /// operator's tools file says so) until the approval timeout.
     fn suspends(&self, name: &str, args: &Value) -> Result<Option<(SuspendKind, Duration)>, HostError> {
+        if name == AWAIT_AGENTS {
+            return Ok(Some((SuspendKind::Children, AWAIT_AGENTS_MAX)));
+        }
         if name == WAIT_TOOL {
             return wait_for(args).map(|d| Some((SuspendKind::Wait, d)));
         }
@@ -849,6 +1048,18 @@ impl RunHost {
                 self.add_usage(crate::tools::llm_tokens(&value));
             }
         }
+        if let (Ok(text), AWAIT_AGENTS) = (&answer, name) {
+            let told = serde_json::from_str::<Value>(text).ok().and_then(|v| v["runs"].as_array().cloned());
+            let mut s = self.state();
+            for c in told.unwrap_or_default() {
+                let ended = c["status"].as_str().and_then(|st| st.parse::<crate::db::RunStatus>().ok());
+                if let (Some(run), Some(true)) =
+                    (c["run_id"].as_str().and_then(|r| r.parse().ok()), ended.map(|st| st.is_terminal()))
+                {
+                    s.agents_told.insert(run);
+                }
+            }
+        }
         let text = answer?;
         self.check_payload_size("tool answer", "exceeds", text.len())?;
         Ok(text)
@@ -861,7 +1072,9 @@ impl RunHost {
     /// Any other tool is not called twice: the run ends failed.
     async fn reissue(&self, call: &crate::db::calls::Call, name: &str, ordinal: u64) -> Result<(), HostError> {
         let rec = self.inner.recording.as_ref().expect("re-issue needs a recording");
-        let idempotent = self.inner.tools.get(name).is_some_and(|t| t.idempotent());
+        // A child's start finds the child it started before.
+        let idempotent =
+            name.starts_with(AGENT_TOOL_PREFIX) || self.inner.tools.get(name).is_some_and(|t| t.idempotent());
         if !idempotent {
             let message = format!(
                 "call {} (tool call {ordinal}, {name:?}) was in flight when the run's worker was lost; \

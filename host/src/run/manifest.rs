@@ -113,6 +113,14 @@ pub struct Limits {
     /// beyond the CPU its own code takes. Past it the run ends failed with
     /// reason `limit`.
     pub host_calls_max: u64,
+    /// Child runs (sub-agents, `agent:<plugin>`) one run may start.
+    pub children_max: u64,
+    /// Child runs of one run queued, running or waiting at once (its fan-out).
+    pub children_active_max: u64,
+    /// How deep a tree of runs may grow under this one's agent: a run at
+    /// depth `d` (0: nobody's agent started it) starts a child only while
+    /// `d + 1` is at most this.
+    pub agent_depth_max: u64,
 }
 
 pub const MEMORY_BYTES_DEFAULT: u64 = 64 << 20;
@@ -131,6 +139,10 @@ pub const TOOL_CALLS_CEILING: u64 = 100_000;
 pub const TOOL_TIMEOUT_MS_CEILING: u64 = 3_600_000;
 pub const RECORDED_CALLS_CEILING: u64 = 1_000_000;
 pub const APPROVAL_TIMEOUT_MS_CEILING: u64 = 30 * 24 * 3_600_000;
+pub const CHILDREN_CEILING: u64 = 1_000;
+pub const CHILDREN_ACTIVE_CEILING: u64 = 100;
+/// The deepest tree of runs (the schema holds `depth` to 16).
+pub const AGENT_DEPTH_CEILING: u64 = 8;
 /// Tools one manifest may name, and the length of a name.
 pub const TOOLS_MAX: usize = 256;
 pub const TOOL_NAME_BYTES_MAX: usize = 64;
@@ -149,6 +161,9 @@ impl Default for Limits {
             recorded_calls_max: 100_000,
             approval_timeout_ms: 24 * 3_600_000,
             host_calls_max: 1_000_000,
+            children_max: 16,
+            children_active_max: 8,
+            agent_depth_max: 2,
         }
     }
 }
@@ -159,7 +174,7 @@ pub use crate::db::tenants::Ceilings;
 
 impl Limits {
     /// Every limit as (name, value, least, most a manifest may ask for).
-    pub fn fields(&self) -> [(&'static str, u64, u64, u64); 11] {
+    pub fn fields(&self) -> [(&'static str, u64, u64, u64); 14] {
         [
             ("memory_bytes", self.memory_bytes, MEMORY_BYTES_FLOOR, MEMORY_BYTES_CEILING),
             ("cpu_ms", self.cpu_ms, 1, CPU_MS_CEILING),
@@ -172,6 +187,9 @@ impl Limits {
             ("tool_timeout_ms", self.tool_timeout_ms, 1, TOOL_TIMEOUT_MS_CEILING),
             ("recorded_calls_max", self.recorded_calls_max, 1, RECORDED_CALLS_CEILING),
             ("approval_timeout_ms", self.approval_timeout_ms, 1, APPROVAL_TIMEOUT_MS_CEILING),
+            ("children_max", self.children_max, 0, CHILDREN_CEILING),
+            ("children_active_max", self.children_active_max, 1, CHILDREN_ACTIVE_CEILING),
+            ("agent_depth_max", self.agent_depth_max, 1, AGENT_DEPTH_CEILING),
         ]
     }
 
@@ -248,6 +266,17 @@ impl Manifest {
                 ));
             }
         }
+        if let Some(t) = m.tools.iter().find(|t| t.starts_with(crate::tools::AGENT_TOOL_PREFIX)) {
+            if t.len() == crate::tools::AGENT_TOOL_PREFIX.len() {
+                return Err(format!("manifest: {t:?} names no agent: grant \"agent:<plugin>\""));
+            }
+            if !m.resumable() {
+                return Err(format!(
+                    "manifest: {t:?} (a sub-agent) needs \"durability\": \"resume\" (a run awaiting its \
+                     children waits with nothing held and is resumed by replay)"
+                ));
+            }
+        }
         if m.approval.values().any(|a| *a == Approval::Always) && !m.resumable() {
             return Err(
                 "manifest: approval needs \"durability\": \"resume\" (a waiting run is resumed by replay)".into()
@@ -266,9 +295,19 @@ impl Manifest {
         self.durability == Durability::Resume
     }
 
+    /// Whether the manifest grants any sub-agent (`agent:<plugin>`): its
+    /// agent may then await the children it starts (`await-agents`).
+    pub fn grants_agents(&self) -> bool {
+        self.tools.iter().any(|t| t.starts_with(crate::tools::AGENT_TOOL_PREFIX))
+    }
+
     /// Whether `call-tool` may reach `tool`: named, or one of an MCP
-    /// server's tools granted as `<server>.*`.
+    /// server's tools granted as `<server>.*`, or `await-agents` with any
+    /// sub-agent granted.
     pub fn grants(&self, tool: &str) -> bool {
+        if tool == crate::tools::AWAIT_AGENTS {
+            return self.grants_agents();
+        }
         self.tools.iter().any(|t| match t.strip_suffix(".*") {
             Some(server) => tool.split_once('.').is_some_and(|(s, rest)| s == server && !rest.is_empty()),
             None => t == tool,

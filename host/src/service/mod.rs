@@ -6,6 +6,7 @@
 //! `crate::text`. They
 //! speak typed errors, never HTTP; each API maps those to its own wire answers.
 
+pub mod children;
 pub mod plugins;
 pub mod quota;
 pub mod responses;

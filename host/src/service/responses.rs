@@ -220,6 +220,7 @@ pub async fn create(
         idempotency_key,
         webhook: None,
         strategy: Busy::Enqueue,
+        parent: None,
     };
     let submitted = match submit::submit(pool, agents, policy, &submission, local).await {
         Ok(s) => s,

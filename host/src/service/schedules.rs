@@ -202,6 +202,7 @@ pub async fn fire_due(
             idempotency_key: Some(format!("schedule-{}-{}", s.id, fire_at.timestamp_micros())),
             webhook: s.webhook.clone(),
             strategy: Busy::Enqueue,
+            parent: None,
         };
         // No waiting for a rate token here: the schedules' rows are locked.
         let run = match submit::submit_within(pool, agents, policy, &submission, Duration::ZERO, local).await {

@@ -53,6 +53,9 @@ pub struct Submission {
     pub webhook: Option<String>,
     /// What to do when the conversation already has an active turn.
     pub strategy: Busy,
+    /// The run (and its tool call) whose agent starts this one: a child
+    /// run, never started in its enqueue (see [`crate::db::enqueue::NewRun::parent`]).
+    pub parent: Option<(RunId, i32)>,
 }
 
 /// The operator's rules for submissions.
@@ -439,6 +442,7 @@ fn new_run<'a>(s: &'a Submission, config: &'a Value, request: &'a Value) -> NewR
         request,
         idempotency_key: s.idempotency_key.as_deref(),
         webhook: s.webhook.as_deref(),
+        parent: s.parent,
     }
 }
 
@@ -528,6 +532,7 @@ mod tests {
             config: None,
             idempotency_key: None,
             webhook: None,
+            parent: None,
             strategy: Busy::Enqueue,
         };
         let cases = [

@@ -160,6 +160,9 @@ impl WebhookConfig {
         if self.name == WAIT_TOOL {
             return Err(format!("name {WAIT_TOOL:?} is the host's durable wait"));
         }
+        if [super::AWAIT_AGENTS, crate::run::host::TAKE_INSTRUCTIONS].contains(&self.name.as_str()) {
+            return Err(format!("name {:?} is answered by the run host itself", self.name));
+        }
         check_http_url(&self.url).map_err(|e| format!("url: {e}"))?;
         check_call_limits(self.timeout_ms, self.max_response_bytes)?;
         if let Some(r) = &self.retry {

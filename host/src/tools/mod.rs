@@ -60,6 +60,14 @@ pub const LLM_TOOL: &str = "llm";
 /// The durable wait's name (`{seconds}` or `{until}`): the run host suspends
 /// the run until then; the tool itself never runs. No webhook may take it.
 pub const WAIT_TOOL: &str = "wait";
+/// What a grant of a sub-agent starts with: a manifest granting
+/// `agent:<plugin>` lets its agent start child runs of `<plugin>` (the run
+/// host starts them; no tool of this registry runs).
+pub const AGENT_TOOL_PREFIX: &str = "agent:";
+/// The name a guest calls `call-tool` with to await child runs it started:
+/// `{runs, mode}` (the run host suspends the run until they are joined);
+/// granted with any `agent:<plugin>`.
+pub const AWAIT_AGENTS: &str = "await-agents";
 /// The allow-listed HTTP tool's name (present when the tools file has
 /// `[[http]]` rules).
 pub const HTTP_TOOL: &str = "http";

@@ -360,6 +360,8 @@ pub(crate) struct Shared {
     /// The last claim left the queue dry and no wake has come since (see
     /// [`Shared::queue_dry`]).
     dry: AtomicBool,
+    /// What the runs' agents start their child runs with (sub-agents).
+    children: Arc<dyn crate::run::host::Children>,
 }
 
 impl Shared {
@@ -526,9 +528,15 @@ impl Worker {
         let journal_stats = Arc::new(crate::run::journal::JournalStats::default());
         let journal_group =
             crate::run::journal::JournalGroup::start(pool.clone(), config.journal_flush, journal_stats.clone());
+        let children = Arc::new(crate::service::children::Starter::new(
+            pool.clone(),
+            Arc::new(agents.clone()),
+            config.policy.clone(),
+        ));
         let shared = Arc::new(Shared {
             pool,
             agents,
+            children,
             slots: Arc::new(Semaphore::new(config.max_runs)),
             shares: Arc::new(shares::Shares::new(config.max_runs, config.tenant_slot_share_pct)),
             config,

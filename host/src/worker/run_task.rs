@@ -255,6 +255,8 @@ async fn prepare(
         plugin_tenant,
         pool: shared.pool.clone(),
         token: row.claim_token,
+        owner: crate::db::enqueue::Owner { user_id: row.owner_id.clone(), tenant_id: row.tenant_id.clone() },
+        children: Some(shared.children.clone()),
     });
     if let Err(outcome) = journal_resumed(shared, row, &host).await {
         return Err(outcome);

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 try:
     from componentize_py_types import Err
@@ -254,6 +254,33 @@ class Turn:
             raise _refusal(e.value) from None
         taken = json.loads(out).get("instructions") or []
         return [str(i) for i in taken]
+
+    def start_agent(self, plugin: str, input: str, config: Optional[dict] = None) -> str:
+        """Starts a child run of ``plugin`` (a sub-agent: the manifest grants
+        ``agent:<plugin>``) with ``input`` as its user message, and answers
+        its run id at once; :meth:`await_agents` waits for it. A resumed run
+        never starts the same child twice."""
+        args: Dict[str, Any] = {"input": input}
+        if config is not None:
+            args["config"] = config
+        try:
+            out = host.call_tool("agent:" + plugin, json.dumps(args))
+        except Err as e:
+            raise _refusal(e.value) from None
+        return str(json.loads(out)["run_id"])
+
+    def await_agents(self, runs: Optional[List[str]] = None, any: bool = False) -> List[Dict[str, Any]]:
+        """Waits for child runs this run started (every one when ``runs`` is
+        empty): all of them, or with ``any`` the first to end, suspended with
+        nothing held meanwhile. Answers each awaited child as ``{run_id,
+        plugin, conversation_id, status, output, error}``; a failed child is
+        a value here, not this run's failure."""
+        args = {"runs": list(runs or []), "mode": "any" if any else "all"}
+        try:
+            out = host.call_tool("await-agents", json.dumps(args))
+        except Err as e:
+            raise _refusal(e.value) from None
+        return list(json.loads(out).get("runs") or [])
 
     def check_cancel(self) -> None:
         """Raises :class:`Cancelled` when a stop was requested."""

@@ -205,6 +205,34 @@ impl Turn {
         Ok(list.into_iter().filter_map(|i| i.as_str().map(str::to_string)).collect())
     }
 
+    /// Starts a child run of `plugin` (a sub-agent; the manifest grants
+    /// `agent:<plugin>`) with `input` as its user message and `config`, and
+    /// answers its run id at once; [`Turn::await_agents`] waits for it. A
+    /// resumed run never starts the same child twice.
+    pub fn start_agent(&self, plugin: &str, input: &str, config: Option<&Value>) -> Result<String, Refusal> {
+        let mut args = serde_json::json!({ "input": input });
+        if let Some(config) = config {
+            args["config"] = config.clone();
+        }
+        let out = host::call_tool(&format!("agent:{plugin}"), &args.to_string())?;
+        let started: Value = serde_json::from_str(&out)
+            .map_err(|e| Refusal(HostError::ToolFailed(format!("agent start answered non-JSON: {e}"))))?;
+        Ok(started["run_id"].as_str().unwrap_or_default().to_string())
+    }
+
+    /// Waits for child runs this run started (every one when `runs` is
+    /// empty): all of them (`any` false) or the first to end (`any` true),
+    /// suspended with nothing held meanwhile. Answers each awaited child:
+    /// `{run_id, plugin, conversation_id, status, output, error}`; a failed
+    /// child is a value here, not this run's failure.
+    pub fn await_agents(&self, runs: &[String], any: bool) -> Result<Vec<Value>, Refusal> {
+        let args = serde_json::json!({ "runs": runs, "mode": if any { "any" } else { "all" } });
+        let out = host::call_tool("await-agents", &args.to_string())?;
+        let joined: Value = serde_json::from_str(&out)
+            .map_err(|e| Refusal(HostError::ToolFailed(format!("await-agents answered non-JSON: {e}"))))?;
+        Ok(joined["runs"].as_array().cloned().unwrap_or_default())
+    }
+
     /// `Err(cancelled)` when a stop was requested (as the Python and
     /// JavaScript SDKs' `check_cancel`/`checkCancel`): `?` ends the turn.
     pub fn check_cancel(&self) -> Result<(), Refusal> {

@@ -26,6 +26,7 @@
 //! | running | queued    | [`reap_or_resume`], [`hand_back`] (fenced): a resumable run with attempts left, `attempt` raised | reaper, boot reconciler; run task at a drain timeout |
 //! | running | waiting   | [`suspensions::suspend`] (fenced): a resumable run's call needs approval, or waits | run task (the run host) |
 //! | waiting | queued    | [`suspensions::decide`], [`suspensions::wake_due`]: `attempt` raised | HTTP decision; the waiting runs' scheduler (`crate::worker::suspensions`) |
+//! | waiting | queued    | the schema's trigger `agent_run_child_ended` (`migrations/0021_subagents.sql`), in the transaction that ends the child joining a parent's await; [`suspensions::suspend`] itself when the children were joined already: `attempt` raised | whatever ends the child (finish, reap, stop); the run host |
 //! | waiting | cancelled | [`cancel`], [`stop_conversation`] | HTTP cancel, HTTP stop |
 //! | running | (flag)    | [`cancel`], [`stop_conversation`] set `cancel_requested` and NOTIFY; the holder then [`finish`]es `cancelled` | HTTP cancel, HTTP stop |
 //!

@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use sqlx::{PgConnection, PgExecutor, PgPool};
 
-use crate::db::events::{APPROVAL_DECIDED, APPROVAL_REQUESTED, WAIT_ELAPSED, WAIT_STARTED};
+use crate::db::events::{AGENTS_JOINED, APPROVAL_DECIDED, APPROVAL_REQUESTED, WAIT_ELAPSED, WAIT_STARTED};
 use crate::db::journal::write_event;
 use crate::db::notify::{events_channel, notify, RUN_ENQUEUED};
 use crate::db::{ClaimToken, ConversationId, Reach, RunId};
@@ -20,6 +20,9 @@ use crate::db::{ClaimToken, ConversationId, Reach, RunId};
 pub enum Kind {
     Approval,
     Wait,
+    /// A parent awaits its children (`await-agents`): the ending of the
+    /// child that joins them wakes it (`agent_run_child_ended`).
+    Children,
 }
 
 impl Kind {
@@ -27,6 +30,7 @@ impl Kind {
         match self {
             Kind::Approval => "approval",
             Kind::Wait => "wait",
+            Kind::Children => "children",
         }
     }
 }
@@ -97,8 +101,40 @@ pub async fn suspend(
                     "requested_at": requested_at, "expires_at": expires_at }),
         ),
         Kind::Wait => (WAIT_STARTED, json!({ "call_id": s.call_index, "until": expires_at })),
+        Kind::Children => (
+            WAIT_STARTED,
+            json!({ "call_id": s.call_index, "until": expires_at, "for": "agents", "runs": s.args["runs"],
+                    "mode": s.args["mode"] }),
+        ),
     };
     write_event(&mut *tx, run, kind, &payload).await?;
+    // The children may have been joined since the agent looked: under the
+    // parent's lock (a child's ending takes it too), so either this sees the
+    // ending or the ending sees this suspension.
+    if s.kind == Kind::Children {
+        let joined: bool = sqlx::query_scalar("SELECT agent_children_joined($1, $2)")
+            .bind(run)
+            .bind(s.args)
+            .fetch_one(&mut *tx)
+            .await?;
+        if joined {
+            sqlx::query(
+                "UPDATE run_suspension SET decision = 'joined', decided_at = now(), decided_by = 'child'
+                 WHERE run_id = $1 AND call_index = $2",
+            )
+            .bind(run)
+            .bind(s.call_index)
+            .execute(&mut *tx)
+            .await?;
+            let conversation: ConversationId =
+                sqlx::query_scalar("SELECT conversation_id FROM agent_run WHERE id = $1")
+                    .bind(run)
+                    .fetch_one(&mut *tx)
+                    .await?;
+            requeue_waiting(&mut tx, run, conversation).await?;
+            write_event(&mut *tx, run, AGENTS_JOINED, &json!({ "call_id": s.call_index })).await?;
+        }
+    }
     notify(&mut *tx, &events_channel(run), "suspended").await?;
     tx.commit().await?;
     Ok(Some(Suspended::Waiting))
@@ -123,6 +159,9 @@ pub enum Decided {
     Reject(String),
     /// A wait whose time came.
     Elapsed,
+    /// The awaited children were joined (or the await timed out): the
+    /// resumed attempt reads them.
+    Joined,
 }
 
 /// The decided suspensions of a run, by call index, with whether an
@@ -142,6 +181,7 @@ pub async fn decided(db: &mut PgConnection, run: RunId) -> Result<Vec<(i32, (Dec
                 "approve" => Decided::Approve,
                 "edit" => Decided::Edit(args.unwrap_or_else(|| json!({}))),
                 "elapsed" => Decided::Elapsed,
+                "joined" => Decided::Joined,
                 _ => Decided::Reject(reason.unwrap_or_else(|| "rejected".into())),
             };
             (i, (d, started))
@@ -381,6 +421,7 @@ pub async fn wake_due(pool: &PgPool, limit: i64) -> Result<Vec<RunId>, sqlx::Err
     for (run, conversation, call, kind) in &due {
         let (decision, reason, event) = match kind.as_str() {
             "wait" => ("elapsed", None, WAIT_ELAPSED),
+            "children" => ("joined", Some("the await timed out"), AGENTS_JOINED),
             _ => ("reject", Some("the approval timed out"), APPROVAL_DECIDED),
         };
         let at: DateTime<Utc> = sqlx::query_scalar(
