@@ -44,6 +44,14 @@ async fn destination(State(seen): State<Seen>, Path(path): Path<String>, headers
             (StatusCode::FOUND, [("location", to)]).into_response()
         }
         "v1/to-same" => (StatusCode::SEE_OTHER, [("location", "/v1/now")]).into_response(),
+        // Unavailable on its first two requests (of any method), then well.
+        "v1/flaky" => {
+            let hits = seen.lock().unwrap().iter().filter(|(p, _)| p == "v1/flaky").count();
+            match hits {
+                1 | 2 => (StatusCode::SERVICE_UNAVAILABLE, [("retry-after", "0")], "busy").into_response(),
+                _ => "well".into_response(),
+            }
+        }
         _ => (StatusCode::NOT_FOUND, "no such path").into_response(),
     }
 }
@@ -309,4 +317,66 @@ async fn a_secret_reaches_its_destination_through_a_host_process_and_appears_now
     assert!(!log.contains(SECRET) && !log.contains(MCP_SECRET), "host log: {log}");
     drop(host);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 46: a rule's retry policy tries an idempotent request again after
+/// a 503 (each attempt journaled as `tool_attempt`) and answers the one that
+/// passed; a POST, whose outcome the destination may have acted on, is
+/// answered its 503 at once; a destination that cannot be reached is tried
+/// again whatever the method.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rules_retry_policy_tries_idempotent_requests_again() {
+    let (allowed, seen) = start_destination().await;
+    let r = registry(
+        &format!(
+            "[[http]]\nurl = \"http://{allowed}\"\nmethods = [\"GET\", \"POST\"]\n\
+             retry = {{ attempts = 3, backoff_ms = 1, backoff_max_ms = 5 }}\n"
+        ),
+        &[],
+    );
+    let flaky = format!("http://{allowed}/v1/flaky");
+    let sink = Sink::default();
+    let c = ToolCall {
+        run_id: RunId::new(),
+        call_index: 7,
+        name: "http",
+        args: json!({ "method": "GET", "url": flaky }),
+        timeout_max: None,
+        tenant: None,
+    };
+    let answer: Value = serde_json::from_str(&r.invoke(c, &sink, std::future::pending()).await.unwrap()).unwrap();
+    assert_eq!((answer["status"].clone(), answer["body"].clone()), (json!(200), json!("well")));
+    let attempts: Vec<Value> =
+        sink.0.lock().unwrap().iter().filter(|(k, _)| k == "tool_attempt").map(|(_, p)| p.clone()).collect();
+    assert_eq!(attempts.len(), 2, "{attempts:?}");
+    assert_eq!((attempts[0]["attempt"].clone(), attempts[0]["status"].clone()), (json!(1), json!(503)));
+    assert_eq!(attempts[1]["call_index"], 7);
+    assert_eq!(seen.lock().unwrap().iter().filter(|(p, _)| p == "v1/flaky").count(), 3);
+
+    // A POST is not sent twice: the 503 is its answer.
+    seen.lock().unwrap().clear();
+    let answer = fetch(&r, json!({ "method": "POST", "url": format!("http://{allowed}/v1/flaky"), "body": "x" })).await;
+    assert_eq!(answer.unwrap()["status"], 503);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+
+    // Nothing listening: each attempt fails to connect, each is journaled.
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gone = closed.local_addr().unwrap();
+    drop(closed);
+    let r = registry(
+        &format!("[[http]]\nurl = \"http://{gone}\"\nmethods = [\"POST\"]\nretry = {{ attempts = 2, backoff_ms = 1, backoff_max_ms = 2 }}\n"),
+        &[],
+    );
+    let sink = Sink::default();
+    let c = ToolCall {
+        run_id: RunId::new(),
+        call_index: 1,
+        name: "http",
+        args: json!({ "method": "POST", "url": format!("http://{gone}/x") }),
+        timeout_max: None,
+        tenant: None,
+    };
+    let e = r.invoke(c, &sink, std::future::pending()).await.unwrap_err();
+    assert!(e.to_string().contains("could not be called"), "{e}");
+    assert_eq!(sink.0.lock().unwrap().iter().filter(|(k, _)| k == "tool_attempt").count(), 1);
 }

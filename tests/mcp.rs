@@ -516,3 +516,33 @@ async fn a_stop_sends_notifications_cancelled_under_2025_11_25() {
     .await;
     assert_eq!(sink.finished()["outcome"], "cancelled");
 }
+
+/// Issue 46: an MCP server's retry policy tries a call that never reached
+/// the server again (it could not be connected to), journaling each retried
+/// attempt as `tool_attempt`, then fails with the last error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_servers_retry_policy_tries_an_unsent_call_again() {
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gone = closed.local_addr().unwrap();
+    drop(closed);
+    let text = format!(
+        "[[mcp]]\nname = \"down\"\nurl = \"http://{gone}/mcp\"\nretry = {{ attempts = 3, backoff_ms = 1, backoff_max_ms = 2 }}\n"
+    );
+    let r = registry(tools_file(&text, &[]).mcp);
+    let sink = Sink::default();
+    let c = ToolCall {
+        run_id: RunId::new(),
+        call_index: 4,
+        name: "down.echo",
+        args: json!({}),
+        timeout_max: None,
+        tenant: None,
+    };
+    let e = r.invoke(c, &sink, std::future::pending()).await.unwrap_err();
+    assert!(e.to_string().contains("MCP server \"down\""), "{e}");
+    let attempts: Vec<Value> =
+        sink.0.lock().unwrap().iter().filter(|(k, _)| k == "tool_attempt").map(|(_, p)| p.clone()).collect();
+    assert_eq!(attempts.len(), 2, "{attempts:?}");
+    assert_eq!(attempts[1]["attempt"], 2);
+    assert_eq!(attempts[0]["name"], "down.echo");
+}

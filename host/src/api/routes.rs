@@ -636,7 +636,7 @@ pub const ROUTES: &[Route] = &[
         summary: "The run's instructions, oldest first: when each was queued, announced and taken",
         auth: true,
         ok: (200, "{steers: [{id, run_id, content, source, created_at, announced_at, taken_at}]}"),
-        errors: &[404],
+        errors: &[400, 404],
         also: &[],
         query: &[],
         body: None,

@@ -65,6 +65,13 @@ pub struct HttpRule {
     /// (the operator's) may use every tool.
     #[serde(default)]
     pub tenants: Option<Vec<String>>,
+    /// Attempts of one request, with backoff and jitter (default: one). A
+    /// request that could not connect is tried again whatever its method;
+    /// one with an idempotent method (GET, HEAD, OPTIONS, PUT, DELETE) also
+    /// after a timeout, a broken connection or an answer of 408, 429 or 5xx
+    /// (its `Retry-After` honoured). The last answer is the call's.
+    #[serde(default)]
+    pub retry: Option<super::models::RetryConfig>,
 }
 
 fn default_methods() -> Vec<String> {
@@ -100,6 +107,7 @@ struct Rule {
     max_bytes: usize,
     /// The tenants whose plugins may call this destination.
     tenants: super::checks::TenantScope,
+    retry: Option<super::models::RetryConfig>,
 }
 
 impl HttpRule {
@@ -138,6 +146,9 @@ impl HttpRule {
             .map(|r| r.parse::<IpNet>().map_err(|_| format!("allow_ranges: {r:?} is not a CIDR range")))
             .collect::<Result<Vec<_>, _>>()?;
         super::checks::check_call_limits(self.timeout_ms, self.max_response_bytes)?;
+        if let Some(r) = &self.retry {
+            r.check().map_err(|e| format!("retry: {e}"))?;
+        }
         Ok(Rule {
             origin: url.origin().ascii_serialization(),
             scheme: url.scheme().to_string(),
@@ -151,6 +162,7 @@ impl HttpRule {
             timeout: Duration::from_millis(self.timeout_ms),
             max_bytes: usize::try_from(self.max_response_bytes).unwrap_or(usize::MAX),
             tenants: super::checks::TenantScope::of(&self.tenants, tenants_default_all),
+            retry: self.retry.clone(),
         })
     }
 }
@@ -412,7 +424,8 @@ impl Http {
         Ok(headers)
     }
 
-    async fn fetch(&self, args: Args, tenant: Option<&str>) -> Result<Value, HostError> {
+    async fn fetch(&self, args: Args, call: &ToolCall<'_>, sink: &dyn EventSink) -> Result<Value, HostError> {
+        let tenant = call.tenant;
         let mut method = Method::from_bytes(args.method.to_ascii_uppercase().as_bytes())
             .map_err(|_| HostError::Invalid(format!("http: method {:?} is not valid", args.method)))?;
         let mut url = Url::parse(&args.url).map_err(|e| HostError::Invalid(format!("http: url: {e}")))?;
@@ -423,37 +436,22 @@ impl Http {
         for hop in 0..=REDIRECTS_MAX {
             let rule = self.allow(&method, &url, tenant).await?.clone();
             let headers = self.headers(&args.headers, &rule)?;
-            let mut request = self.client.request(method.clone(), url.clone()).headers(headers);
-            if let Some(b) = &body {
-                request = request.body(b.clone());
-            }
-            let send = async {
-                let resp = request.send().await?;
-                let status = resp.status();
-                if matches!(status.as_u16(), 301 | 302 | 303 | 307 | 308) {
-                    return Ok(Err((status, resp.headers().get("location").cloned())));
+            let idempotent =
+                matches!(method, Method::GET | Method::HEAD | Method::OPTIONS | Method::PUT | Method::DELETE);
+            let mut attempt = 0;
+            let sent = loop {
+                attempt += 1;
+                let failed = match self.send(&rule, &method, &url, &headers, body.as_ref(), idempotent).await {
+                    Ok(sent) => break sent,
+                    Err(failed) => failed,
+                };
+                // The last attempt's answer is the call's, whatever its status.
+                let last = !(failed.failed.retryable && rule.retry.as_ref().is_some_and(|r| attempt < r.attempts));
+                if let (true, Some(answer)) = (last, failed.answer) {
+                    break answer;
                 }
-                let headers = resp.headers().clone();
-                let (bytes, cut) = read_up_to(resp, rule.max_bytes).await?;
-                Ok(Ok((status, headers, bytes, cut)))
+                super::models::RetryConfig::again(rule.retry.as_ref(), attempt, call, sink, failed.failed).await?;
             };
-            let sent: Result<_, reqwest::Error> = tokio::time::timeout(rule.timeout, send).await.map_err(|_| {
-                HostError::ToolFailed(format!(
-                    "http: {} did not answer within {} ms (timeout_ms)",
-                    rule.origin,
-                    rule.timeout.as_millis()
-                ))
-            })?;
-            let sent = sent.map_err(|e| {
-                let refused = std::iter::successors(std::error::Error::source(&e), |s| s.source())
-                    .find_map(|s| s.downcast_ref::<Refused>());
-                match refused {
-                    Some(r) => denied(r.0.clone()),
-                    None => {
-                        HostError::ToolFailed(format!("http: {} could not be called: {}", rule.origin, describe(e)))
-                    }
-                }
-            })?;
             match sent {
                 Ok((status, headers, bytes, cut)) => {
                     let mut h = Map::new();
@@ -499,6 +497,87 @@ impl Http {
     }
 }
 
+/// One hop's answer: its status, headers, body and whether the body was
+/// cut; or a redirect's status and `Location`.
+type Sent = Result<
+    (reqwest::StatusCode, reqwest::header::HeaderMap, Vec<u8>, bool),
+    (reqwest::StatusCode, Option<reqwest::header::HeaderValue>),
+>;
+
+/// A failed attempt of one hop, with the answer it got if any (the call's
+/// answer when no attempt follows).
+struct HopFailed {
+    failed: super::models::Failed,
+    answer: Option<Sent>,
+}
+
+impl Http {
+    /// One attempt of one hop: its answer, or a failure that says whether
+    /// another attempt may be made (see [`HttpRule::retry`]).
+    async fn send(
+        &self,
+        rule: &Rule,
+        method: &Method,
+        url: &Url,
+        headers: &reqwest::header::HeaderMap,
+        body: Option<&String>,
+        idempotent: bool,
+    ) -> Result<Sent, HopFailed> {
+        let fail = |error: HostError, status: Option<u16>, retryable: bool| HopFailed {
+            failed: super::models::Failed { error, status, after: None, retryable },
+            answer: None,
+        };
+        let mut request = self.client.request(method.clone(), url.clone()).headers(headers.clone());
+        if let Some(b) = body {
+            request = request.body(b.clone());
+        }
+        let send = async {
+            let resp = request.send().await?;
+            let status = resp.status();
+            if matches!(status.as_u16(), 301 | 302 | 303 | 307 | 308) {
+                return Ok(Err((status, resp.headers().get("location").cloned())));
+            }
+            let headers = resp.headers().clone();
+            let (bytes, cut) = read_up_to(resp, rule.max_bytes).await?;
+            Ok(Ok((status, headers, bytes, cut)))
+        };
+        let sent: Result<Sent, reqwest::Error> = match tokio::time::timeout(rule.timeout, send).await {
+            Ok(sent) => sent,
+            Err(_) => {
+                let why =
+                    format!("http: {} did not answer within {} ms (timeout_ms)", rule.origin, rule.timeout.as_millis());
+                return Err(fail(HostError::ToolFailed(why), None, idempotent));
+            }
+        };
+        let sent = sent.map_err(|e| {
+            let refused = std::iter::successors(std::error::Error::source(&e), |s| s.source())
+                .find_map(|s| s.downcast_ref::<Refused>());
+            match refused {
+                Some(r) => fail(denied(r.0.clone()), None, false),
+                None => {
+                    // Never connected: the destination never saw it.
+                    let retryable = e.is_connect() || idempotent;
+                    let why = format!("http: {} could not be called: {}", rule.origin, describe(e));
+                    fail(HostError::ToolFailed(why), None, retryable)
+                }
+            }
+        })?;
+        if let Ok((status, headers, _, _)) = &sent {
+            if idempotent && (matches!(status.as_u16(), 408 | 429) || status.is_server_error()) {
+                let after = headers
+                    .get("retry-after")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .map(|s| Duration::from_secs(s.min(600)));
+                let error = HostError::ToolFailed(format!("http: {} answered {status}", rule.origin));
+                let failed = super::models::Failed { error, status: Some(status.as_u16()), after, retryable: true };
+                return Err(HopFailed { failed, answer: Some(sent) });
+            }
+        }
+        Ok(sent)
+    }
+}
+
 /// The body, up to `cap` bytes, and whether it was cut there.
 async fn read_up_to(mut resp: reqwest::Response, cap: usize) -> Result<(Vec<u8>, bool), reqwest::Error> {
     let mut body = Vec::new();
@@ -515,10 +594,10 @@ async fn read_up_to(mut resp: reqwest::Response, cap: usize) -> Result<(Vec<u8>,
 
 #[async_trait]
 impl Tool for Http {
-    async fn call(&self, call: &ToolCall<'_>, _sink: &dyn EventSink) -> Result<Value, HostError> {
+    async fn call(&self, call: &ToolCall<'_>, sink: &dyn EventSink) -> Result<Value, HostError> {
         let args: Args = serde_json::from_value(call.args.clone())
             .map_err(|e| HostError::Invalid(format!("http takes {{method, url, headers?, body?}}: {e}")))?;
-        self.fetch(args, call.tenant).await
+        self.fetch(args, call, sink).await
     }
 
     fn timeout(&self) -> Duration {
@@ -609,6 +688,7 @@ mod tests {
             timeout_ms: 1,
             max_response_bytes: 1,
             tenants: None,
+            retry: None,
         }
     }
 

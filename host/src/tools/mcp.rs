@@ -31,6 +31,7 @@ use rmcp::{ClientHandler, Peer, RoleClient};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::models::Failed;
 use super::{EventSink, Tool, ToolCall};
 use crate::error::HostError;
 
@@ -94,6 +95,14 @@ pub struct McpConfig {
     /// (the operator's) may use every tool.
     #[serde(default)]
     pub tenants: Option<Vec<String>>,
+    /// Attempts of one call, with backoff and jitter (default: one). A call
+    /// that never reached the server (it could not be connected to, or its
+    /// tools not listed) is tried again; one that may have reached it (the
+    /// connection broke mid-call) only when the tool is idempotent (a
+    /// trusted server's `idempotentHint` or `readOnlyHint`); an answer, a
+    /// protocol error or the tool's own error never is.
+    #[serde(default)]
+    pub retry: Option<super::models::RetryConfig>,
 }
 
 fn timeout_default() -> u64 {
@@ -117,6 +126,7 @@ impl fmt::Debug for McpConfig {
             .field("allowed_tools", &self.allowed_tools)
             .field("trusted", &self.trusted)
             .field("tenants", &self.tenants)
+            .field("retry", &self.retry)
             .finish()
     }
 }
@@ -135,6 +145,9 @@ impl McpConfig {
         super::checks::check_call_limits(self.timeout_ms, self.max_response_bytes)?;
         if self.list_ttl_ms == 0 {
             return Err("list_ttl_ms must be above 0".into());
+        }
+        if let Some(r) = &self.retry {
+            r.check().map_err(|e| format!("retry: {e}"))?;
         }
         self.headers()?;
         Ok(())
@@ -370,27 +383,41 @@ impl McpServer {
         Ok(tools)
     }
 
-    /// One `tools/call`.
-    async fn call(&self, tool: &str, args: &Value) -> Result<Value, HostError> {
+    /// One `tools/call`, one attempt: a failure says whether another may
+    /// be made (see [`McpConfig::retry`]); `idempotent`: the tool's.
+    async fn call(&self, tool: &str, args: &Value, idempotent: bool) -> Result<Value, Failed> {
+        let once = |error: HostError| Failed { error, status: None, after: None, retryable: false };
+        // Not sent yet: whatever fails before the call may pass.
+        let unsent = |error: HostError| Failed { error, status: None, after: None, retryable: true };
         let arguments = match args {
             Value::Object(m) => m.clone(),
             Value::Null => Map::new(),
-            _ => return Err(HostError::Invalid("an MCP tool's arguments are a JSON object".into())),
+            _ => return Err(once(HostError::Invalid("an MCP tool's arguments are a JSON object".into()))),
         };
-        let listed = self.tools().await?;
+        let listed = self.tools().await.map_err(unsent)?;
         if !listed.iter().any(|t| t.name == tool) {
-            return Err(HostError::Denied(format!("MCP server {:?} lists no tool {tool:?}", self.config.name)));
+            let e = HostError::Denied(format!("MCP server {:?} lists no tool {tool:?}", self.config.name));
+            return Err(once(e));
         }
-        let (peer, generation) = self.peer().await?;
+        let (peer, generation) = self.peer().await.map_err(unsent)?;
         let params = CallToolRequestParams::new(tool.to_string()).with_arguments(arguments);
         let result = match peer.call_tool(params).await {
             Ok(result) => result,
-            Err(rmcp::ServiceError::McpError(e)) => return Err(self.failed(&format!("tools/call {tool:?}"), e.message)),
+            Err(rmcp::ServiceError::McpError(e)) => {
+                return Err(once(self.failed(&format!("tools/call {tool:?}"), e.message)))
+            }
             Err(e) => {
+                // The connection broke mid-call: the server may have acted.
                 self.reset(generation).await;
-                return Err(self.failed(&format!("tools/call {tool:?}"), e));
+                let error = self.failed(&format!("tools/call {tool:?}"), e);
+                return Err(Failed { error, status: None, after: None, retryable: idempotent });
             }
         };
+        self.answer(tool, result).map_err(once)
+    }
+
+    /// A `tools/call` result as the tool's answer (or its error).
+    fn answer(&self, tool: &str, result: rmcp::model::CallToolResult) -> Result<Value, HostError> {
         let text: Vec<String> = result
             .content
             .iter()
@@ -444,8 +471,21 @@ impl McpToolRef {
 
 #[async_trait]
 impl Tool for McpToolRef {
-    async fn call(&self, call: &ToolCall<'_>, _sink: &dyn EventSink) -> Result<Value, HostError> {
-        self.server.call(&self.tool, &call.args).await
+    /// Attempts as the server's `retry` says, each retried one journaled
+    /// (`tool_attempt`); the registry's timeout bounds them all.
+    async fn call(&self, call: &ToolCall<'_>, sink: &dyn EventSink) -> Result<Value, HostError> {
+        let idempotent = self.idempotent();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.server.call(&self.tool, &call.args, idempotent).await {
+                Ok(answer) => return Ok(answer),
+                Err(failed) => {
+                    super::models::RetryConfig::again(self.server.config.retry.as_ref(), attempt, call, sink, failed)
+                        .await?
+                }
+            }
+        }
     }
 
     fn timeout(&self) -> Duration {

@@ -241,6 +241,54 @@ impl RetryConfig {
     }
 }
 
+/// One failed attempt of an operator tool's call (a webhook, an MCP
+/// server's tool, an `http` destination), as its retry policy weighs it.
+pub(crate) struct Failed {
+    pub error: crate::error::HostError,
+    /// The HTTP status, when there was an answer.
+    pub status: Option<u16>,
+    /// The answer's `Retry-After`, honoured as the least pause.
+    pub after: Option<Duration>,
+    /// Whether another attempt may be made: the call never reached its
+    /// receiver (no connection), or the tool is idempotent and the failure
+    /// is one that may pass (a timeout, 408, 429, 5xx, a lost connection).
+    pub retryable: bool,
+}
+
+/// Bytes of a failed attempt's error kept in its `tool_attempt` event.
+const ATTEMPT_ERROR_BYTES_MAX: usize = 300;
+
+impl RetryConfig {
+    /// After failed attempt `attempt` of `call`: `Ok` once its pause has
+    /// passed when `policy` allows another (the attempt journaled as
+    /// `tool_attempt`, replay-safe like every host event), else the error.
+    pub(crate) async fn again(
+        policy: Option<&RetryConfig>,
+        attempt: u32,
+        call: &super::ToolCall<'_>,
+        sink: &dyn super::EventSink,
+        failed: Failed,
+    ) -> Result<(), crate::error::HostError> {
+        let Some(policy) = policy.filter(|p| failed.retryable && attempt < p.attempts) else {
+            return Err(failed.error);
+        };
+        let pause = policy.backoff(attempt).max(failed.after.unwrap_or_default());
+        let mut event = serde_json::json!({
+            "call_index": call.call_index,
+            "name": call.name,
+            "attempt": attempt,
+            "error": super::clip(&failed.error.to_string(), ATTEMPT_ERROR_BYTES_MAX),
+            "retry_in_ms": pause.as_millis() as u64,
+        });
+        if let Some(status) = failed.status {
+            event["status"] = serde_json::json!(status);
+        }
+        sink.event(crate::db::events::TOOL_ATTEMPT, event).await?;
+        tokio::time::sleep(pause).await;
+        Ok(())
+    }
+}
+
 /// The models part of the tools file, checked.
 #[derive(Debug, Clone, Default)]
 pub struct ModelsConfig {

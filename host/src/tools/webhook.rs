@@ -9,9 +9,8 @@ use async_trait::async_trait;
 use reqwest::header::HeaderMap;
 use serde_json::{json, Value};
 
-use super::models::RetryConfig;
-use super::{body_snippet, clip, describe, read_capped, EventSink, Tool, ToolCall, WebhookConfig};
-use crate::db::events::TOOL_ATTEMPT;
+use super::models::{Failed, RetryConfig};
+use super::{body_snippet, describe, read_capped, EventSink, Tool, ToolCall, WebhookConfig};
 use crate::error::HostError;
 
 pub(crate) struct Webhook {
@@ -25,9 +24,6 @@ pub(crate) struct Webhook {
     description: Option<String>,
     retry: Option<RetryConfig>,
 }
-
-/// Bytes of a failed attempt's error kept in its `tool_attempt` event.
-const ATTEMPT_ERROR_BYTES_MAX: usize = 300;
 
 impl Webhook {
     /// `headers` are the config's, as checked by [`WebhookConfig::check`].
@@ -47,7 +43,7 @@ impl Webhook {
 
     /// One attempt: the answer, or the failure and whether another attempt
     /// may be made (see [`WebhookConfig::retry`]) and how long to wait first.
-    async fn attempt(&self, call: &ToolCall<'_>) -> Result<Value, (HostError, Option<u16>, Option<Duration>, bool)> {
+    async fn attempt(&self, call: &ToolCall<'_>) -> Result<Value, Failed> {
         let name = call.name;
         let call_id = format!("{}:{}", call.run_id, call.call_index);
         let body = json!({ "run_id": call.run_id.to_string(), "call_id": call_id, "name": name, "args": call.args });
@@ -64,8 +60,8 @@ impl Webhook {
             Err(e) => {
                 // Not connected: the receiver never saw the call.
                 let retryable = e.is_connect();
-                let e = HostError::ToolFailed(format!("webhook {name:?} could not be called: {}", describe(e)));
-                return Err((e, None, None, retryable));
+                let error = HostError::ToolFailed(format!("webhook {name:?} could not be called: {}", describe(e)));
+                return Err(Failed { error, status: None, after: None, retryable });
             }
         };
         let status = resp.status();
@@ -84,11 +80,11 @@ impl Webhook {
                 .flat_map(|v| [v, v.split_once(' ').map_or(v, |(_, secret)| secret)])
                 .collect();
             let snippet = body_snippet(resp, &secrets).await;
-            let e = HostError::ToolFailed(format!("webhook {name:?} answered {status}{snippet}"));
-            return Err((e, Some(status.as_u16()), after, retryable));
+            let error = HostError::ToolFailed(format!("webhook {name:?} answered {status}{snippet}"));
+            return Err(Failed { error, status: Some(status.as_u16()), after, retryable });
         }
         let max = self.max_response_bytes;
-        let fail = |e: HostError| (e, Some(status.as_u16()), None, false);
+        let fail = |error: HostError| Failed { error, status: Some(status.as_u16()), after: None, retryable: false };
         let bytes = read_capped(resp, max)
             .await
             .map_err(|e| {
@@ -106,30 +102,13 @@ impl Tool for Webhook {
     /// Attempts as the tool's `retry` says, each failed one that is retried
     /// journaled (`tool_attempt`); the registry's timeout bounds them all.
     async fn call(&self, call: &ToolCall<'_>, sink: &dyn EventSink) -> Result<Value, HostError> {
-        let attempts = self.retry.as_ref().map_or(1, |r| r.attempts);
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let (e, status, after, retryable) = match self.attempt(call).await {
+            match self.attempt(call).await {
                 Ok(answer) => return Ok(answer),
-                Err(failure) => failure,
-            };
-            let Some(policy) = self.retry.as_ref().filter(|_| retryable && attempt < attempts) else {
-                return Err(e);
-            };
-            let pause = policy.backoff(attempt).max(after.unwrap_or_default());
-            let mut event = json!({
-                "call_index": call.call_index,
-                "name": call.name,
-                "attempt": attempt,
-                "error": clip(&e.to_string(), ATTEMPT_ERROR_BYTES_MAX),
-                "retry_in_ms": pause.as_millis() as u64,
-            });
-            if let Some(status) = status {
-                event["status"] = json!(status);
+                Err(failed) => RetryConfig::again(self.retry.as_ref(), attempt, call, sink, failed).await?,
             }
-            sink.event(TOOL_ATTEMPT, event).await?;
-            tokio::time::sleep(pause).await;
         }
     }
 
@@ -164,6 +143,7 @@ mod tests {
     use super::super::test_support::{call, serve, Collect};
     use super::super::{LlmConfig, ToolRegistry};
     use super::*;
+    use crate::db::events::TOOL_ATTEMPT;
 
     /// What the receiver saw, and a bell it rings when a request arrives.
     #[derive(Default)]
