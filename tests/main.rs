@@ -44,3 +44,4 @@ mod stop;
 mod streams;
 mod throughput;
 mod tools;
+mod traces;

@@ -495,14 +495,19 @@ impl CallSpan {
         let name = if call.model {
             let parsed = answer.as_ref().ok().and_then(|t| serde_json::from_str::<Value>(t).ok());
             let attempt = call.attempt.lock().unwrap().take();
-            let requested = attempt.as_ref().map(|a| a.1.clone()).or(call.requested.clone()).unwrap_or_default();
+            // The model asked for: the attempt's (an alias resolved), else
+            // the guest's, else the one that answered (the host's default).
+            let answered = parsed.as_ref().and_then(|a| a.get("model")).and_then(Value::as_str).map(str::to_string);
+            let requested = attempt.as_ref().map(|a| a.1.clone()).or(call.requested.clone()).or(answered);
             attributes.extend([
                 KeyValue::new("gen_ai.operation.name", "chat"),
                 KeyValue::new("gen_ai.system", "openai"),
                 KeyValue::new("gen_ai.provider.name", "openai"),
-                KeyValue::new("gen_ai.request.model", requested.clone()),
                 KeyValue::new("openinference.span.kind", "LLM"),
             ]);
+            if let Some(m) = &requested {
+                attributes.push(KeyValue::new("gen_ai.request.model", m.clone()));
+            }
             if let Some((provider, _)) = &attempt {
                 attributes.push(KeyValue::new("agent_host.provider", provider.clone()));
             }
@@ -535,7 +540,10 @@ impl CallSpan {
                 attributes.push(KeyValue::new("gen_ai.input.messages", content(prompt)));
                 attributes.push(KeyValue::new("input.value", content(prompt)));
             }
-            format!("chat {requested}")
+            match requested {
+                Some(m) => format!("chat {m}"),
+                None => "chat".to_string(),
+            }
         } else {
             attributes.extend([
                 KeyValue::new("gen_ai.operation.name", "execute_tool"),
