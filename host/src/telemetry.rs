@@ -114,6 +114,9 @@ static TRACER: OnceLock<Tracer> = OnceLock::new();
 /// a second call is refused). Needs a Tokio runtime.
 pub fn install(config: &TraceConfig) -> anyhow::Result<()> {
     use opentelemetry_otlp::{Protocol, WithExportConfig};
+    // The exporter's reqwest (0.13, the MCP client's) takes the process's
+    // rustls provider: ring, as everywhere in the host.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let mut exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_http()
         .with_protocol(Protocol::HttpBinary)
@@ -490,7 +493,7 @@ impl CallSpan {
             Ok(_) => Status::Unset,
             Err(e) => Status::error(e.to_string()),
         };
-        let content = c.tracer.content;
+        let with_content = c.tracer.content;
         let mut attributes = Vec::new();
         let name = if call.model {
             let parsed = answer.as_ref().ok().and_then(|t| serde_json::from_str::<Value>(t).ok());
@@ -524,7 +527,7 @@ impl CallSpan {
                 if a.get("usage").is_some_and(|u| !u.is_null()) {
                     attributes.extend(usage_attributes(&used));
                 }
-                if content {
+                if with_content {
                     let output = serde_json::json!([{
                         "role": "assistant",
                         "content": a.get("content").cloned().unwrap_or(Value::Null),
@@ -554,7 +557,7 @@ impl CallSpan {
                 attributes.push(KeyValue::new("gen_ai.tool.call.arguments", content(args)));
                 attributes.push(KeyValue::new("input.value", content(args)));
             }
-            if let (true, Ok(result)) = (content, answer) {
+            if let (true, Ok(result)) = (with_content, answer) {
                 attributes.push(KeyValue::new("gen_ai.tool.call.result", content(result)));
                 attributes.push(KeyValue::new("output.value", content(result)));
             }
