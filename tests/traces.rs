@@ -144,7 +144,8 @@ async fn model(log: ModelLog) -> String {
         log.lock().unwrap().push(body.clone());
         let has_result = body["messages"].as_array().unwrap().iter().any(|m| m["role"] == "tool");
         let chunk = |delta: Value, finish: Value| {
-            let c = json!({ "model": SERVED_MODEL, "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }] });
+            let c =
+                json!({ "model": SERVED_MODEL, "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }] });
             format!("data: {c}\n\n")
         };
         let usage = |prompt: u64, completion: u64| {
@@ -209,7 +210,9 @@ async fn a_run_resumed_after_sigkill_is_one_trace_in_phoenix() {
     let root = "run chat";
     let spans = phoenix
         .wait_spans(&trace_id, "the whole trace", |s| {
-            !named(s, root).is_empty() && named(s, "chat test-model").len() == 2 && !named(s, "execute_tool slow").is_empty()
+            !named(s, root).is_empty()
+                && named(s, "chat test-model").len() == 2
+                && !named(s, "execute_tool slow").is_empty()
         })
         .await;
     let all = names(&spans);
@@ -250,9 +253,10 @@ async fn a_run_resumed_after_sigkill_is_one_trace_in_phoenix() {
     let chats = named(&spans, "chat test-model");
     assert_eq!(chats.len(), 2, "{all:?}");
     let by_finish = |reason: &str| {
-        *chats.iter().find(|c| attr(c, "gen_ai.response.finish_reasons") == json!([reason])).unwrap_or_else(|| {
-            panic!("no chat span finished with {reason:?}: {chats:?}")
-        })
+        *chats
+            .iter()
+            .find(|c| attr(c, "gen_ai.response.finish_reasons") == json!([reason]))
+            .unwrap_or_else(|| panic!("no chat span finished with {reason:?}: {chats:?}"))
     };
     let (first, second) = (by_finish("tool_calls"), by_finish("stop"));
     for (c, input, output) in [(first, 11, 7), (second, 23, 5)] {

@@ -298,13 +298,16 @@ impl RunTrace {
             claim_written: AtomicBool::new(false),
         })))
     }
+}
 
-    /// Runs `task` (the run's task) with this trace in scope: the hooks
-    /// below find it there.
-    pub async fn scope<F: std::future::Future>(self, task: F) -> F::Output {
-        RUN.scope(self, task).await
+/// A run's task with its trace in scope: the hooks below find it there.
+pub trait WithRunTrace: std::future::Future + Sized {
+    fn with_run_trace(self, trace: RunTrace) -> tokio::task::futures::TaskLocalFuture<RunTrace, Self> {
+        RUN.scope(trace, self)
     }
 }
+
+impl<F: std::future::Future> WithRunTrace for F {}
 
 /// The run in scope, if it is traced.
 fn current() -> Option<Arc<Claimed>> {
@@ -313,7 +316,15 @@ fn current() -> Option<Arc<Claimed>> {
 
 impl Claimed {
     fn span(&self, name: impl Into<Cow<'static, str>>, kind: SpanKind, parent: SpanId, id: SpanId) -> Span<'_> {
-        Span { claimed: self, name: name.into(), kind, parent, id, start: SystemTime::now(), attributes: self.common.clone() }
+        Span {
+            claimed: self,
+            name: name.into(),
+            kind,
+            parent,
+            id,
+            start: SystemTime::now(),
+            attributes: self.common.clone(),
+        }
     }
 
     fn claim_span(&self, end: SystemTime) {

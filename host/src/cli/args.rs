@@ -666,7 +666,9 @@ impl TraceArgs {
         let endpoint = crate::telemetry::traces_url(endpoint)
             .map_err(|why| ConfigError::Refused(format!("--otlp-endpoint (AGENT_HOST_OTLP_ENDPOINT): {why}")))?;
         if self.otlp_service_name.trim().is_empty() {
-            return Err(ConfigError::Refused("--otlp-service-name (AGENT_HOST_OTLP_SERVICE_NAME) must not be empty".into()));
+            return Err(ConfigError::Refused(
+                "--otlp-service-name (AGENT_HOST_OTLP_SERVICE_NAME) must not be empty".into(),
+            ));
         }
         Ok(Some(crate::telemetry::TraceConfig {
             endpoint,

@@ -19,6 +19,7 @@ use crate::run::config::RunConfig;
 use crate::run::host::RunHostParts;
 use crate::run::journal::{Journal, JournalConfig, FIRST_RUN_SEQ};
 use crate::run::record::{Recording, RecordingParts};
+use crate::telemetry::WithRunTrace;
 use crate::text;
 
 use super::settle::{ended, settle, End, Race, Settled, Verdict};
@@ -70,7 +71,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
     let trace = crate::telemetry::RunTrace::claimed(&row, &shared.config.worker_id);
     let shared2 = shared.clone();
     shared.tasks.spawn(
-        trace.scope(async move {
+        async move {
             let shared = shared2;
             let (id, token, conversation) = (row.id, row.claim_token, row.conversation_id);
             let resumable = resumable(&row);
@@ -96,8 +97,9 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
             if ended {
                 let _ = shared.ended.send((id, conversation)).await;
             }
-        })
-        .instrument(span),
+        }
+        .instrument(span)
+        .with_run_trace(trace),
     );
 }
 

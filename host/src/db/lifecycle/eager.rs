@@ -148,14 +148,13 @@ async fn start_on(
     let run_id = RunId::new();
     let message_id = MessageId::new();
     type Row = (ConversationId, Option<ClaimToken>, Option<uuid::Uuid>, bool, Option<uuid::Uuid>, Option<i64>);
-    let row: Option<Row> =
-        bind_new_run(sqlx::query_as(EAGER_SQL), new, run_id, message_id)
-            .bind(eager.worker_id)
-            .bind(eager.lease.as_secs_f64())
-            .bind(eager.tenant_max_running)
-            .bind(RUN_STARTED)
-            .fetch_optional(db)
-            .await?;
+    let row: Option<Row> = bind_new_run(sqlx::query_as(EAGER_SQL), new, run_id, message_id)
+        .bind(eager.worker_id)
+        .bind(eager.lease.as_secs_f64())
+        .bind(eager.tenant_max_running)
+        .bind(RUN_STARTED)
+        .fetch_optional(db)
+        .await?;
     let Some((conversation_id, token, seed, has_history, trace_id, trace_span_id)) = row else {
         return Err(not_found(new));
     };
