@@ -45,3 +45,4 @@ mod streams;
 mod subagents;
 mod throughput;
 mod tools;
+mod traces;

@@ -16,6 +16,7 @@ pub mod run;
 pub mod sandbox;
 pub mod service;
 pub mod stream;
+pub mod telemetry;
 pub mod text;
 pub mod tools;
 pub mod worker;

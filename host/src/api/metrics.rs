@@ -212,6 +212,7 @@ pub async fn metrics(
         feeds.stalled.load(Relaxed),
     );
     state.agents.tools().model_metrics(&mut e);
+    crate::telemetry::metrics(&mut e);
     if let Some(sandbox) = state.agents.sandbox() {
         e.gauge("agent_host_sandboxes_live", "Guest instances alive.", sandbox.live() as f64);
         crate::metrics::compile_stats(&mut e, &sandbox.compile_stats());

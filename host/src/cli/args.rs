@@ -637,6 +637,45 @@ pub struct ServeArgs {
     pub worker: WorkerArgs,
     #[command(flatten, next_help_heading = "Tools and models")]
     pub tools: ToolArgs,
+    #[command(flatten, next_help_heading = "Traces")]
+    pub traces: TraceArgs,
+}
+
+/// OpenTelemetry traces of runs over OTLP (off unless an endpoint is given).
+#[derive(Debug, Clone, Args)]
+pub struct TraceArgs {
+    /// Export a trace per run (claims, the agent's segments, model and tool
+    /// calls, with GenAI attributes) over OTLP/HTTP protobuf to this
+    /// collector: a base URL such as http://127.0.0.1:4318 (`/v1/traces` is
+    /// added) or the whole traces URL. Unset: no traces.
+    #[arg(long, env = "AGENT_HOST_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// Put prompts, completions, tool arguments and tool answers on the
+    /// spans (each cut at 64 KiB). Off: counts, names and models only.
+    #[arg(long, env = "AGENT_HOST_OTLP_CONTENT", requires = "otlp_endpoint")]
+    pub otlp_content: bool,
+    /// The `service.name` of the exported traces.
+    #[arg(long, env = "AGENT_HOST_OTLP_SERVICE_NAME", default_value = "agent-host")]
+    pub otlp_service_name: String,
+}
+
+impl TraceArgs {
+    /// The exporter's configuration (`None`: traces are off).
+    pub fn config(&self) -> Result<Option<crate::telemetry::TraceConfig>, ConfigError> {
+        let Some(endpoint) = &self.otlp_endpoint else { return Ok(None) };
+        let endpoint = crate::telemetry::traces_url(endpoint)
+            .map_err(|why| ConfigError::Refused(format!("--otlp-endpoint (AGENT_HOST_OTLP_ENDPOINT): {why}")))?;
+        if self.otlp_service_name.trim().is_empty() {
+            return Err(ConfigError::Refused(
+                "--otlp-service-name (AGENT_HOST_OTLP_SERVICE_NAME) must not be empty".into(),
+            ));
+        }
+        Ok(Some(crate::telemetry::TraceConfig {
+            endpoint,
+            content: self.otlp_content,
+            service_name: self.otlp_service_name.clone(),
+        }))
+    }
 }
 
 /// The host's tools: the model behind `llm` and the operator's webhooks.
@@ -983,6 +1022,7 @@ impl ServeArgs {
         )?;
         self.db.validate()?;
         self.worker.validate()?;
+        self.traces.config()?;
         self.tools.validate()
     }
 }

@@ -76,6 +76,9 @@ impl Host {
     pub async fn start(db_args: &DbArgs, args: &ServeArgs, with_clock: bool) -> anyhow::Result<Host> {
         let config = args.worker.to_config();
         config.validate()?;
+        if let Some(traces) = args.traces.config()? {
+            crate::telemetry::install(&traces)?;
+        }
         let mut tools = args.tools.registry()?;
         if with_clock {
             tools.insert(DEMO_TOOL, Arc::new(Clock));
@@ -127,6 +130,8 @@ impl Host {
         tracing::info!(?report, "drain finished");
         self.http_stop.cancel();
         let _ = tokio::time::timeout(HTTP_SHUTDOWN_MAX, &mut self.http).await;
+        // The drained runs' last spans.
+        crate::telemetry::shutdown().await;
         self.pool.close().await;
         if let Some(c) = self.database.cluster.as_mut() {
             tokio::task::block_in_place(|| c.stop());

@@ -39,6 +39,12 @@ pub struct ClaimedRun {
     /// Whether the conversation had any message besides this turn's when it
     /// was claimed; false means its history is empty, no read needed.
     pub has_history: bool,
+    /// The run's trace (`migrations/0022_traces.sql`): its id and the run's
+    /// root span, the same for every claim (`None`: a run from before them).
+    #[sqlx(default)]
+    pub trace_id: Option<uuid::Uuid>,
+    #[sqlx(default)]
+    pub trace_span_id: Option<i64>,
 }
 
 /// Whether a claim error was the index turning away a second running turn.

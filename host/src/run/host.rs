@@ -703,6 +703,8 @@ impl RunHost {
     /// agent sees it (its events are journaled: `tool_call_finished` is
     /// written through).
     async fn invoke(&self, call: GatedCall<'_>, recorded: Option<i32>) -> Result<String, HostError> {
+        // The call's trace span (a live call only: a replayed one made none).
+        let span = crate::telemetry::tool_call(call.name, call.ordinal, &call.args);
         // With the run id, the ordinal is the webhook's Idempotency-Key:
         // 1-based, never repeated within a run (a re-issued call keeps it).
         let tool_call = ToolCall {
@@ -715,8 +717,9 @@ impl RunHost {
         };
         let answer = match call.name.strip_prefix(AGENT_TOOL_PREFIX) {
             Some(plugin) => self.start_child(plugin, tool_call.call_index, &tool_call.args).await,
-            None => self.inner.tools.invoke(tool_call, self, self.cancelled()).await,
+            None => self.inner.tools.invoke(tool_call, &span.sink(self), self.cancelled()).await,
         };
+        span.end(&answer);
         if let Some(position) = recorded {
             let ops = self.state().ops;
             self.recording().complete(position, ops, &answer).await?;

@@ -19,6 +19,7 @@ use crate::run::config::RunConfig;
 use crate::run::host::RunHostParts;
 use crate::run::journal::{Journal, JournalConfig, FIRST_RUN_SEQ};
 use crate::run::record::{Recording, RecordingParts};
+use crate::telemetry::WithRunTrace;
 use crate::text;
 
 use super::settle::{ended, settle, End, Race, Settled, Verdict};
@@ -65,6 +66,9 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
         );
     }
     let span = tracing::info_span!("run", run_id = %row.id, plugin = %row.plugin);
+    // The run's OpenTelemetry trace (inert when traces are off), in scope
+    // for the whole task: the hooks of `telemetry` find it there.
+    let trace = crate::telemetry::RunTrace::claimed(&row, &shared.config.worker_id);
     let shared2 = shared.clone();
     shared.tasks.spawn(
         async move {
@@ -82,6 +86,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                     tracing::error!("{PANICKED}");
                     Outcome::Unfinalized(FailReason::Host.message(PANICKED))
                 });
+            crate::telemetry::segment_ended(outcome.label());
             // A suspended run did not end: its conversation's next turn waits.
             let ended = !matches!(outcome, Outcome::Suspended);
             close_out(&shared, outcome, id, token, resumable).await;
@@ -93,8 +98,22 @@ pub(super) fn spawn(shared: &Arc<Shared>, row: ClaimedRun, permit: OwnedSemaphor
                 let _ = shared.ended.send((id, conversation)).await;
             }
         }
-        .instrument(span),
+        .instrument(span)
+        .with_run_trace(trace),
     );
+}
+
+impl Outcome {
+    /// How the claimed segment ended, for its trace span.
+    fn label(&self) -> &'static str {
+        match self {
+            Outcome::Finalized => "finalized",
+            Outcome::Lost => "lost",
+            Outcome::HandedBack => "handed_back",
+            Outcome::Suspended => "suspended",
+            Outcome::Unfinalized(_) => "unfinalized",
+        }
+    }
 }
 
 /// What a run task's outcome leaves to do: counted, and a run with no
@@ -158,6 +177,7 @@ async fn execute(
         Ok(prepared) => prepared,
         Err(outcome) => return outcome,
     };
+    crate::telemetry::agent_started();
     let race = race(&shared, agent.as_ref(), &host, input, &lost, &cancel, &steered).await;
     let verdict = Verdict {
         suspended: host.suspended(),
@@ -384,6 +404,7 @@ async fn finalize(shared: &Shared, row: &ClaimedRun, end: End, streamed: String,
     if replaced > 0 {
         shared.journal_stats.nul_replaced.fetch_add(replaced as u64, Ordering::Relaxed);
     }
+    let traced = (error.clone(), usage.map(|u| (u.model_calls, u.prompt_tokens, u.completion_tokens)));
     let usage = usage.map(|u| serde_json::to_value(u).expect("usage serializes"));
     let ending = Ending { run: row.id, token: row.claim_token, status, error, assistant, usage };
     // No more heartbeats for a run that is ending: one landing after our
@@ -392,6 +413,7 @@ async fn finalize(shared: &Shared, row: &ClaimedRun, end: End, streamed: String,
     match group_commit(shared, ending, slot).await {
         Ok(true) => {
             shared.stats.record_end(status, reason);
+            crate::telemetry::run_ended(status.as_str(), traced.0.as_deref(), traced.1);
             Outcome::Finalized
         }
         // Zero rows: someone else ended this run. Stand down.

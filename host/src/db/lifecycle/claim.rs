@@ -132,7 +132,7 @@ claimed AS (
     RETURNING r.id, r.conversation_id, r.claim_token, r.user_message_id, r.owner_id,
               r.tenant_id, r.plugin, r.plugin_digest, r.plugin_manifest, r.config,
               extract(epoch FROM now() - r.created_at)::float8 AS waited_s, r.attempt, r.waits, r.seed,
-              r.forked_from IS NOT NULL AS forked
+              r.forked_from IS NOT NULL AS forked, r.trace_id, r.trace_span_id
 ),
 started AS (
     -- seq 3 belongs to the first claim: the run_started event commits with

@@ -68,7 +68,7 @@ run AS (
            CASE WHEN e.go THEN statement_timestamp() END,
            CASE WHEN e.go THEN gen_random_uuid() END
     FROM msg m, eager e
-    RETURNING id, conversation_id, status, claim_token, seed
+    RETURNING id, conversation_id, status, claim_token, seed, trace_id, trace_span_id
 ),
 journal AS (
     INSERT INTO run_event (run_id, seq, type, payload)
@@ -86,7 +86,8 @@ wake AS (
 -- its own rows).
 SELECT r.conversation_id, r.claim_token, r.seed,
        $1::uuid IS NOT NULL AND EXISTS (SELECT 1 FROM message h WHERE h.conversation_id = $1)
-           AS has_history
+           AS has_history,
+       r.trace_id, r.trace_span_id
 FROM run r WHERE (SELECT count(*) FROM wake) >= 0"
 );
 
@@ -146,15 +147,15 @@ async fn start_on(
 ) -> Result<(Enqueued, Option<ClaimedRun>), EnqueueError> {
     let run_id = RunId::new();
     let message_id = MessageId::new();
-    let row: Option<(ConversationId, Option<ClaimToken>, Option<uuid::Uuid>, bool)> =
-        bind_new_run(sqlx::query_as(EAGER_SQL), new, run_id, message_id)
-            .bind(eager.worker_id)
-            .bind(eager.lease.as_secs_f64())
-            .bind(eager.tenant_max_running)
-            .bind(RUN_STARTED)
-            .fetch_optional(db)
-            .await?;
-    let Some((conversation_id, token, seed, has_history)) = row else {
+    type Row = (ConversationId, Option<ClaimToken>, Option<uuid::Uuid>, bool, Option<uuid::Uuid>, Option<i64>);
+    let row: Option<Row> = bind_new_run(sqlx::query_as(EAGER_SQL), new, run_id, message_id)
+        .bind(eager.worker_id)
+        .bind(eager.lease.as_secs_f64())
+        .bind(eager.tenant_max_running)
+        .bind(RUN_STARTED)
+        .fetch_optional(db)
+        .await?;
+    let Some((conversation_id, token, seed, has_history, trace_id, trace_span_id)) = row else {
         return Err(not_found(new));
     };
     // The answer the API gives: the state the run was accepted in (seq 2,
@@ -179,6 +180,8 @@ async fn start_on(
         seed,
         forked: false,
         has_history,
+        trace_id,
+        trace_span_id,
     });
     Ok((enqueued, started))
 }
