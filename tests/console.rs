@@ -312,14 +312,7 @@ async fn the_console_shows_a_pending_approval_and_approve_resumes_the_run_on_the
     // A schedule, which the console lists.
     let schedule = json!({ "plugin": "echo", "content": "happy new year", "cron": "0 0 1 1 *" });
     let (_, created) = env.request(&host, reqwest::Method::POST, "/v1/schedules", Some(schedule)).await;
-    let browser = Browser::start().await;
-    browser.goto(&format!("http://{}/", host.addr)).await;
-    browser
-        .run(
-            "document.getElementById('token').value = arguments[0]; document.getElementById('signin-button').click()",
-            json!([env.token]),
-        )
-        .await;
+    let browser = signed_in(&host.addr, &env.token).await;
     browser
         .until("the plugin list", "return [...document.getElementById('plugin').options].some(o => o.value === 'chat')")
         .await;
@@ -372,14 +365,7 @@ async fn the_console_steers_a_running_turn_and_forks_an_ended_one() {
     let wasm = example_wasm("chat-python");
     let env = crate::support::durable::Env::with_wasm("chat-python", &wasm, &manifest, true, &[]).await;
     let host = env.spawn("A");
-    let browser = Browser::start().await;
-    browser.goto(&format!("http://{}/", host.addr)).await;
-    browser
-        .run(
-            "document.getElementById('token').value = arguments[0]; document.getElementById('signin-button').click()",
-            json!([env.token]),
-        )
-        .await;
+    let browser = signed_in(&host.addr, &env.token).await;
     browser
         .until(
             "the plugin list",
@@ -591,4 +577,17 @@ async fn a_link_whose_id_is_a_path_cannot_steer_the_console() {
     assert_eq!(revoked, None, "the link revoked a token");
     browser.quit().await;
     drop(host);
+}
+
+/// A browser on the console of the host at `addr`, signed in with `token`.
+async fn signed_in(addr: &str, token: &str) -> Browser {
+    let browser = Browser::start().await;
+    browser.goto(&format!("http://{addr}/")).await;
+    browser
+        .run(
+            "document.getElementById('token').value = arguments[0]; document.getElementById('signin-button').click()",
+            json!([token]),
+        )
+        .await;
+    browser
 }

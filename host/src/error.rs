@@ -29,6 +29,22 @@ pub enum HostError {
     Unavailable(String),
 }
 
+impl HostError {
+    /// The refusal's kind, as the WIT names it (`tool_failed`, `limit`, ...):
+    /// how the call log keeps it and how a trace names it (`error.type`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            HostError::Cancelled => "cancelled",
+            HostError::Fenced => "fenced",
+            HostError::Denied(_) => "denied",
+            HostError::Invalid(_) => "invalid",
+            HostError::Limit(_) => "limit",
+            HostError::ToolFailed(_) => "tool_failed",
+            HostError::Unavailable(_) => "unavailable",
+        }
+    }
+}
+
 /// Why a run failed: a small, closed set. `label()` is stable: it is the
 /// `reason` label of `agent_host_runs_ended_total` and the head of the run's
 /// `error` text (`limit: cpu time budget of 300 ms exceeded`).

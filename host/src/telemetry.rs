@@ -576,7 +576,7 @@ impl CallSpan {
         };
         attributes.push(KeyValue::new("agent_host.tool.call_index", call.ordinal as i64));
         if let Err(e) = answer {
-            attributes.push(KeyValue::new("error.type", error_type(e)));
+            attributes.push(KeyValue::new("error.type", e.kind()));
         }
         let kind = if call.model { SpanKind::Client } else { SpanKind::Internal };
         let mut span = c.span(name, kind, c.segment, span_id());
@@ -594,19 +594,6 @@ fn usage_attributes(used: &CallUsage) -> [KeyValue; 5] {
         KeyValue::new("llm.token_count.completion", used.completion_tokens as i64),
         KeyValue::new("llm.token_count.total", (used.prompt_tokens + used.completion_tokens) as i64),
     ]
-}
-
-/// The WIT error's name, as `error.type`.
-fn error_type(e: &HostError) -> &'static str {
-    match e {
-        HostError::Cancelled => "cancelled",
-        HostError::Fenced => "fenced",
-        HostError::Denied(_) => "denied",
-        HostError::Invalid(_) => "invalid",
-        HostError::Limit(_) => "limit",
-        HostError::ToolFailed(_) => "tool_failed",
-        HostError::Unavailable(_) => "unavailable",
-    }
 }
 
 /// The run host as a tool's sink, noting the model's attempts for the

@@ -34,14 +34,8 @@ use crate::run::journal::Journal;
 use crate::run::manifest::Limits;
 use crate::run::manifest::Manifest;
 use crate::run::record::{self, Decided, Divergence, Next, NextReading, Recording};
+pub use crate::tools::TAKE_INSTRUCTIONS;
 use crate::tools::{EventSink, ToolCall, ToolInfo, ToolRegistry, AGENT_TOOL_PREFIX, AWAIT_AGENTS, LLM_TOOL, WAIT_TOOL};
-
-/// The name a guest calls `call-tool` with to take the instructions queued
-/// for its turn (steering): answered by the run host itself, granted to
-/// every plugin (it reads only the run's own input), not a tool call (no
-/// ordinal, no `tool_call_*` events), recorded and replayed as a reading.
-/// Components of every world version reach it through `call-tool`.
-pub const TAKE_INSTRUCTIONS: &str = "take-instructions";
 
 /// The longest durable wait.
 pub const WAIT_MAX: Duration = Duration::from_secs(30 * 24 * 3600);

@@ -369,7 +369,7 @@ impl Recording {
     pub async fn complete(&self, position: i32, ops: i64, answer: &Result<String, HostError>) -> Result<(), HostError> {
         let (outcome, result) = match answer {
             Ok(text) => ("ok", crate::text::storable(text).into_owned()),
-            Err(e) => (refusal_kind(e), crate::text::storable(&refusal_message(e)).into_owned()),
+            Err(e) => (e.kind(), crate::text::storable(&refusal_message(e)).into_owned()),
         };
         let (pool, run, token) = (&self.pool, self.run_id, self.token);
         self.retrying(|| calls::complete(pool, run, token, position, ops, outcome, &result)).await
@@ -443,19 +443,6 @@ fn divergence(recorded: &Call, now: &str) -> Divergence {
     ))
 }
 
-/// A refusal as the log keeps it: its kind, then its message.
-fn refusal_kind(e: &HostError) -> &'static str {
-    match e {
-        HostError::Cancelled => "cancelled",
-        HostError::Fenced => "fenced",
-        HostError::Denied(_) => "denied",
-        HostError::Invalid(_) => "invalid",
-        HostError::Limit(_) => "limit",
-        HostError::ToolFailed(_) => "tool_failed",
-        HostError::Unavailable(_) => "unavailable",
-    }
-}
-
 fn refusal_message(e: &HostError) -> String {
     match e {
         HostError::Cancelled | HostError::Fenced => String::new(),
@@ -503,7 +490,7 @@ mod tests {
                 args_hash: Some(args_hash("{}")),
                 ops_before: 0,
                 ops_after: Some(0),
-                outcome: Some(refusal_kind(&e).into()),
+                outcome: Some(e.kind().into()),
                 result: Some(refusal_message(&e)),
             };
             assert_eq!(recorded_answer(&call), Err(e));

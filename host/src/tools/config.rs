@@ -160,7 +160,7 @@ impl WebhookConfig {
         if self.name == WAIT_TOOL {
             return Err(format!("name {WAIT_TOOL:?} is the host's durable wait"));
         }
-        if [super::AWAIT_AGENTS, crate::run::host::TAKE_INSTRUCTIONS].contains(&self.name.as_str()) {
+        if [super::AWAIT_AGENTS, super::TAKE_INSTRUCTIONS].contains(&self.name.as_str()) {
             return Err(format!("name {:?} is answered by the run host itself", self.name));
         }
         check_http_url(&self.url).map_err(|e| format!("url: {e}"))?;

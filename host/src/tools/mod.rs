@@ -68,6 +68,12 @@ pub const AGENT_TOOL_PREFIX: &str = "agent:";
 /// `{runs, mode}` (the run host suspends the run until they are joined);
 /// granted with any `agent:<plugin>`.
 pub const AWAIT_AGENTS: &str = "await-agents";
+/// The name a guest calls `call-tool` with to take the instructions queued
+/// for its turn (steering): answered by the run host itself, granted to
+/// every plugin (it reads only the run's own input), not a tool call (no
+/// ordinal, no `tool_call_*` events), recorded and replayed as a reading.
+/// Components of every world version reach it through `call-tool`.
+pub const TAKE_INSTRUCTIONS: &str = "take-instructions";
 /// The allow-listed HTTP tool's name (present when the tools file has
 /// `[[http]]` rules).
 pub const HTTP_TOOL: &str = "http";

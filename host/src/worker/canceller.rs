@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::db::notify::{RUN_CANCEL, RUN_STEER};
 use crate::db::{self, RunId};
-use crate::hub::{Hub, Wake};
+use crate::hub::{Hub, Subscription, Wake};
 
 use super::Shared;
 
@@ -19,26 +19,31 @@ use super::Shared;
 const EARLY_KEEP: Duration = Duration::from_secs(5);
 const EARLY_MAX: usize = 10_000;
 
+/// The next wake and every one queued behind it: whether the hub
+/// reconnected (every held run may have missed one) and the runs named;
+/// `None` once the services stop or the hub is gone.
+async fn next_wakes(shared: &Shared, wakes: &mut Subscription) -> Option<(bool, Vec<RunId>)> {
+    let wake = tokio::select! {
+        _ = shared.stop_services.cancelled() => return None,
+        w = wakes.recv() => w?,
+    };
+    let mut everything = false;
+    let mut named = Vec::new();
+    let mut take = |w: Wake| match w {
+        Wake::Notify(payload) => named.extend(payload.parse::<RunId>().ok()),
+        Wake::Reconnected => everything = true,
+    };
+    take(wake);
+    while let Some(w) = wakes.try_recv() {
+        take(w);
+    }
+    Some((everything, named))
+}
+
 pub(super) async fn run(shared: Arc<Shared>, hub: Hub) {
     let mut wakes = hub.subscribe(RUN_CANCEL).await;
     loop {
-        let wake = tokio::select! {
-            _ = shared.stop_services.cancelled() => return,
-            w = wakes.recv() => match w {
-                Some(w) => w,
-                None => return,
-            },
-        };
-        let mut everything = false;
-        let mut named = Vec::new();
-        let mut take = |w: Wake| match w {
-            Wake::Notify(payload) => named.extend(payload.parse::<RunId>().ok()),
-            Wake::Reconnected => everything = true,
-        };
-        take(wake);
-        while let Some(w) = wakes.try_recv() {
-            take(w);
-        }
+        let Some((everything, named)) = next_wakes(&shared, &mut wakes).await else { return };
         let held: Vec<_> = {
             let map = shared.held.lock().unwrap();
             if everything {
@@ -82,23 +87,7 @@ pub(super) async fn run(shared: Arc<Shared>, hub: Hub) {
 pub(super) async fn steers(shared: Arc<Shared>, hub: Hub) {
     let mut wakes = hub.subscribe(RUN_STEER).await;
     loop {
-        let wake = tokio::select! {
-            _ = shared.stop_services.cancelled() => return,
-            w = wakes.recv() => match w {
-                Some(w) => w,
-                None => return,
-            },
-        };
-        let mut everything = false;
-        let mut named = Vec::new();
-        let mut take = |w: Wake| match w {
-            Wake::Notify(payload) => named.extend(payload.parse::<RunId>().ok()),
-            Wake::Reconnected => everything = true,
-        };
-        take(wake);
-        while let Some(w) = wakes.try_recv() {
-            take(w);
-        }
+        let Some((everything, named)) = next_wakes(&shared, &mut wakes).await else { return };
         let map = shared.held.lock().unwrap();
         match everything {
             true => map.values().for_each(|h| h.steered.notify_one()),
