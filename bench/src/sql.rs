@@ -94,7 +94,7 @@ pub async fn count_status(db: impl PgExecutor<'_>, status: &str) -> Result<i64, 
 /// Empties every table the benchmark writes.
 pub async fn reset(db: impl PgExecutor<'_>) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "TRUNCATE stream_ticket, response_deleted, a2a_push_config, webhook_delivery, schedule, run_suspension, run_call, run_event, agent_run, message, conversation",
+        "TRUNCATE stream_ticket, response_deleted, a2a_push_config, webhook_delivery, schedule, run_suspension, run_steer, run_call, run_event, agent_run, message, conversation",
     )
     .execute(db)
     .await?;
