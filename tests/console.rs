@@ -346,6 +346,8 @@ async fn the_console_shows_a_pending_approval_and_approve_resumes_the_run_on_the
         .until("the run to finish", "return document.getElementById('run-status').textContent === 'completed'")
         .await;
     assert!(browser.run("return document.getElementById('approval').hidden", json!([])).await.as_bool().unwrap());
+    let panel_hidden = browser.run("return document.getElementById('usage-panel').hidden", json!([])).await;
+    assert_eq!(panel_hidden, json!(true), "the usage by user is an admin's");
     let shown = browser.text("output").await;
     assert_eq!(shown, deltas_of(&env.db.pool, run).await, "the text continued on the same page");
     assert!(shown.contains("Offline reply to: send the memo"), "{shown}");
@@ -434,12 +436,21 @@ async fn the_console_steers_a_running_turn_and_forks_an_ended_one() {
 /// What a newcomer sees: after sign-in only the app (the sign-in form is
 /// gone, not merely marked hidden), a plugin picker that names each plugin's
 /// language, digest and granted tools, and a run pane whose timeline stays
-/// in view while the page scrolls.
+/// in view while the page scrolls. An admin also sees the tenant's model
+/// usage by user, and every conversation its own usage (issue 46).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_sign_in_a_person_sees_the_app_the_plugins_languages_and_a_run_pane_in_view() {
     let _one = ONE_AT_A_TIME.lock().await;
     let db = TestDb::new().await;
-    let token = tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
+    let token = tokens::create(&db.pool, "alice", "acme", true).await.unwrap();
+    // A day of a provider's reported usage, as the `llm` tool records it.
+    sqlx::query(
+        "INSERT INTO model_usage_day (tenant_id, user_id, day, provider, model, calls, prompt_tokens, completion_tokens)
+         VALUES ('acme', 'bob', (now() AT TIME ZONE 'UTC')::date, 'openai', 'gpt-x', 3, 120, 45)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
     let python = example_wasm("chat-python");
     let manifest = json!({ "tools": ["llm"] });
     let digest = agent_host::db::plugins::put(&db.pool, "chat-python", &python, &manifest).await.unwrap().digest;
@@ -464,6 +475,9 @@ async fn after_sign_in_a_person_sees_the_app_the_plugins_languages_and_a_run_pan
     assert_eq!(signin_box[2] * signin_box[3], 0.0, "the form takes no space: {signin_box:?}");
     let (app_seen, app_box) = browser.seen("#app").await;
     assert!(app_seen && app_box[1] < 80.0, "the app is right under the header: {app_box:?}");
+    browser.until("the usage panel", "return !document.getElementById('usage-panel').hidden").await;
+    let usage = browser.text("usage").await;
+    assert!(usage.contains("bob · openai/gpt-x · 3 calls, 120+45 tokens"), "{usage}");
 
     // The picker: language, digest and granted tools of each plugin.
     let options: Vec<String> = serde_json::from_value(
@@ -500,6 +514,12 @@ async fn after_sign_in_a_person_sees_the_app_the_plugins_languages_and_a_run_pan
         .await;
     let shown = browser.text("output").await;
     assert!(shown.contains("hello from the console"), "{shown}");
+    // The conversation's usage, as its API answer sums it.
+    browser
+        .until("the conversation's usage", "return document.getElementById('conversation-usage').textContent !== ''")
+        .await;
+    let line = browser.text("conversation-usage").await;
+    assert!(line.starts_with("1 model call · "), "{line}");
     let (run_seen, _) = browser.seen("#run").await;
     let (timeline_seen, timeline_box) = browser.seen("#timeline").await;
     assert!(run_seen && timeline_seen && timeline_box[3] > 0.0, "the timeline is on screen: {timeline_box:?}");

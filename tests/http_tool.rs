@@ -72,7 +72,15 @@ fn registry(text: &str, env: &[(&str, &str)]) -> ToolRegistry {
 }
 
 async fn fetch(r: &ToolRegistry, args: Value) -> Result<Value, HostError> {
-    let c = ToolCall { run_id: RunId::new(), call_index: 1, name: "http", args, timeout_max: None, tenant: None };
+    let c = ToolCall {
+        run_id: RunId::new(),
+        call_index: 1,
+        name: "http",
+        args,
+        timeout_max: None,
+        tenant: None,
+        may_suspend: false,
+    };
     r.invoke(c, &Sink::default(), std::future::pending()).await.map(|a| serde_json::from_str(&a).unwrap())
 }
 
@@ -343,6 +351,7 @@ async fn a_rules_retry_policy_tries_idempotent_requests_again() {
         args: json!({ "method": "GET", "url": flaky }),
         timeout_max: None,
         tenant: None,
+        may_suspend: false,
     };
     let answer: Value = serde_json::from_str(&r.invoke(c, &sink, std::future::pending()).await.unwrap()).unwrap();
     assert_eq!((answer["status"].clone(), answer["body"].clone()), (json!(200), json!("well")));
@@ -375,6 +384,7 @@ async fn a_rules_retry_policy_tries_idempotent_requests_again() {
         args: json!({ "method": "POST", "url": format!("http://{gone}/x") }),
         timeout_max: None,
         tenant: None,
+        may_suspend: false,
     };
     let e = r.invoke(c, &sink, std::future::pending()).await.unwrap_err();
     assert!(e.to_string().contains("could not be called"), "{e}");

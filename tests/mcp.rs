@@ -39,7 +39,15 @@ fn registry(servers: Vec<McpConfig>) -> ToolRegistry {
 
 async fn call(r: &ToolRegistry, name: &str, args: Value) -> (Result<Value, HostError>, Value) {
     let sink = Sink::default();
-    let c = ToolCall { run_id: RunId::new(), call_index: 1, name, args, timeout_max: None, tenant: None };
+    let c = ToolCall {
+        run_id: RunId::new(),
+        call_index: 1,
+        name,
+        args,
+        timeout_max: None,
+        tenant: None,
+        may_suspend: false,
+    };
     let answer = r.invoke(c, &sink, std::future::pending()).await;
     (answer.map(|a| serde_json::from_str(&a).unwrap()), sink.finished())
 }
@@ -496,6 +504,7 @@ async fn a_stop_sends_notifications_cancelled_under_2025_11_25() {
         args,
         timeout_max: None,
         tenant: None,
+        may_suspend: false,
     };
     let call_id = || {
         let wire = wire.lock().unwrap();
@@ -537,6 +546,7 @@ async fn a_servers_retry_policy_tries_an_unsent_call_again() {
         args: json!({}),
         timeout_max: None,
         tenant: None,
+        may_suspend: false,
     };
     let e = r.invoke(c, &sink, std::future::pending()).await.unwrap_err();
     assert!(e.to_string().contains("MCP server \"down\""), "{e}");

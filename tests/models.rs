@@ -111,8 +111,14 @@ struct Setup {
 
 impl Setup {
     async fn new(tools: &str) -> Setup {
+        Setup::with_manifest(tools, json!({ "tools": ["llm"] })).await
+    }
+
+    /// With the chat plugin under `manifest` (and the echo plugin beside it).
+    async fn with_manifest(tools: &str, manifest: Value) -> Setup {
         let db = TestDb::new().await;
-        plugins::put(&db.pool, "chat", &plugin_wasm("chat"), &json!({ "tools": ["llm"] })).await.unwrap();
+        plugins::put(&db.pool, "chat", &plugin_wasm("chat"), &manifest).await.unwrap();
+        plugins::put(&db.pool, "echo", &plugin_wasm("echo"), &json!({})).await.unwrap();
         let token = tokens::create(&db.pool, "alice", "acme", false).await.unwrap();
         let dir = std::env::temp_dir().join(format!("agent-host-models-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -131,10 +137,14 @@ impl Setup {
     }
 
     async fn post(&self, host: &HostProcess, content: &str) -> RunId {
+        self.post_to(host, "chat", content).await
+    }
+
+    async fn post_to(&self, host: &HostProcess, plugin: &str, content: &str) -> RunId {
         let res = reqwest::Client::new()
             .post(format!("http://{}/v1/runs", host.addr))
             .bearer_auth(&self.token)
-            .json(&json!({ "plugin": "chat", "content": content }))
+            .json(&json!({ "plugin": plugin, "content": content }))
             .send()
             .await
             .unwrap();
@@ -401,7 +411,10 @@ fn the_guides_tools_file_example_loads() {
     let example = &text[start..start + text[start..].find("```").unwrap()];
     let env = |name: &str| Some(format!("{}-value-0123456789", name.to_ascii_lowercase()));
     let file = agent_host::tools::parse_tools_file_with(example, &env).unwrap();
-    assert_eq!(file.models.providers.len(), 2);
+    assert_eq!(file.models.providers.len(), 3);
+    let protocols: Vec<_> = file.models.providers.iter().map(|p| p.protocol).collect();
+    assert!(protocols.contains(&agent_host::tools::models::Protocol::Responses), "{protocols:?}");
+    assert!(file.models.limits.iter().any(|l| l.suspend_after_ms == 10_000));
     assert!(!file.models.aliases.is_empty() && !file.models.limits.is_empty());
     let llm = agent_host::tools::LlmConfig { model: "fast".into(), ..Default::default() };
     let registry = agent_host::tools::ToolRegistry::from_tools(&llm, &file).unwrap();
@@ -636,4 +649,286 @@ async fn a_call_that_would_pass_its_tenants_cost_budget_is_refused_audited_and_o
     let third: RunId = res.json::<Value>().await.unwrap()["run_id"].as_str().unwrap().parse().unwrap();
     assert_eq!(wait_terminal(&setup.db.pool, third, LONG).await, "completed");
     assert_eq!(provider.seen().len(), 2, "the refused call never reached the provider");
+}
+
+/// tests/py/responses_provider.py on loopback: a provider speaking OpenAI's
+/// Responses API whose events are the `openai` SDK's own pydantic types and
+/// which checks every request against the SDK's
+/// `ResponseCreateParamsStreaming` (400 when it does not conform). Killed
+/// when dropped.
+struct ResponsesProvider {
+    child: std::process::Child,
+    url: String,
+    log: PathBuf,
+}
+
+impl ResponsesProvider {
+    async fn start() -> ResponsesProvider {
+        use std::io::BufRead;
+        let venv = std::env::var("AGENT_HOST_TEST_VENV")
+            .expect("AGENT_HOST_TEST_VENV is not set: run scripts/test, which installs tests/py/requirements.txt");
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().join("tests/py/responses_provider.py");
+        let log = std::env::temp_dir().join(format!("agent-host-responses-{}.jsonl", uuid::Uuid::new_v4().simple()));
+        let mut child = std::process::Command::new(PathBuf::from(venv).join("bin/python"))
+            .arg(&script)
+            .arg(&log)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting tests/py/responses_provider.py");
+        let stdout = child.stdout.take().unwrap();
+        // Its first line names its port (it binds before it prints).
+        let line = tokio::task::spawn_blocking(move || {
+            let mut line = String::new();
+            std::io::BufReader::new(stdout).read_line(&mut line).map(|_| line)
+        })
+        .await
+        .unwrap()
+        .unwrap();
+        let port = line.trim().strip_prefix("PORT ").unwrap_or_else(|| panic!("no port from the provider: {line:?}"));
+        ResponsesProvider { child, url: format!("http://127.0.0.1:{port}/v1"), log }
+    }
+
+    /// The requests' bodies, in order.
+    fn requests(&self) -> Vec<Value> {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    }
+}
+
+impl Drop for ResponsesProvider {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// Issue 46, item 1: a provider with `protocol = "responses"`. The chat
+/// plugin offers the model a tool; the provider calls it; the tool's answer
+/// (a refusal here: it is not granted) goes back as a `function_call_output`
+/// with the call's id, and the second reply streams text that quotes it.
+/// Both requests conform to the SDK's types (the provider refuses others),
+/// the text reached the journal as deltas, and the usage (with cached
+/// tokens) and its cost are the run's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_api_provider_streams_text_and_a_tool_call_goes_round() {
+    let provider = ResponsesProvider::start().await;
+    let tools = format!(
+        r#"
+[[provider]]
+name = "oai"
+base_url = "{}"
+protocol = "responses"
+
+[[price]]
+provider = "oai"
+model = "gpt-r"
+prompt = 1.0
+completion = 2.0
+cached_prompt = 0.5
+"#,
+        provider.url
+    );
+    let setup = Setup::new(&tools).await;
+    let host = setup.spawn("A", &["--llm-model", "oai/gpt-r"], &[]);
+    let weather = json!({ "name": "weather", "description": "The weather in a city.",
+        "parameters": { "type": "object", "properties": { "city": { "type": "string" } } } });
+    let res = reqwest::Client::new()
+        .post(format!("http://{}/v1/runs", host.addr))
+        .bearer_auth(&setup.token)
+        .json(&json!({ "plugin": "chat", "content": "Weather in Oslo?",
+                       "config": { "system": "Be brief.", "tools": [weather] } }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 202);
+    let run: RunId = res.json::<Value>().await.unwrap()["run_id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(wait_terminal(&setup.db.pool, run, LONG).await, "completed");
+
+    let answer = setup.assistant(run).await;
+    assert!(answer.starts_with("The tool said: error: "), "{answer}");
+    assert!(answer.contains("weather"), "{answer}");
+    let requests = provider.requests();
+    assert_eq!(requests.len(), 2, "{requests:?}");
+    let first = &requests[0];
+    assert_eq!(first["model"], "gpt-r");
+    assert_eq!(first["stream"], true);
+    assert_eq!(
+        first["input"],
+        json!([{ "role": "system", "content": "Be brief." },
+                                      { "role": "user", "content": "Weather in Oslo?" }])
+    );
+    assert_eq!(first["tools"][0]["name"], "weather");
+    let second = second_input(&requests[1]);
+    assert_eq!(second.len(), 4, "{second:?}");
+    assert_eq!(second[2]["type"], "function_call");
+    assert_eq!(second[2]["call_id"], "call_1");
+    assert_eq!(second[2]["arguments"], "{\"city\": \"Oslo\"}");
+    assert_eq!(second[3]["type"], "function_call_output");
+    assert_eq!(second[3]["call_id"], "call_1");
+    assert_eq!(format!("The tool said: {}", second[3]["output"].as_str().unwrap()), answer);
+
+    // Streamed: the reply reached the journal as deltas, and they add up.
+    assert_eq!(deltas_text(&journal_payloads(&setup.db.pool, run).await), answer);
+    let attempts = setup.events(run, "model_attempt").await;
+    assert_eq!(attempts.len(), 2, "{attempts:?}");
+    assert!(attempts.iter().all(|a| a["provider"] == "oai" && a["outcome"] == "ok"), "{attempts:?}");
+    // Two calls of 11 prompt tokens (3 cached) and 7 completion tokens:
+    // (8 × 1.0 + 3 × 0.5 + 7 × 2.0) / 1e6 USD each.
+    let view: Value = reqwest::Client::new()
+        .get(format!("http://{}/v1/runs/{run}", host.addr))
+        .bearer_auth(&setup.token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let usage = &view["usage"];
+    assert_eq!(usage["model_calls"], 2, "{view}");
+    assert_eq!(usage["prompt_tokens"], 22, "{view}");
+    assert_eq!(usage["completion_tokens"], 14, "{view}");
+    assert_eq!(usage["cached_tokens"], 6, "{view}");
+    assert!((usage["cost_usd"].as_f64().unwrap() - 47e-6).abs() < 1e-12, "{view}");
+}
+
+fn second_input(request: &Value) -> Vec<Value> {
+    request["input"].as_array().cloned().unwrap_or_default()
+}
+
+/// Issue 46, item 2: a wait for a shared limit longer than the limit's
+/// `suspend_after_ms` suspends a resumable run as an approval does: it
+/// gives up its slot (a one-slot host runs another run meanwhile), its
+/// stream says what it waits for, the time wakes it, and its resumed
+/// attempt makes the call again, once the limit frees; the provider sees
+/// the two calls a "minute" apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_wait_for_a_shared_limit_suspends_the_run_and_frees_its_slot() {
+    const W: Duration = Duration::from_millis(4000);
+    let (provider, url) = Provider::start(Box::new(|_: &[Instant]| Reply::Answer("Within the limit.".into()))).await;
+    let tools = format!(
+        r#"
+[[provider]]
+name = "limited"
+base_url = "{url}"
+
+[[limit]]
+provider = "limited"
+requests_per_minute = 1
+minute_ms = {}
+suspend_after_ms = 500
+"#,
+        W.as_millis()
+    );
+    let setup = Setup::with_manifest(&tools, json!({ "tools": ["llm"], "durability": "resume" })).await;
+    let host = setup.spawn("A", &["--llm-model", "some-model", "--max-runs", "1"], &[]);
+    let first = setup.post(&host, "one").await;
+    assert_eq!(wait_terminal(&setup.db.pool, first, LONG).await, "completed");
+    // The minute's one request is spent: the next call would wait about W.
+    let second = setup.post(&host, "two").await;
+    wait_status(&setup.db.pool, second, "waiting", LONG).await;
+    let (kind, args): (String, Value) = sqlx::query_as("SELECT kind, args FROM run_suspension WHERE run_id = $1")
+        .bind(second)
+        .fetch_one(&setup.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(kind, "limit");
+    assert_eq!(args["limit"], "limited");
+    // Its slot is free: the host's one slot runs another run meanwhile.
+    let other = setup.post_to(&host, "echo", "meanwhile").await;
+    assert_eq!(wait_terminal(&setup.db.pool, other, LONG).await, "completed");
+    let still: String = sqlx::query_scalar("SELECT status FROM agent_run WHERE id = $1")
+        .bind(second)
+        .fetch_one(&setup.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(still, "waiting", "the limit has not freed yet");
+
+    assert_eq!(wait_terminal(&setup.db.pool, second, LONG).await, "completed");
+    assert_eq!(setup.assistant(second).await, "Within the limit.");
+    let seen = provider.seen();
+    assert_eq!(seen.len(), 2, "one request each: {seen:?}");
+    assert!(seen[1].at.duration_since(seen[0].at) >= W - Duration::from_millis(300), "{seen:?}");
+    // The stream said what the run waited for, and that it resumed.
+    let kinds: Vec<String> = journal_payloads(&setup.db.pool, second).await.into_iter().map(|e| e.1).collect();
+    for k in ["model_wait", "wait_started", "wait_elapsed", "run_resumed", "complete"] {
+        assert!(kinds.iter().any(|x| x == k), "{k} missing: {kinds:?}");
+    }
+    let started = setup.events(second, "wait_started").await;
+    assert_eq!(started[0]["for"], "model_limit", "{started:?}");
+    assert_eq!(metric(&host, "agent_host_model_limit_suspensions_total").await, 1.0);
+}
+
+/// Issue 46, item 4: usage summed per user (`GET /v1/usage?by=user`, an
+/// admin's) and per conversation (`usage` on `GET /v1/conversations/{id}`),
+/// beside the tenant's day that budgets read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_is_summed_per_user_and_per_conversation() {
+    // Every answer reports 5 prompt tokens (2 cached) and 3 completion tokens.
+    let (_provider, url) = Provider::start(Box::new(|_: &[Instant]| Reply::Answer("Counted.".into()))).await;
+    let tools = format!("[[provider]]\nname = \"p\"\nbase_url = \"{url}\"\n");
+    let setup = Setup::new(&tools).await;
+    let host = setup.spawn("A", &["--llm-model", "m"], &[]);
+    let client = reqwest::Client::new();
+    let post = |token: String, body: Value| {
+        let url = format!("http://{}/v1/runs", host.addr);
+        let client = client.clone();
+        async move {
+            let res = client.post(url).bearer_auth(token).json(&body).send().await.unwrap();
+            assert_eq!(res.status(), 202);
+            res.json::<Value>().await.unwrap()
+        }
+    };
+    // Alice: two turns of one conversation; Carol (same tenant): one.
+    let first = post(setup.token.clone(), json!({ "plugin": "chat", "content": "one" })).await;
+    let run: RunId = first["run_id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(wait_terminal(&setup.db.pool, run, LONG).await, "completed");
+    let conversation = first["conversation_id"].as_str().unwrap().to_string();
+    let second =
+        post(setup.token.clone(), json!({ "plugin": "chat", "content": "two", "conversation_id": conversation })).await;
+    let run: RunId = second["run_id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(wait_terminal(&setup.db.pool, run, LONG).await, "completed");
+    let carol = tokens::create(&setup.db.pool, "carol", "acme", false).await.unwrap();
+    let third = post(carol, json!({ "plugin": "chat", "content": "three" })).await;
+    let run: RunId = third["run_id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(wait_terminal(&setup.db.pool, run, LONG).await, "completed");
+
+    let get = |token: &str, path: &str| {
+        let req = client.get(format!("http://{}{path}", host.addr)).bearer_auth(token);
+        async move {
+            let res = req.send().await.unwrap();
+            (res.status().as_u16(), res.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (status, view) = get(&setup.token, &format!("/v1/conversations/{conversation}")).await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(
+        view["usage"],
+        json!({ "model_calls": 2, "prompt_tokens": 10, "completion_tokens": 6, "cached_tokens": 4, "cost_usd": 0.0 })
+    );
+    let admin = tokens::create(&setup.db.pool, "acme-admin", "acme", true).await.unwrap();
+    let (status, by_user) = get(&admin, "/v1/usage?by=user").await;
+    assert_eq!(status, 200, "{by_user}");
+    let rows: Vec<(String, i64, i64)> = by_user["usage"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["user_id"].as_str().unwrap().to_string(),
+                r["calls"].as_i64().unwrap(),
+                r["prompt_tokens"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(rows, [("alice".to_string(), 2, 10), ("carol".to_string(), 1, 5)], "{by_user}");
+    let (_, summed) = get(&admin, "/v1/usage").await;
+    let rows = summed["usage"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{summed}");
+    assert_eq!((&rows[0]["calls"], &rows[0]["completion_tokens"]), (&json!(3), &json!(9)));
+    assert!(rows[0].get("user_id").is_none(), "{summed}");
+    let (status, refused) = get(&admin, "/v1/usage?by=team").await;
+    assert_eq!(status, 400, "{refused}");
 }

@@ -64,7 +64,15 @@ fn report(what: &str, host: &mut [Duration], direct: &mut [Duration]) {
 }
 
 async fn invoke(r: &ToolRegistry, name: &str, args: Value) -> anyhow::Result<Duration> {
-    let call = ToolCall { run_id: RunId::new(), call_index: 1, name, args, timeout_max: None, tenant: None };
+    let call = ToolCall {
+        run_id: RunId::new(),
+        call_index: 1,
+        name,
+        args,
+        timeout_max: None,
+        tenant: None,
+        may_suspend: false,
+    };
     let t = Instant::now();
     r.invoke(call, &NoSink, std::future::pending()).await.map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
     Ok(t.elapsed())

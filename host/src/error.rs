@@ -27,6 +27,11 @@ pub enum HostError {
     /// of the call was done.
     #[error("host unavailable: {0}")]
     Unavailable(String),
+    /// A shared model limit would hold the call longer than its
+    /// `suspend_after_ms`: a resumable run suspends for about `wait_ms` and
+    /// then asks again. Never reaches a guest (the run host suspends).
+    #[error("throttled: limit {limit} frees in about {wait_ms} ms")]
+    Throttled { limit: String, wait_ms: u64 },
 }
 
 impl HostError {
@@ -41,6 +46,7 @@ impl HostError {
             HostError::Limit(_) => "limit",
             HostError::ToolFailed(_) => "tool_failed",
             HostError::Unavailable(_) => "unavailable",
+            HostError::Throttled { .. } => "throttled",
         }
     }
 }

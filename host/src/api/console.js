@@ -152,10 +152,39 @@ async function loadSchedules() {
   }));
 }
 
+// Model usage by user, day and model, for admins (GET /v1/usage answers
+// others 403, and the panel stays hidden).
+async function loadUsage() {
+  let rows;
+  try {
+    rows = (await api("GET", "/v1/usage?by=user&days=31")).usage;
+  } catch (e) {
+    $("usage-panel").hidden = true;
+    return;
+  }
+  $("usage-panel").hidden = false;
+  $("usage").replaceChildren(...rows.slice(0, 50).map((u) => {
+    const li = document.createElement("li");
+    li.className = "usage";
+    li.textContent = `${u.day} · ${u.user_id || "?"} · ${u.provider}/${u.model} · ${u.calls} calls, ` +
+      `${u.prompt_tokens}+${u.completion_tokens} tokens` + (u.cost_usd ? ` · $${u.cost_usd.toFixed(4)}` : "");
+    return li;
+  }));
+}
+
+// A conversation's model usage over its ended turns.
+function usageLine(u) {
+  if (!u || !u.model_calls) return "";
+  const calls = u.model_calls === 1 ? "1 model call" : `${u.model_calls} model calls`;
+  return `${calls} · ${u.prompt_tokens}+${u.completion_tokens} tokens` +
+    (u.cost_usd ? ` · $${u.cost_usd.toFixed(4)}` : "");
+}
+
 async function loadTranscript(conversation) {
   if (!conversation) {
     $("transcript").replaceChildren();
     $("conversation-title").textContent = "New conversation";
+    $("conversation-usage").textContent = "";
     return null;
   }
   const [messages, view] = await Promise.all([
@@ -163,6 +192,7 @@ async function loadTranscript(conversation) {
     api("GET", path`/v1/conversations/${conversation}`),
   ]);
   $("conversation-title").textContent = "Conversation " + conversation.slice(0, 8);
+  $("conversation-usage").textContent = usageLine(view.usage);
   $("transcript").replaceChildren(...messages.map((m) => {
     const div = document.createElement("div");
     div.className = "msg " + m.role;
@@ -192,6 +222,7 @@ async function showState() {
   }
   await loadConversations();
   loadSchedules().catch(() => {});
+  loadUsage();
   const view = await loadTranscript(c);
   const target = r || (view && view.active_run_id);
   if (target) watch(target); else if (!r && !bad.length) $("run").hidden = true;
@@ -355,6 +386,7 @@ function onEvent(kind, data) {
     showTimings(run.id);
     loadConversations();
     loadTranscript(hashState().c);
+    loadUsage();
   }
   renderRun();
 }

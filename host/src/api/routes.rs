@@ -254,7 +254,10 @@ pub const ROUTES: &[Route] = &[
         path: "/v1/runs",
         summary: "Enqueue a run (creates the conversation when absent); optional Idempotency-Key",
         auth: true,
-        ok: (202, "{run_id, status: queued, conversation_id, user_message_id}, or {steered, run_id, conversation_id, steer}"),
+        ok: (
+            202,
+            "{run_id, status: queued, conversation_id, user_message_id}, or {steered, run_id, conversation_id, steer}",
+        ),
         errors: &[400, 404, 409, 413, 415, 422, 429],
         also: &[],
         query: &[],
@@ -694,7 +697,7 @@ pub const ROUTES: &[Route] = &[
         path: "/v1/conversations/{id}",
         summary: "A conversation with its active and queued runs",
         auth: true,
-        ok: (200, "{id, created_at, active_run_id, queued_run_ids}"),
+        ok: (200, "{id, created_at, active_run_id, queued_run_ids, usage}"),
         errors: &[400, 404],
         also: &[],
         query: &[],
@@ -720,7 +723,10 @@ pub const ROUTES: &[Route] = &[
         path: "/v1/conversations/{id}/runs",
         summary: "Enqueue the conversation's next turn; optional Idempotency-Key",
         auth: true,
-        ok: (202, "{run_id, status: queued, conversation_id, user_message_id}, or {steered, run_id, conversation_id, steer}"),
+        ok: (
+            202,
+            "{run_id, status: queued, conversation_id, user_message_id}, or {steered, run_id, conversation_id, steer}",
+        ),
         errors: &[400, 404, 409, 413, 415, 422, 429],
         also: &[],
         query: &[],
@@ -913,11 +919,15 @@ pub const ROUTES: &[Route] = &[
         auth: true,
         ok: (
             200,
-            "{usage: [{tenant_id, day, provider, model, calls, prompt_tokens, completion_tokens, cached_tokens, cost_usd}]}",
+            "{usage: [{tenant_id, day, user_id (by=user), provider, model, calls, prompt_tokens, completion_tokens, \
+             cached_tokens, cost_usd}]}",
         ),
         errors: &[400, 403],
         also: &[],
-        query: &[("days", "integer", "1-366 (default 31): today and the days before it")],
+        query: &[
+            ("days", "integer", "1-366 (default 31): today and the days before it"),
+            ("by", "string", "user: a row per user too (user_id, the run owner)"),
+        ],
         body: None,
         answer: Answer::Json(|g| {
             object(vec![("usage", json!({ "type": "array", "items": of::<crate::db::model_limits::UsageDay>(g) }))])

@@ -19,9 +19,12 @@ const DAYS_DEFAULT: i32 = 31;
 #[serde(deny_unknown_fields)]
 pub struct UsageQuery {
     days: Option<i32>,
+    /// `user`: a row per user too.
+    by: Option<String>,
 }
 
-/// `GET /v1/usage?days`: an admin reads its tenant's rows, an operator every tenant's.
+/// `GET /v1/usage?days&by`: an admin reads its tenant's rows, an operator
+/// every tenant's; `by=user` splits them by the user whose runs made the calls.
 pub async fn list(
     State(state): State<AppState>,
     Admin(p): Admin,
@@ -31,6 +34,11 @@ pub async fn list(
     if !(1..=DAYS_MAX).contains(&days) {
         return Err(ApiError::bad_request(format!("days must be 1 to {DAYS_MAX}")));
     }
-    let rows = model_limits::usage(&state.pool, p.tenant_scope(), days).await?;
+    let by_user = match q.by.as_deref() {
+        None => false,
+        Some("user") => true,
+        Some(other) => return Err(ApiError::bad_request(format!("by must be \"user\" (or left out), not {other:?}"))),
+    };
+    let rows = model_limits::usage(&state.pool, p.tenant_scope(), days, by_user).await?;
     Ok(Json(json!({ "usage": rows })))
 }

@@ -66,6 +66,21 @@ pub struct ConversationView {
     pub created_at: DateTime<Utc>,
     pub active_run_id: Option<RunId>,
     pub queued_run_ids: Vec<RunId>,
+    /// The model usage of its ended turns, summed.
+    pub usage: ConversationUsage,
+}
+
+/// A conversation's model usage: its ended turns' usage (`usage` on each
+/// run), summed.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, serde::Deserialize, schemars::JsonSchema)]
+pub struct ConversationUsage {
+    pub model_calls: i64,
+    pub prompt_tokens: i64,
+    pub completion_tokens: i64,
+    /// Of the prompt tokens, those the providers read from their caches.
+    pub cached_tokens: i64,
+    /// USD by the tools file's price table.
+    pub cost_usd: f64,
 }
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow, schemars::JsonSchema)]
@@ -84,22 +99,30 @@ pub async fn get(
     id: ConversationId,
     owner_id: &str,
 ) -> Result<Option<ConversationView>, sqlx::Error> {
-    let row: Option<(DateTime<Utc>, Option<RunId>, Vec<uuid::Uuid>)> = sqlx::query_as(
+    let row: Option<(DateTime<Utc>, Option<RunId>, Vec<uuid::Uuid>, serde_json::Value)> = sqlx::query_as(
         "SELECT c.created_at,
                 (SELECT r.id FROM agent_run r WHERE r.conversation_id = c.id AND r.status IN ('running', 'waiting')),
                 coalesce((SELECT array_agg(r.id ORDER BY r.queue_pos) FROM agent_run r
-                          WHERE r.conversation_id = c.id AND r.status = 'queued'), '{}')
+                          WHERE r.conversation_id = c.id AND r.status = 'queued'), '{}'),
+                (SELECT jsonb_build_object(
+                    'model_calls', coalesce(sum((r.usage ->> 'model_calls')::bigint), 0),
+                    'prompt_tokens', coalesce(sum((r.usage ->> 'prompt_tokens')::bigint), 0),
+                    'completion_tokens', coalesce(sum((r.usage ->> 'completion_tokens')::bigint), 0),
+                    'cached_tokens', coalesce(sum((r.usage ->> 'cached_tokens')::bigint), 0),
+                    'cost_usd', coalesce(sum((r.usage ->> 'cost_usd')::float8), 0))
+                 FROM agent_run r WHERE r.conversation_id = c.id AND r.usage IS NOT NULL)
          FROM conversation c WHERE c.id = $1 AND c.owner_id = $2",
     )
     .bind(id)
     .bind(owner_id)
     .fetch_optional(db)
     .await?;
-    Ok(row.map(|(created_at, active_run_id, queued)| ConversationView {
+    Ok(row.map(|(created_at, active_run_id, queued, usage)| ConversationView {
         id,
         created_at,
         active_run_id,
         queued_run_ids: queued.into_iter().map(RunId).collect(),
+        usage: serde_json::from_value(usage).unwrap_or_default(),
     }))
 }
 

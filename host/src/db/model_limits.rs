@@ -233,8 +233,18 @@ pub async fn pause(pool: &PgPool, key: &str, ms: i64) -> Result<(), sqlx::Error>
 }
 
 /// The tenant a run belongs to (its owner's), for limits per tenant.
-pub async fn run_tenant(pool: &PgPool, run_id: RunId) -> Result<Option<String>, sqlx::Error> {
-    sqlx::query_scalar("SELECT tenant_id FROM agent_run WHERE id = $1").bind(run_id).fetch_optional(pool).await
+pub async fn run_owner(pool: &PgPool, run_id: RunId) -> Result<Option<RunOwner>, sqlx::Error> {
+    sqlx::query_as("SELECT tenant_id AS tenant, owner_id AS user FROM agent_run WHERE id = $1")
+        .bind(run_id)
+        .fetch_optional(pool)
+        .await
+}
+
+/// Whose a run is: its owner and the owner's tenant.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct RunOwner {
+    pub tenant: String,
+    pub user: String,
 }
 
 /// One model call's reported usage and its cost, as a tenant's day adds it.
@@ -249,29 +259,30 @@ pub struct CallCost {
 /// Adds one model call's reported tokens and cost to its tenant's day (UTC).
 pub async fn record_usage(
     pool: &PgPool,
-    tenant: &str,
+    owner: &RunOwner,
     provider: &str,
     model: &str,
     c: CallCost,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO model_usage_day
-             (tenant_id, day, provider, model, calls, prompt_tokens, completion_tokens, cached_tokens, cost_usd)
-         VALUES ($1, (now() AT TIME ZONE 'UTC')::date, $2, $3, 1, $4, $5, $6, $7)
-         ON CONFLICT (tenant_id, day, provider, model) DO UPDATE
+             (tenant_id, user_id, day, provider, model, calls, prompt_tokens, completion_tokens, cached_tokens, cost_usd)
+         VALUES ($1, $8, (now() AT TIME ZONE 'UTC')::date, $2, $3, 1, $4, $5, $6, $7)
+         ON CONFLICT (tenant_id, day, user_id, provider, model) DO UPDATE
          SET calls = model_usage_day.calls + 1,
              prompt_tokens = model_usage_day.prompt_tokens + excluded.prompt_tokens,
              completion_tokens = model_usage_day.completion_tokens + excluded.completion_tokens,
              cached_tokens = model_usage_day.cached_tokens + excluded.cached_tokens,
              cost_usd = model_usage_day.cost_usd + excluded.cost_usd",
     )
-    .bind(tenant)
+    .bind(&owner.tenant)
     .bind(provider)
     .bind(model)
     .bind(c.prompt_tokens.max(0))
     .bind(c.completion_tokens.max(0))
     .bind(c.cached_tokens.max(0))
     .bind(if c.cost_usd.is_finite() { c.cost_usd.max(0.0) } else { 0.0 })
+    .bind(&owner.user)
     .execute(pool)
     .await?;
     Ok(())
@@ -311,6 +322,10 @@ pub struct UsageDay {
     pub tenant_id: String,
     /// The UTC day.
     pub day: chrono::NaiveDate,
+    /// The user whose runs made the calls (`by=user` only; empty for calls
+    /// recorded before usage was kept per user).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user_id: Option<String>,
     pub provider: String,
     pub model: String,
     pub calls: i64,
@@ -324,16 +339,26 @@ pub struct UsageDay {
 
 /// The usage of today and the `days - 1` days before (UTC), of `tenant`
 /// (`None`: every tenant's), newest day first, at most [`USAGE_ROWS_MAX`] rows.
-pub async fn usage(pool: &PgPool, tenant: Option<&str>, days: i32) -> Result<Vec<UsageDay>, sqlx::Error> {
+pub async fn usage(
+    pool: &PgPool,
+    tenant: Option<&str>,
+    days: i32,
+    by_user: bool,
+) -> Result<Vec<UsageDay>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT tenant_id, day, provider, model, calls, prompt_tokens, completion_tokens, cached_tokens, cost_usd
+        "SELECT tenant_id, day, CASE WHEN $4 THEN user_id END AS user_id, provider, model,
+                sum(calls)::bigint AS calls, sum(prompt_tokens)::bigint AS prompt_tokens,
+                sum(completion_tokens)::bigint AS completion_tokens, sum(cached_tokens)::bigint AS cached_tokens,
+                sum(cost_usd) AS cost_usd
          FROM model_usage_day
          WHERE ($1::text IS NULL OR tenant_id = $1) AND day > (now() AT TIME ZONE 'UTC')::date - $2
-         ORDER BY day DESC, tenant_id, provider, model LIMIT $3",
+         GROUP BY tenant_id, day, 3, provider, model
+         ORDER BY day DESC, tenant_id, 3, provider, model LIMIT $3",
     )
     .bind(tenant)
     .bind(days)
     .bind(USAGE_ROWS_MAX)
+    .bind(by_user)
     .fetch_all(pool)
     .await
 }

@@ -708,12 +708,21 @@ impl RunHost {
             args: call.args,
             timeout_max: Some(Duration::from_millis(self.inner.manifest.limits.tool_timeout_ms)),
             tenant: self.inner.plugin_tenant.as_deref(),
+            may_suspend: recorded.is_some(),
         };
         let answer = match call.name.strip_prefix(AGENT_TOOL_PREFIX) {
             Some(plugin) => self.start_child(plugin, tool_call.call_index, &tool_call.args).await,
             None => self.inner.tools.invoke(tool_call, &span.sink(self), self.cancelled()).await,
         };
         span.end(&answer);
+        // A long wait for a shared model limit: the run waits with nothing
+        // held, and its resumed attempt makes the call again (it is logged
+        // as started and unanswered, and a model call is idempotent).
+        if let (Err(HostError::Throttled { limit, wait_ms }), Some(position)) = (&answer, recorded) {
+            let args = json!({ "limit": limit, "wait_ms": wait_ms });
+            let wait = Duration::from_millis(*wait_ms);
+            return self.suspend(position, call.ordinal, call.name, &args, (SuspendKind::Limit, wait)).await;
+        }
         if let Some(position) = recorded {
             let ops = self.state().ops;
             self.recording().complete(position, ops, &answer).await?;

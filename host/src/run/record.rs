@@ -451,6 +451,7 @@ fn refusal_message(e: &HostError) -> String {
         | HostError::Limit(m)
         | HostError::ToolFailed(m)
         | HostError::Unavailable(m) => m.clone(),
+        HostError::Throttled { .. } => e.to_string(),
     }
 }
 

@@ -21,6 +21,10 @@ macro_rules! host_interface {
                 HostError::Limit(m) => $types::HostError::Limit(m),
                 // The WIT has no `unavailable`: the nearest is a failed tool.
                 HostError::ToolFailed(m) | HostError::Unavailable(m) => $types::HostError::ToolFailed(m),
+                // The run host suspends instead; a guest never sees it.
+                HostError::Throttled { limit, wait_ms } => {
+                    $types::HostError::Limit(format!("model limit {limit} frees in about {wait_ms} ms"))
+                }
             }
         }
 

@@ -113,6 +113,9 @@ pub struct ToolCall<'a> {
     /// parts of its own per tenant (the `http` tool's rules) admits only
     /// those of this tenant.
     pub tenant: Option<&'a str>,
+    /// The run is resumable: a call that would wait long for a shared
+    /// limit may answer [`HostError::Throttled`] and the run suspends.
+    pub may_suspend: bool,
 }
 
 #[async_trait]
@@ -613,7 +616,15 @@ pub(crate) mod test_support {
     }
 
     pub fn call(name: &str, args: Value) -> ToolCall<'_> {
-        ToolCall { run_id: RunId::new(), call_index: 7, name, args, timeout_max: None, tenant: None }
+        ToolCall {
+            run_id: RunId::new(),
+            call_index: 7,
+            name,
+            args,
+            timeout_max: None,
+            tenant: None,
+            may_suspend: false,
+        }
     }
 }
 

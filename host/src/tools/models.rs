@@ -18,6 +18,13 @@ const MINUTE_MS_DEFAULT: u64 = 60_000;
 /// The bounds on a limit's minute: tests shorten it, nobody lengthens it.
 const MINUTE_MS_MIN: u64 = 100;
 const MINUTE_MS_MAX: u64 = 3_600_000;
+/// How long a resumable run's call waits for a limit in its slot, at most,
+/// unless the tools file says.
+const SUSPEND_AFTER_MS_DEFAULT: u64 = 30_000;
+/// The bounds on that: a wait shorter than a poll is not worth a
+/// suspension, and one longer than an hour holds a slot too long.
+const SUSPEND_AFTER_MS_MIN: u64 = 100;
+const SUSPEND_AFTER_MS_MAX: u64 = 3_600_000;
 /// Attempts of one model call, over all its targets, at most.
 pub const ATTEMPTS_MAX: u32 = 10;
 const ATTEMPTS_DEFAULT: u32 = 3;
@@ -34,6 +41,11 @@ pub enum Protocol {
     /// OpenAI, vLLM, Ollama, llama.cpp's server, LiteLLM, OpenRouter.
     #[default]
     ChatCompletions,
+    /// OpenAI's Responses API, streamed and stateless (`POST
+    /// {base_url}/responses`, `store: false`): OpenAI, Azure OpenAI and the
+    /// gateways that serve it. A call's messages go as input items, its
+    /// tool calls and answers as `function_call` and `function_call_output`.
+    Responses,
 }
 
 /// One model provider (a `[[provider]]` table of the tools file).
@@ -50,7 +62,7 @@ pub struct ProviderConfig {
     /// journal and logs see.
     #[serde(default)]
     pub api_key: Option<String>,
-    /// The protocol it speaks (`chat_completions`, the default and only one).
+    /// The protocol it speaks: `chat_completions` (the default) or `responses`.
     #[serde(default)]
     pub protocol: Protocol,
 }
@@ -110,10 +122,21 @@ pub struct LimitConfig {
     /// shorten it; there is no other reason to.
     #[serde(default = "minute_ms_default")]
     pub minute_ms: u64,
+    /// A call of a resumable run whose wait here would pass this many
+    /// milliseconds suspends the run instead (status `waiting`, its slot
+    /// and lease given up, as an approval does) until about when the limit
+    /// frees for it, then asks again; 30000 unless given. A run that is not
+    /// resumable keeps waiting in its slot.
+    #[serde(default = "suspend_after_ms_default")]
+    pub suspend_after_ms: u64,
 }
 
 fn minute_ms_default() -> u64 {
     MINUTE_MS_DEFAULT
+}
+
+fn suspend_after_ms_default() -> u64 {
+    SUSPEND_AFTER_MS_DEFAULT
 }
 
 impl LimitConfig {
@@ -127,6 +150,11 @@ impl LimitConfig {
 
     pub fn minute(&self) -> Duration {
         Duration::from_millis(self.minute_ms)
+    }
+
+    /// The longest wait a resumable run's call spends in its slot.
+    pub fn suspend_after(&self) -> Duration {
+        Duration::from_millis(self.suspend_after_ms)
     }
 }
 
@@ -355,6 +383,11 @@ impl ModelsConfig {
             let entry = format!("limit #{} ({:?})", i + 1, l.key());
             if !(MINUTE_MS_MIN..=MINUTE_MS_MAX).contains(&l.minute_ms) {
                 return Err(format!("{entry}: minute_ms must be {MINUTE_MS_MIN} to {MINUTE_MS_MAX}"));
+            }
+            if !(SUSPEND_AFTER_MS_MIN..=SUSPEND_AFTER_MS_MAX).contains(&l.suspend_after_ms) {
+                return Err(format!(
+                    "{entry}: suspend_after_ms must be {SUSPEND_AFTER_MS_MIN} to {SUSPEND_AFTER_MS_MAX}"
+                ));
             }
             for (what, n) in [
                 ("requests_per_minute", l.requests_per_minute),

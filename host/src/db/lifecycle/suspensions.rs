@@ -23,6 +23,10 @@ pub enum Kind {
     /// A parent awaits its children (`await-agents`): the ending of the
     /// child that joins them wakes it (`agent_run_child_ended`).
     Children,
+    /// A model call would wait long for a shared limit: the time wakes it,
+    /// and the resumed attempt asks again. One call may suspend so more
+    /// than once (its row is taken again each time).
+    Limit,
 }
 
 impl Kind {
@@ -31,6 +35,7 @@ impl Kind {
             Kind::Approval => "approval",
             Kind::Wait => "wait",
             Kind::Children => "children",
+            Kind::Limit => "limit",
         }
     }
 }
@@ -83,6 +88,11 @@ pub async fn suspend(
     let (requested_at, expires_at): (DateTime<Utc>, DateTime<Utc>) = sqlx::query_as(
         "INSERT INTO run_suspension (run_id, call_index, position, kind, tool, args, expires_at)
          VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7))
+         ON CONFLICT (run_id, call_index) DO UPDATE
+         SET position = excluded.position, args = excluded.args, requested_at = now(),
+             expires_at = excluded.expires_at, decision = NULL, decided_args = NULL, reason = NULL,
+             decided_at = NULL, decided_by = NULL
+         WHERE run_suspension.kind = 'limit' AND excluded.kind = 'limit'
          RETURNING requested_at, expires_at",
     )
     .bind(run)
@@ -101,6 +111,10 @@ pub async fn suspend(
                     "requested_at": requested_at, "expires_at": expires_at }),
         ),
         Kind::Wait => (WAIT_STARTED, json!({ "call_id": s.call_index, "until": expires_at })),
+        Kind::Limit => (
+            WAIT_STARTED,
+            json!({ "call_id": s.call_index, "until": expires_at, "for": "model_limit", "limit": s.args["limit"] }),
+        ),
         Kind::Children => (
             WAIT_STARTED,
             json!({ "call_id": s.call_index, "until": expires_at, "for": "agents", "runs": s.args["runs"],
@@ -420,7 +434,7 @@ pub async fn wake_due(pool: &PgPool, limit: i64) -> Result<Vec<RunId>, sqlx::Err
     .await?;
     for (run, conversation, call, kind) in &due {
         let (decision, reason, event) = match kind.as_str() {
-            "wait" => ("elapsed", None, WAIT_ELAPSED),
+            "wait" | "limit" => ("elapsed", None, WAIT_ELAPSED),
             "children" => ("joined", Some("the await timed out"), AGENTS_JOINED),
             _ => ("reject", Some("the approval timed out"), APPROVAL_DECIDED),
         };

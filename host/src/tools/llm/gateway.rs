@@ -19,7 +19,9 @@ use super::limits::Limiter;
 use super::{failed, parse_args, Answer, LlmArgs, OpenAi, Role};
 use crate::db::events::MODEL_ATTEMPT;
 use crate::error::HostError;
-use crate::tools::models::{split_target, ModelsConfig, PriceConfig, RetryConfig, ATTEMPTS_MAX, DEFAULT_PROVIDER};
+use crate::tools::models::{
+    split_target, ModelsConfig, PriceConfig, Protocol, RetryConfig, ATTEMPTS_MAX, DEFAULT_PROVIDER,
+};
 use crate::tools::{clip, EventSink, LlmConfig, Tool, ToolCall};
 
 /// Bytes of an attempt's error kept in its `model_attempt` event.
@@ -55,12 +57,12 @@ impl Gateway {
         if let Some(url) = &llm.base_url {
             providers.insert(
                 DEFAULT_PROVIDER.to_string(),
-                OpenAi::new(url, llm.api_key.clone(), llm.idle_timeout, client.clone()),
+                OpenAi::new(url, llm.api_key.clone(), llm.idle_timeout, client.clone(), Protocol::ChatCompletions),
             );
         }
         for p in &models.providers {
-            providers
-                .insert(p.name.clone(), OpenAi::new(&p.base_url, p.api_key.clone(), llm.idle_timeout, client.clone()));
+            let endpoint = OpenAi::new(&p.base_url, p.api_key.clone(), llm.idle_timeout, client.clone(), p.protocol);
+            providers.insert(p.name.clone(), endpoint);
         }
         if providers.is_empty() {
             return Ok(None);
@@ -141,7 +143,8 @@ impl Tool for Gateway {
         let targets = self.resolve(args.model.as_deref()).map_err(|e| HostError::Invalid(format!("llm model: {e}")))?;
         let tokens = estimate_tokens(&args);
         // The run's tenant: its budget, its usage, its limits per tenant.
-        let tenant = self.limits.tenant_of(call).await?;
+        let owner = self.limits.owner_of(call).await?;
+        let tenant = owner.as_ref().map(|o| o.tenant.clone());
         // The call's cost before it is made: its estimate at its first
         // priced target's prompt price.
         let estimate_usd = targets
@@ -193,7 +196,7 @@ impl Tool for Gateway {
                             .end(used.map(|u| (u.prompt_tokens + u.completion_tokens).min(i64::MAX as u64) as i64))
                             .await;
                         if let Some(u) = used {
-                            self.limits.record(tenant.as_deref(), &t.provider, &t.model, &u).await;
+                            self.limits.record(owner.as_ref(), &t.provider, &t.model, &u).await;
                         }
                         return Ok(answer?.into_json());
                     }

@@ -41,6 +41,8 @@ pub struct ModelStats {
     pub wait_seconds: Histogram,
     /// Pauses a provider's Retry-After put on a shared limit.
     pub pauses: AtomicU64,
+    /// Runs suspended because a shared limit would hold their call too long.
+    pub suspensions: AtomicU64,
     /// Calls refused at a tenant's daily token budget.
     pub budget_refusals: AtomicU64,
     /// Reported usage by (provider, model).
@@ -122,6 +124,11 @@ impl ModelStats {
             "agent_host_model_limit_pauses_total",
             "Shared limits this process paused on a provider's 429 with Retry-After.",
             self.pauses.load(Ordering::Relaxed),
+        );
+        e.counter(
+            "agent_host_model_limit_suspensions_total",
+            "Resumable runs of this process suspended because a shared limit would hold their model call past its suspend_after_ms.",
+            self.suspensions.load(Ordering::Relaxed),
         );
         e.counter(
             "agent_host_model_budget_refusals_total",
@@ -219,9 +226,9 @@ impl Limiter {
     }
 
     /// The tenant of the call's run (its owner's), once there is a database.
-    pub async fn tenant_of(&self, call: &ToolCall<'_>) -> Result<Option<String>, HostError> {
+    pub async fn owner_of(&self, call: &ToolCall<'_>) -> Result<Option<model_limits::RunOwner>, HostError> {
         match self.pool.get() {
-            Some(pool) => model_limits::run_tenant(pool, call.run_id).await.map_err(unavailable),
+            Some(pool) => model_limits::run_owner(pool, call.run_id).await.map_err(unavailable),
             None => Ok(None),
         }
     }
@@ -302,9 +309,9 @@ impl Limiter {
 
     /// Adds a call's reported tokens and cost to its tenant's day, and to
     /// this process's counters.
-    pub async fn record(&self, tenant: Option<&str>, provider: &str, model: &str, u: &super::Usage) {
+    pub async fn record(&self, owner: Option<&model_limits::RunOwner>, provider: &str, model: &str, u: &super::Usage) {
         self.stats.used(provider, model, u);
-        let (Some(pool), Some(tenant)) = (self.pool.get(), tenant) else { return };
+        let (Some(pool), Some(owner)) = (self.pool.get(), owner) else { return };
         let clamp = |n: u64| n.min(i64::MAX as u64) as i64;
         let cost = model_limits::CallCost {
             prompt_tokens: clamp(u.prompt_tokens),
@@ -312,7 +319,7 @@ impl Limiter {
             cached_tokens: clamp(u.cached_tokens),
             cost_usd: u.cost_usd.unwrap_or(0.0),
         };
-        if let Err(e) = model_limits::record_usage(pool, tenant, provider, model, cost).await {
+        if let Err(e) = model_limits::record_usage(pool, owner, provider, model, cost).await {
             tracing::warn!(error = %e, "cannot record a model call's usage");
         }
     }
@@ -374,7 +381,22 @@ impl Limiter {
                             });
                             sink.event(MODEL_WAIT, payload).await?;
                         }
-                        let pause = wait_ms.map_or(POLL_UNKNOWN, |ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0));
+                        // Too long for a slot: a resumable run suspends
+                        // until about when the limit frees, its place given up.
+                        let ahead = wait_ms.map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0));
+                        let bound = rule.suspend_after();
+                        let waited = started.elapsed();
+                        let too_long = match ahead {
+                            Some(ahead) => waited + ahead > bound,
+                            None => waited > bound,
+                        };
+                        if call.may_suspend && too_long {
+                            lease.end(None).await;
+                            self.stats.suspensions.fetch_add(1, Ordering::Relaxed);
+                            let wait = ahead.unwrap_or(bound).max(POLL_MAX);
+                            return Err(HostError::Throttled { limit: key, wait_ms: wait.as_millis() as u64 });
+                        }
+                        let pause = ahead.unwrap_or(POLL_UNKNOWN);
                         // A little jitter, so the waiters of all processes
                         // do not poll in step.
                         let jitter = Duration::from_millis(rand::Rng::gen_range(&mut rand::thread_rng(), 0..=5));

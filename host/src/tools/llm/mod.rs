@@ -9,6 +9,7 @@
 pub(crate) mod gateway;
 pub(crate) mod limits;
 pub(crate) mod offline;
+mod responses;
 mod stream;
 
 use stream::Reply;
@@ -22,6 +23,7 @@ use serde_json::{json, Value};
 
 use super::{body_snippet, clip, describe, EventSink};
 use crate::error::HostError;
+use crate::tools::models::Protocol;
 
 /// Text and tool-call arguments one reply may carry.
 const REPLY_BYTES_MAX: usize = 1 << 20;
@@ -229,6 +231,46 @@ pub(crate) struct OpenAi {
     url: String,
     api_key: Option<String>,
     idle_timeout: Duration,
+    protocol: Protocol,
+}
+
+/// A stream folded into one reply, by the protocol that sends it.
+enum Fold {
+    Chat(Reply),
+    Responses(responses::Fold),
+}
+
+impl Fold {
+    fn apply(&mut self, data: &str) -> Result<Option<String>, HostError> {
+        match self {
+            Fold::Chat(r) => r.apply(data),
+            Fold::Responses(f) => f.apply(data),
+        }
+    }
+
+    /// The stream said its reply is whole.
+    fn done(&self) -> bool {
+        match self {
+            Fold::Chat(r) => r.done,
+            Fold::Responses(f) => f.done,
+        }
+    }
+
+    /// At the stream's end without `done`: whether the reply is whole
+    /// anyway (some chat servers end with a finish reason and no `[DONE]`).
+    fn whole_at_end(&self) -> bool {
+        match self {
+            Fold::Chat(r) => r.finish_reason.is_some(),
+            Fold::Responses(f) => f.done,
+        }
+    }
+
+    fn finish(self, model: &str) -> Result<Answer, HostError> {
+        match self {
+            Fold::Chat(r) => r.finish(model),
+            Fold::Responses(f) => f.finish(model),
+        }
+    }
 }
 
 /// Why one attempt got no stream, and whether another may.
@@ -284,11 +326,29 @@ fn failed(message: impl Into<String>) -> HostError {
 }
 
 impl OpenAi {
-    pub fn new(base_url: &str, api_key: Option<String>, idle_timeout: Duration, client: reqwest::Client) -> Self {
-        OpenAi { client, url: format!("{}/chat/completions", base_url.trim_end_matches('/')), api_key, idle_timeout }
+    pub fn new(
+        base_url: &str,
+        api_key: Option<String>,
+        idle_timeout: Duration,
+        client: reqwest::Client,
+        protocol: Protocol,
+    ) -> Self {
+        let path = match protocol {
+            Protocol::ChatCompletions => "chat/completions",
+            Protocol::Responses => "responses",
+        };
+        let url = format!("{}/{path}", base_url.trim_end_matches('/'));
+        OpenAi { client, url, api_key, idle_timeout, protocol }
     }
 
     fn request_body(&self, args: &LlmArgs, model: &str) -> Value {
+        match self.protocol {
+            Protocol::ChatCompletions => self.chat_body(args, model),
+            Protocol::Responses => responses::body(args, model),
+        }
+    }
+
+    fn chat_body(&self, args: &LlmArgs, model: &str) -> Value {
         let messages: Vec<Value> = args
             .messages
             .iter()
@@ -401,7 +461,10 @@ impl OpenAi {
         let mut stream = resp.bytes_stream();
         let mut sse = crate::stream::decode::SseDecoder::default();
         let mut events = Vec::new();
-        let mut reply = Reply::default();
+        let mut reply = match self.protocol {
+            Protocol::ChatCompletions => Fold::Chat(Reply::default()),
+            Protocol::Responses => Fold::Responses(responses::Fold::default()),
+        };
         loop {
             let next = tokio::time::timeout(self.idle_timeout, stream.next()).await.map_err(|_| {
                 failed(format!("model stream stalled: nothing for {} ms", self.idle_timeout.as_millis()))
@@ -421,13 +484,12 @@ impl OpenAi {
                 if let Some(text) = reply.apply(&data)? {
                     sink.delta(&text).await?;
                 }
-                if reply.done {
+                if reply.done() {
                     return reply.finish(model);
                 }
             }
             if ended {
-                // Some servers end with a finish_reason and no [DONE].
-                if reply.finish_reason.is_none() {
+                if !reply.whole_at_end() {
                     return Err(failed("model stream ended before the reply was complete (dropped mid-stream)"));
                 }
                 return reply.finish(model);
