@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::support::poll_until_blocking;
 use agent_host::cli::args::{Cli, ConfigError};
-use agent_host::sandbox::INSTANCES_MAX;
+use agent_host::sandbox::MAX_RUNS_MAX;
 use clap::Parser;
 
 fn parse(args: &[&str]) -> Cli {
@@ -54,15 +54,12 @@ fn every_zero_that_would_spin_or_stall_is_refused_naming_its_flag() {
 }
 
 #[test]
-fn max_runs_above_the_sandbox_instance_pool_is_refused() {
-    let at = INSTANCES_MAX.to_string();
+fn max_runs_above_one_processs_most_slots_is_refused() {
+    let at = MAX_RUNS_MAX.to_string();
     parse(&["serve", "--max-runs", &at]).validate().unwrap();
-    let above = (INSTANCES_MAX + 1).to_string();
+    let above = (MAX_RUNS_MAX + 1).to_string();
     let e = refusal(&["serve", "--max-runs", &above]);
-    assert_eq!(
-        e,
-        ConfigError::MaxRunsAboveInstances { max_runs: INSTANCES_MAX as usize + 1, instances: INSTANCES_MAX }
-    );
+    assert_eq!(e, ConfigError::MaxRunsAboveMax { max_runs: MAX_RUNS_MAX + 1, max: MAX_RUNS_MAX });
     let message = e.to_string();
     assert!(message.contains("--max-runs") && message.contains(&at), "{message}");
 }
@@ -104,7 +101,7 @@ fn run_binary(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
 
 #[test]
 fn the_binary_refuses_at_start_with_the_flag_in_its_message() {
-    let over = (INSTANCES_MAX + 1).to_string();
+    let over = (MAX_RUNS_MAX + 1).to_string();
     let cases: &[(&[&str], &[(&str, &str)], &str)] = &[
         (&["serve", "--sse-keepalive-ms", "0"], &[], "--sse-keepalive-ms"),
         (&["serve", "--db-pool-max", "0"], &[], "--db-pool-max"),

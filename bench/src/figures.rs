@@ -55,6 +55,41 @@ pub fn rss_of(pid: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// A process's memory as `/proc/<pid>/smaps_rollup` counts it, in bytes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Memory {
+    /// Resident: every mapping of a page counts it, so a page of a
+    /// component's initial image mapped copy-on-write into n guests counts n times.
+    pub rss: u64,
+    /// Proportional: a page mapped n times counts 1/n each time (what the
+    /// process really holds).
+    pub pss: u64,
+    /// Written by this process and held by it alone (a guest's own heap).
+    pub private_dirty: u64,
+}
+
+impl Memory {
+    /// What grew from `before` to `self`, per one of `n`, in MiB:
+    /// `(resident, proportional, private dirty)`.
+    pub fn per(&self, before: &Memory, n: usize) -> (f64, f64, f64) {
+        let mib = |a: u64, b: u64| a.saturating_sub(b) as f64 / (1 << 20) as f64 / n.max(1) as f64;
+        (mib(self.rss, before.rss), mib(self.pss, before.pss), mib(self.private_dirty, before.private_dirty))
+    }
+}
+
+/// `pid`'s memory (`self`: this process's); zeros if unreadable.
+pub fn memory_of(pid: &str) -> Memory {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    let kib = |key: &str| {
+        text.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |k| k * 1024)
+    };
+    Memory { rss: kib("Rss:"), pss: kib("Pss:"), private_dirty: kib("Private_Dirty:") }
+}
+
 /// Linux's unit of CPU time in `/proc/<pid>/stat` (`USER_HZ`, 100 on
 /// every architecture Linux exposes to user space).
 const TICKS_PER_S: f64 = 100.0;
@@ -74,7 +109,12 @@ fn stat_num(fields: &[String], n: usize) -> Option<f64> {
 
 /// CPU seconds (user and system) this process has spent so far.
 pub fn cpu_self() -> f64 {
-    stat_fields("self").and_then(|f| Some(stat_num(&f, 14)? + stat_num(&f, 15)?)).map_or(f64::NAN, |t| t / TICKS_PER_S)
+    cpu_of("self")
+}
+
+/// CPU seconds (user and system) process `pid` has spent so far; NaN if unreadable.
+pub fn cpu_of(pid: &str) -> f64 {
+    stat_fields(pid).and_then(|f| Some(stat_num(&f, 14)? + stat_num(&f, 15)?)).map_or(f64::NAN, |t| t / TICKS_PER_S)
 }
 
 /// The PostgreSQL server whose backend has process id `backend`, when it

@@ -9,7 +9,8 @@
 //! - per run: store + instantiate + a bare turn (no host call: the chats'
 //!   `answer` switch, Rust's `echo` of nothing), and + one chat turn over the
 //!   offline model;
-//! - resident memory per parked Python guest (each in `hold_ms`).
+//! - memory per parked guest, Python and JavaScript (each in `hold_ms`):
+//!   resident, proportional and private dirty (`/proc/self/smaps_rollup`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,7 +20,7 @@ use async_trait::async_trait;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-use crate::figures::{percentiles, rss_bytes};
+use crate::figures::{memory_of, percentiles};
 use crate::library::WorkerConfig;
 use crate::library::{self, guest_input, probe_failed, run_guest, Agent, AgentError, AgentRegistry, Components};
 use crate::library::{DbArgs, Hub, Manifest, RunHost, RunInput, RunStatus, Sandbox, ToolRegistry, Worker};
@@ -107,12 +108,13 @@ pub async fn guests(pool: &PgPool, url: &str, _db_args: &DbArgs, args: &BenchArg
     for (name, digest) in digests.iter().filter(|(n, _)| n != "chat") {
         bare.push((name.clone(), digest.clone(), json!({ "answer": "" })));
     }
-    let python = digests.iter().find(|(n, _)| n == "chat-python").map(|(_, d)| d.clone());
+    let parkable: Vec<(String, String)> =
+        digests.iter().filter(|(n, _)| n == "chat-python" || n == "chat-js").cloned().collect();
     let probe = Arc::new(Probe {
         sandbox,
         digests,
         bare,
-        python,
+        parkable,
         turns: args.samples.min(TURNS_MAX),
         parked: args.parked.min(PARKED_MAX),
     });
@@ -199,7 +201,8 @@ struct Probe {
     digests: Vec<(String, String)>,
     /// (name, digest, config) of a turn that makes no host call.
     bare: Vec<(String, String, Value)>,
-    python: Option<String>,
+    /// (name, digest) of the guests whose parked memory is measured.
+    parkable: Vec<(String, String)>,
     turns: usize,
     parked: usize,
 }
@@ -259,13 +262,20 @@ impl Probe {
     }
 
     async fn parked(&self, host: &RunHost, input: &RunInput) -> anyhow::Result<()> {
-        let Some(digest) = &self.python else { return Ok(()) };
+        for (name, digest) in &self.parkable {
+            self.park(host, input, name, digest).await?;
+        }
+        Ok(())
+    }
+
+    /// `self.parked` guests of `name` parked at once: what each adds.
+    async fn park(&self, host: &RunHost, input: &RunInput, name: &str, digest: &str) -> anyhow::Result<()> {
         let manifest = Manifest::parse(&manifest()).map_err(anyhow::Error::msg)?;
-        let before = rss_bytes();
+        let before = memory_of("self");
         let mut tasks = Vec::with_capacity(self.parked);
         for _ in 0..self.parked {
             let (sandbox, host, digest, manifest) =
-                (self.sandbox.clone(), host.clone(), digest.clone(), manifest.clone());
+                (self.sandbox.clone(), host.clone(), digest.to_string(), manifest.clone());
             let input = guest_input(input, "park", json!({ "hold_ms": 600_000 }));
             tasks.push(tokio::spawn(async move { run_guest(&sandbox, &host, &digest, &manifest, input).await }));
         }
@@ -275,22 +285,28 @@ impl Probe {
             tick.tick().await;
             anyhow::ensure!(
                 t0.elapsed() < WAIT_MAX,
-                "only {} of {} Python guests parked",
+                "only {} of {} {name} guests parked",
                 self.sandbox.live(),
                 self.parked
             );
         }
-        let after = rss_bytes();
+        let (rss, pss, dirty) = memory_of("self").per(&before, self.parked);
         println!(
-            "guests: {} Python guests parked: {:.1} MiB resident per parked guest",
-            self.parked,
-            after.saturating_sub(before) as f64 / (1 << 20) as f64 / self.parked as f64
+            "guests: {} {name} guests parked, per guest: {rss:.2} MiB resident, {pss:.2} MiB proportional, \
+             {dirty:.2} MiB private dirty",
+            self.parked
         );
         for t in &tasks {
             t.abort();
         }
         for t in tasks {
             let _ = t.await;
+        }
+        // Every guest given back before the next language parks.
+        let t0 = Instant::now();
+        while self.sandbox.live() > 0 {
+            tick.tick().await;
+            anyhow::ensure!(t0.elapsed() < WAIT_MAX, "{} {name} guests never ended", self.sandbox.live());
         }
         Ok(())
     }

@@ -25,7 +25,7 @@ pub use agent_host::error::FailReason;
 pub use agent_host::hub::Hub;
 pub use agent_host::run::journal::FLUSH_DEFAULT as JOURNAL_FLUSH_DEFAULT;
 pub use agent_host::run::manifest::TOOL_CALLS_CEILING;
-pub use agent_host::sandbox::{Manifest, Sandbox, INSTANCES_MAX};
+pub use agent_host::sandbox::{Manifest, Sandbox, INSTANCES_MAX, MAX_RUNS_MAX};
 pub use agent_host::service::quota::{QuotaConfig, Quotas, TENANT_MAX_STREAMS_DEFAULT, USER_MAX_STREAMS_DEFAULT};
 pub use agent_host::service::submit::{LocalWorker, Policy};
 pub use agent_host::stream::decode::SseDecoder;

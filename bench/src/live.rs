@@ -1,11 +1,15 @@
 //! Live runs (issue 43): N concurrent turns of the Rust `chat` plugin on one
-//! `serve` process, each against a streaming mock model built into this
-//! benchmark (an OpenAI-compatible `/v1/chat/completions` that sends
-//! `--live-tokens-per-s` tokens a second for `--live-secs`), each followed by
-//! one SSE client of its own. Prints the database's commits a second
-//! (`pg_stat_database.xact_commit`), the journal's NOTIFYs a second (the
-//! host's `/metrics`), the delay from a token leaving the mock model to its
-//! client reading it (p50, p99, max), and any frame lost or repeated.
+//! `serve` process (or `--live-processes K` sharing the database), each
+//! against a streaming mock model built into this benchmark (an
+//! OpenAI-compatible `/v1/chat/completions` that sends `--live-tokens-per-s`
+//! tokens a second for `--live-secs`), each followed by one SSE client of
+//! its own. Prints the database's commits a second
+//! (`pg_stat_database.xact_commit`), its WAL bytes a second, the journal's
+//! group commits and NOTIFYs a second (the hosts' `/metrics`), the CPU the
+//! hosts and the database spent per live run-second, the hosts' resident
+//! memory per live run (their peak over their idle size), the delay from a
+//! token leaving the mock model to its client reading it (p50, p99, max),
+//! and any frame lost or repeated.
 //!
 //! Each token's text is `<index>:<microseconds since the benchmark's
 //! origin> `; the clients read the same clock (one process), so the delay is
@@ -26,7 +30,7 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-use crate::figures::percentiles;
+use crate::figures::{self, percentiles};
 use crate::library::{self, DbArgs, SseDecoder};
 use crate::{sql, BenchArgs};
 
@@ -147,15 +151,40 @@ async fn metric(addr: &str, name: &str) -> anyhow::Result<f64> {
     Ok(line.split_whitespace().nth(1).unwrap_or("0").parse()?)
 }
 
+/// The sum of a figure over every process's `/metrics`.
+async fn metric_sum(addrs: &[String], name: &str) -> anyhow::Result<f64> {
+    let mut sum = 0.0;
+    for a in addrs {
+        sum += metric(a, name).await?;
+    }
+    Ok(sum)
+}
+
+/// The hosts' resident memory together, in bytes.
+fn rss_sum(pids: &[String]) -> u64 {
+    pids.iter().map(|p| figures::rss_of(p)).sum()
+}
+
+/// The hosts' CPU seconds together.
+fn cpu_sum(pids: &[String]) -> f64 {
+    pids.iter().map(|p| figures::cpu_of(p)).sum()
+}
+
 /// This binary's hidden `serve` for the live runs, once it listens; returns
 /// the child and its address.
-fn spawn_serve(url: &str, db_args: &DbArgs, n: usize, model: &str) -> anyhow::Result<(std::process::Child, String)> {
+fn spawn_serve(
+    url: &str,
+    db_args: &DbArgs,
+    n: usize,
+    model: &str,
+    worker: &str,
+) -> anyhow::Result<(std::process::Child, String)> {
     use std::io::BufRead;
     let bound = (n + 16).to_string();
     let mut child = std::process::Command::new(std::env::current_exe()?)
         .args(["serve", "--database-url", url, "--cache-dir"])
         .arg(&db_args.cache_dir)
-        .args(["--listen", "127.0.0.1:0", "--worker-id", "live", "--max-runs", &n.to_string()])
+        .args(["--listen", "127.0.0.1:0", "--worker-id", worker, "--max-runs", &n.to_string()])
         .args(["--llm-base-url", model, "--llm-api-key", "sk-bench", "--llm-model", "mock"])
         .args(["--sse-tails-max", &bound, "--user-max-streams", &bound, "--tenant-max-streams", &bound])
         .stdin(std::process::Stdio::null())
@@ -188,17 +217,39 @@ pub async fn live(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs, 
     let wasm = std::fs::read(args.plugin_dir.join("chat.wasm")).context("chat.wasm (build the plugins first)")?;
     library::put_plugin_with(pool, "chat", &wasm, &json!({ "tools": ["llm"] })).await?;
     let token = library::token(pool).await?;
-    let (mut child, addr) = spawn_serve(url, db_args, n, &model)?;
-    let result = drive(pool, &addr, &token, origin, tokens, n, args).await;
-    let _ = child.kill();
-    let _ = child.wait();
+    let k = args.live_processes.max(1);
+    let mut children = Vec::with_capacity(k);
+    let mut spawned = Ok(());
+    for p in 0..k {
+        match spawn_serve(url, db_args, n.div_ceil(k), &model, &format!("live-{p}")) {
+            Ok(child) => children.push(child),
+            Err(e) => {
+                spawned = Err(e);
+                break;
+            }
+        }
+    }
+    let result = match spawned {
+        Ok(()) => {
+            let addrs: Vec<String> = children.iter().map(|c| c.1.clone()).collect();
+            let pids: Vec<String> = children.iter().map(|c| c.0.id().to_string()).collect();
+            drive(pool, &addrs, &pids, &token, origin, tokens, n, args).await
+        }
+        Err(e) => Err(e),
+    };
+    for (mut child, _) in children {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
     server.abort();
     result
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn drive(
     pool: &PgPool,
-    addr: &str,
+    addrs: &[String],
+    pids: &[String],
     token: &str,
     origin: Instant,
     tokens: usize,
@@ -208,11 +259,27 @@ async fn drive(
     let http = reqwest::Client::new();
     let commits_before = xact_commit(pool).await?;
     let lsn_before = wal_lsn(pool).await?;
-    let notifies_before = metric(addr, "agent_host_journal_group_notifies_total").await.unwrap_or(0.0);
-    let group_before = metric(addr, "agent_host_journal_group_commits_total").await.unwrap_or(0.0);
+    let notifies_before = metric_sum(addrs, "agent_host_journal_group_notifies_total").await.unwrap_or(0.0);
+    let group_before = metric_sum(addrs, "agent_host_journal_group_commits_total").await.unwrap_or(0.0);
+    let postmaster = sql::local_postmaster(pool).await?;
+    let db_cpu_before = postmaster.and_then(figures::server_cpu);
+    let host_cpu_before = cpu_sum(pids);
+    let rss_idle = rss_sum(pids);
+    // The hosts' peak resident memory, sampled while the turns stream.
+    let peak = Arc::new(AtomicU64::new(rss_idle));
+    let sampler = {
+        let (peak, pids) = (peak.clone(), pids.to_vec());
+        tokio::spawn(async move {
+            loop {
+                peak.fetch_max(rss_sum(&pids), Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        })
+    };
     let t0 = Instant::now();
     let mut clients = Vec::with_capacity(n);
     for i in 0..n {
+        let addr = &addrs[i % addrs.len()];
         let res = http
             .post(format!("http://{addr}/v1/runs"))
             .bearer_auth(token)
@@ -235,14 +302,38 @@ async fn drive(
         delays.extend(seen.delays);
     }
     let took = t0.elapsed().as_secs_f64();
+    sampler.abort();
+    let host_cpu = cpu_sum(pids) - host_cpu_before;
+    let db_cpu = match (db_cpu_before, postmaster.and_then(figures::server_cpu)) {
+        (Some(a), Some(b)) => Some(b - a),
+        _ => None,
+    };
+    let rss_peak = peak.load(Ordering::Relaxed).max(rss_sum(pids));
     let commits = xact_commit(pool).await? - commits_before;
     let wal = wal_bytes_since(pool, &lsn_before).await?;
-    let notifies = metric(addr, "agent_host_journal_group_notifies_total").await? - notifies_before;
-    let group = metric(addr, "agent_host_journal_group_commits_total").await? - group_before;
-    let per_commit = metric(addr, "agent_host_journal_group_rows_per_commit").await?;
+    let notifies = metric_sum(addrs, "agent_host_journal_group_notifies_total").await? - notifies_before;
+    let group = metric_sum(addrs, "agent_host_journal_group_commits_total").await? - group_before;
+    let mut per_commit = 0.0;
+    for a in addrs {
+        per_commit += metric(a, "agent_host_journal_group_rows_per_commit").await? / addrs.len() as f64;
+    }
+    let processes = match addrs.len() {
+        1 => "one process".to_string(),
+        k => format!("{k} processes"),
+    };
     println!(
-        "live: {n} concurrent chat turns ({} tokens/s for {} s each, one SSE client each), {took:.1} s on one process",
+        "live: {n} concurrent chat turns ({} tokens/s for {} s each, one SSE client each), {took:.1} s on {processes}",
         args.live_tokens_per_s, args.live_secs
+    );
+    // A live run-second: one turn streaming for one second.
+    let run_seconds = (n as u64 * args.live_secs).max(1) as f64;
+    let db = db_cpu.map_or("n/a (server not local)".to_string(), |c| format!("{:.2} ms", c * 1e3 / run_seconds));
+    println!(
+        "live: CPU per live run-second: hosts {:.2} ms, database {db}; hosts' resident memory {:.0} MiB idle, {:.0} MiB at peak: {:.0} KiB per live run",
+        host_cpu * 1e3 / run_seconds,
+        rss_idle as f64 / 1048576.0,
+        rss_peak as f64 / 1048576.0,
+        rss_peak.saturating_sub(rss_idle) as f64 / 1024.0 / n as f64
     );
     println!(
         "live: database transactions {:.0}/s (xact_commit, reads included), WAL {:.0} kB/s; journal group commits {:.1}/s ({per_commit:.1} rows each), journal NOTIFYs {:.1}/s",

@@ -141,6 +141,10 @@ pub struct BenchArgs {
     /// Tokens a second the mock model sends per live turn.
     #[arg(long, default_value_t = 20)]
     pub live_tokens_per_s: u64,
+    /// `serve` processes sharing the database for the live runs (each
+    /// takes every K-th turn).
+    #[arg(long, default_value_t = 1)]
+    pub live_processes: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -230,10 +234,12 @@ async fn measure(server_url: &str, db_args: &DbArgs, args: &BenchArgs) -> anyhow
     println!("agent-host bench: {} cores, database {}", figures::num_cpus(), figures::redact(&url));
 
     if let Some(n) = args.live {
+        let k = args.live_processes;
+        anyhow::ensure!((1..=16).contains(&k), "--live-processes must be 1 to 16");
         anyhow::ensure!(
-            n > 0 && n < library::INSTANCES_MAX as usize,
-            "--live must be 1 to {}",
-            library::INSTANCES_MAX - 1
+            n > 0 && n.div_ceil(k) <= library::MAX_RUNS_MAX,
+            "--live must be 1 to {} per process (--live-processes {k})",
+            library::MAX_RUNS_MAX
         );
         live::live(&pool, &url, db_args, args, n).await?;
         pool.close().await;

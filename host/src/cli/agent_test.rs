@@ -407,7 +407,8 @@ async fn run_on(
         );
     }
     let cache: PathBuf = dir.join("target").join("agent-host-cache");
-    let sandbox: Arc<dyn Components> = crate::sandbox::Sandbox::for_process(pool.clone(), &cache, None)?;
+    let sandbox: Arc<dyn Components> =
+        crate::sandbox::Sandbox::for_process(pool.clone(), &cache, None, crate::sandbox::pool_for_runs(16))?;
     let agents = AgentRegistry::default().with_sandbox(sandbox.clone()).with_tools(tools);
     let hub = Hub::start(url.to_string());
     let worker = Worker::start(pool.clone(), Some(hub), agents, WorkerConfig::default()).await?;

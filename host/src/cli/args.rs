@@ -958,10 +958,10 @@ pub enum ConfigError {
     #[error("{flag} ({env}) must be greater than 0: {why}")]
     Zero { flag: &'static str, env: &'static str, why: &'static str },
     #[error(
-        "--max-runs ({max_runs}) exceeds the sandbox's pool of {instances} instances: \
-         runs past the pool could not instantiate their guest"
+        "--max-runs ({max_runs}) exceeds {max}, the most slots one process holds: each slot's guest \
+         reserves address space and memory maps of its own (run more processes instead)"
     )]
-    MaxRunsAboveInstances { max_runs: usize, instances: u32 },
+    MaxRunsAboveMax { max_runs: usize, max: usize },
     #[error(
         "--heartbeat-ms ({heartbeat_ms}) must be below --lease-ms ({lease_ms}), or a healthy worker loses its runs"
     )]
@@ -1067,9 +1067,7 @@ impl WorkerArgs {
         self.to_config().validate().map_err(|e| match e {
             Worker::Zero(name) => zero(name),
             Worker::MaxRuns(0) => zero("max runs"),
-            Worker::MaxRuns(max_runs) => {
-                ConfigError::MaxRunsAboveInstances { max_runs, instances: crate::sandbox::INSTANCES_MAX }
-            }
+            Worker::MaxRuns(max_runs) => ConfigError::MaxRunsAboveMax { max_runs, max: crate::sandbox::MAX_RUNS_MAX },
             Worker::HeartbeatNotBelowLease { heartbeat, lease } => ConfigError::HeartbeatNotBelowLease {
                 heartbeat_ms: heartbeat.as_millis() as u64,
                 lease_ms: lease.as_millis() as u64,

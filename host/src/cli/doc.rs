@@ -269,7 +269,7 @@ fn configuration_page() -> String {
          reap interval, poll tick, journal flush, SSE keepalive, retention interval, resume attempts, webhook \
          attempts, backoff or poll, schedule tick or pool size; an allow-list without a signing secret, or a secret \
          that is not one; a tools file entry that does not check, or a `${env:NAME}` it names that is not set; \
-         `--max-runs` of 0 or above the sandbox's instance pool (2,000). The other commands' arguments: \
+         `--max-runs` of 0 or above 10,000 (one process's most slots: its sandbox's pool is sized by it). The other commands' arguments: \
          [Command line](cli.md).\n\n",
     );
     let args: Vec<&clap::Arg> = serve.get_arguments().filter(|a| !a.is_hide_set() && a.get_id() != "help").collect();

@@ -56,6 +56,28 @@ pub async fn connect_and_migrate(url: &str, pool_max: u32) -> anyhow::Result<PgP
     Ok(pool)
 }
 
+/// A live run holds a few sockets (its model's stream, its clients' SSE
+/// connections, its share of the database's): the soft limit on open files
+/// is raised to the hard one, as a long-running server's should be, and a
+/// limit still below what the slots may need is said at start.
+fn raise_open_files(max_runs: usize) {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else { return };
+    let soft = match soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
+        true => hard,
+        false => soft,
+    };
+    let wanted = (max_runs as u64).saturating_mul(3).saturating_add(256);
+    if soft < wanted {
+        tracing::warn!(
+            open_files = soft,
+            max_runs,
+            "the limit on open files may be too low for --max-runs: a live run holds about three sockets \
+             (raise the hard limit, e.g. LimitNOFILE= or ulimit -Hn)"
+        );
+    }
+}
+
 /// A host running in this process: the database (given or private), the
 /// worker and the HTTP API. `serve` runs one until a signal; `dev` runs a
 /// private one for an author's loop.
@@ -76,6 +98,7 @@ impl Host {
     pub async fn start(db_args: &DbArgs, args: &ServeArgs, with_clock: bool) -> anyhow::Result<Host> {
         let config = args.worker.to_config();
         config.validate()?;
+        raise_open_files(config.max_runs);
         if let Some(traces) = args.traces.config()? {
             crate::telemetry::install(&traces)?;
         }
@@ -93,6 +116,7 @@ impl Host {
             pool.clone(),
             &db_args.cache_dir,
             db_args.artifact_key_file.as_deref(),
+            crate::sandbox::pool_for_runs(args.worker.max_runs),
         )?;
         // Built-in agents only where the operator offers them (the demo does).
         let agents = match args.builtin_agents || args.demo {
@@ -380,10 +404,12 @@ pub async fn plugins_add(
     // Before a database is opened (or a private cluster started).
     crate::service::plugins::check(name, &manifest)?;
     with_pool(db_args, |pool| async move {
+        // Registering compiles the plugin; it runs no guest.
         let sandbox: Arc<dyn crate::agent::Components> = crate::sandbox::Sandbox::for_process(
             pool.clone(),
             &db_args.cache_dir,
             db_args.artifact_key_file.as_deref(),
+            crate::sandbox::pool_for_runs(1),
         )?;
         let actor = db::audit::Actor::cli();
         let row = crate::service::plugins::register(&pool, &sandbox, &actor, tenant, name, bytes, &manifest).await?;

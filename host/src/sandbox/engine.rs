@@ -14,9 +14,24 @@ use crate::run::manifest::MEMORY_BYTES_CEILING;
 /// How often the engine's epoch advances: the CPU budget's unit and the
 /// longest a running guest goes without yielding to the host.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
-/// Concurrent guest instances the pooling allocator is sized for: a host's
-/// `--max-runs` may not exceed it (refused at start).
+/// Concurrent guest instances of a sandbox built for no process's slots
+/// (tests, the benchmark's library use); a `serve` process sizes its pool
+/// by its `--max-runs` instead ([`pool_for_runs`]).
 pub const INSTANCES_MAX: u32 = 2_000;
+/// The most slots (`--max-runs`) one process may have. Each slot's guest
+/// takes a pool slot: two linear-memory reservations of 4 GiB of address
+/// space (nothing resident until touched) and a fiber stack, so 10,000
+/// runs reserve about 90 TiB of the 128 TiB a process can address, and
+/// their stacks' guard pages about 25,000 of Linux's 65,530 memory maps.
+pub const MAX_RUNS_MAX: usize = 10_000;
+
+/// The pool a process with `max_runs` slots needs: a guest per slot, and
+/// an eighth more (a run's guest is given back to the pool as its run
+/// ends, while the next run may already be taking one).
+pub fn pool_for_runs(max_runs: usize) -> u32 {
+    let runs = max_runs.clamp(1, MAX_RUNS_MAX) as u32;
+    runs + runs / 8 + 16
+}
 /// Core instances one guest may use, on average, before the pool runs out:
 /// a Rust guest makes 3, a componentize-js one 4, a componentize-py one 14
 /// (CPython, its libc and the WASI adapter are separate core modules).
@@ -59,10 +74,12 @@ impl SandboxEngine {
         pooling.max_core_instances_per_component(CORE_INSTANCES_PER_COMPONENT_MAX.min(core));
         pooling.max_memories_per_component(MEMORIES_PER_COMPONENT_MAX.min(memories));
         pooling.max_tables_per_component(TABLES_PER_COMPONENT_MAX.min(tables));
-        // Each guest's async call runs on a fiber stack from the pool; twice
-        // the instances, so runs waiting for an instance (whose stores may
-        // hold a stack) never leave a running guest without one.
-        pooling.total_stacks(instances * 2);
+        // Each guest's async call runs on a fiber stack from the pool; a
+        // quarter more than the instances, so runs waiting for an instance
+        // (whose stores may hold a stack) never leave a running guest
+        // without one. (Each stack's guard page is a memory map of its own:
+        // twice the instances would pass Linux's map count at 10,000 runs.)
+        pooling.total_stacks(instances + instances / 4 + 16);
         pooling.table_elements(TABLE_ELEMENTS_MAX);
         pooling.max_memory_size(MEMORY_BYTES_CEILING as usize);
         let mut config = Config::new();

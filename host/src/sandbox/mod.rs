@@ -58,7 +58,7 @@ use crate::agent::{Agent, AgentError, FailReason, RunHost, RunInput};
 use crate::db;
 use crate::run::config::RunConfig;
 pub use crate::run::manifest::{self as manifest, Limits, Manifest};
-pub use engine::{EPOCH_TICK, INSTANCES_MAX};
+pub use engine::{pool_for_runs, EPOCH_TICK, INSTANCES_MAX, MAX_RUNS_MAX};
 
 mod bindings {
     wasmtime::component::bindgen!({
@@ -207,14 +207,16 @@ impl Sandbox {
 
     /// The sandbox of a process with `cache_dir` (`--cache-dir`) and its
     /// artifact key (`AGENT_HOST_ARTIFACT_KEY`, `key_file`
-    /// (`--artifact-key-file`) or the cache directory's).
+    /// (`--artifact-key-file`) or the cache directory's), its pool holding
+    /// `instances` guests at once ([`pool_for_runs`] of its slots).
     pub fn for_process(
         pool: PgPool,
         cache_dir: &std::path::Path,
         key_file: Option<&std::path::Path>,
+        instances: u32,
     ) -> Result<Arc<Sandbox>, SandboxError> {
         let key = key::ArtifactKey::resolve(key_file, Some(cache_dir)).map_err(SandboxError::Key)?;
-        Sandbox::with_key(pool, Some(cache_dir.to_path_buf()), key)
+        Sandbox::build(pool, Some(cache_dir.to_path_buf()), key, instances)
     }
 
     /// [`Sandbox::new`] with `key` for artifacts' MACs.

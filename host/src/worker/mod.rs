@@ -156,7 +156,7 @@ pub enum ConfigError {
     HeartbeatNotBelowLease { heartbeat: Duration, lease: Duration },
     #[error("{0} must be greater than zero")]
     Zero(&'static str),
-    #[error("max runs must be between 1 and {max}, the sandbox's instance pool, not {0}", max = crate::sandbox::INSTANCES_MAX)]
+    #[error("max runs must be between 1 and {max}, not {0}", max = crate::sandbox::MAX_RUNS_MAX)]
     MaxRuns(usize),
     #[error("a tenant's slot share must be 1-100 percent, not {0}")]
     SlotShare(u8),
@@ -185,7 +185,7 @@ impl WorkerConfig {
         if self.heartbeat >= self.lease {
             return Err(ConfigError::HeartbeatNotBelowLease { heartbeat: self.heartbeat, lease: self.lease });
         }
-        if !(1..=crate::sandbox::INSTANCES_MAX as usize).contains(&self.max_runs) {
+        if !(1..=crate::sandbox::MAX_RUNS_MAX).contains(&self.max_runs) {
             return Err(ConfigError::MaxRuns(self.max_runs));
         }
         if self.resume_attempts == 0 {
