@@ -153,6 +153,12 @@ impl Setup {
         answer["run_id"].as_str().unwrap().parse().unwrap()
     }
 
+    /// `GET /v1/runs/{run}`, as its owner.
+    async fn view(&self, host: &HostProcess, run: RunId) -> Value {
+        let url = format!("http://{}/v1/runs/{run}", host.addr);
+        reqwest::Client::new().get(url).bearer_auth(&self.token).send().await.unwrap().json().await.unwrap()
+    }
+
     async fn assistant(&self, run: RunId) -> String {
         sqlx::query_scalar("SELECT content FROM message WHERE run_id = $1 AND role = 'assistant'")
             .bind(run)
@@ -526,15 +532,7 @@ async fn a_call_that_would_pass_its_tenants_token_budget_is_refused_and_others_a
     let first = setup.post(&host, "hello").await;
     assert_eq!(wait_terminal(&setup.db.pool, first, LONG).await, "completed");
     // The run's API answer sums its calls' usage and cost.
-    let run: Value = reqwest::Client::new()
-        .get(format!("http://{}/v1/runs/{first}", host.addr))
-        .bearer_auth(&setup.token)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let run = setup.view(&host, first).await;
     let usage = &run["usage"];
     assert_eq!(
         (&usage["model_calls"], &usage["prompt_tokens"], &usage["completion_tokens"], &usage["cached_tokens"]),
@@ -777,15 +775,7 @@ cached_prompt = 0.5
     assert!(attempts.iter().all(|a| a["provider"] == "oai" && a["outcome"] == "ok"), "{attempts:?}");
     // Two calls of 11 prompt tokens (3 cached) and 7 completion tokens:
     // (8 × 1.0 + 3 × 0.5 + 7 × 2.0) / 1e6 USD each.
-    let view: Value = reqwest::Client::new()
-        .get(format!("http://{}/v1/runs/{run}", host.addr))
-        .bearer_auth(&setup.token)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let view = setup.view(&host, run).await;
     let usage = &view["usage"];
     assert_eq!(usage["model_calls"], 2, "{view}");
     assert_eq!(usage["prompt_tokens"], 22, "{view}");

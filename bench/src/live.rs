@@ -34,6 +34,8 @@ use crate::figures::{self, percentiles};
 use crate::library::{self, DbArgs, SseDecoder};
 use crate::{sql, BenchArgs};
 
+/// Turns posted at once while the benchmark enqueues them.
+const ENQUEUE_CONCURRENCY: usize = 32;
 /// Bound on one client's wait for the next piece of its stream.
 const READ_MAX: Duration = Duration::from_secs(120);
 
@@ -134,21 +136,74 @@ async fn xact_commit(pool: &PgPool) -> anyhow::Result<i64> {
         .await?)
 }
 
-async fn wal_lsn(pool: &PgPool) -> anyhow::Result<String> {
-    Ok(sqlx::query_scalar("SELECT pg_current_wal_lsn()::text").fetch_one(pool).await?)
-}
-
-async fn wal_bytes_since(pool: &PgPool, lsn: &str) -> anyhow::Result<f64> {
-    Ok(sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::float8")
-        .bind(lsn)
-        .fetch_one(pool)
-        .await?)
-}
-
 async fn metric(addr: &str, name: &str) -> anyhow::Result<f64> {
     let text = reqwest::get(format!("http://{addr}/metrics")).await?.text().await?;
     let line = text.lines().find(|l| l.starts_with(&format!("{name} "))).with_context(|| format!("{name} missing"))?;
     Ok(line.split_whitespace().nth(1).unwrap_or("0").parse()?)
+}
+
+/// What the database and the hosts did while every turn streamed.
+struct Steady {
+    secs: f64,
+    writes: f64,
+    wal: f64,
+    db_cpu_us: f64,
+    host_cpu: f64,
+    group: f64,
+    notifies: f64,
+}
+
+/// Runs whose status is `status`.
+async fn count(pool: &PgPool, status: &str) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar("SELECT count(*) FROM agent_run WHERE status = $1").bind(status).fetch_one(pool).await?)
+}
+
+/// The steady stretch: from the moment all `n` turns run (none ended yet)
+/// for a third of a turn, or until the first ends. `None` when they never
+/// all ran at once.
+async fn steady(
+    pool: &PgPool,
+    addrs: &[String],
+    pids: &[String],
+    n: usize,
+    args: &BenchArgs,
+) -> anyhow::Result<Option<Steady>> {
+    let deadline = Instant::now() + Duration::from_secs(args.live_secs.max(1) * 4);
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        tick.tick().await;
+        if count(pool, "completed").await? > 0 || Instant::now() > deadline {
+            return Ok(None);
+        }
+        if count(pool, "running").await? == n as i64 {
+            break;
+        }
+    }
+    let marks = sql::ServerMarks::read(pool).await?;
+    let (group0, notifies0, cpu0, t0) = (
+        metric_sum(addrs, "agent_host_journal_group_commits_total").await?,
+        metric_sum(addrs, "agent_host_journal_group_notifies_total").await?,
+        cpu_sum(pids),
+        Instant::now(),
+    );
+    let window = Duration::from_secs_f64(args.live_secs as f64 / 3.0);
+    while t0.elapsed() < window {
+        tick.tick().await;
+        if count(pool, "completed").await? > 0 {
+            break;
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let server = marks.per(pool, 1.0).await?;
+    Ok(Some(Steady {
+        secs,
+        writes: server.commits,
+        wal: server.wal_bytes,
+        db_cpu_us: server.cpu_us,
+        host_cpu: cpu_sum(pids) - cpu0,
+        group: metric_sum(addrs, "agent_host_journal_group_commits_total").await? - group0,
+        notifies: metric_sum(addrs, "agent_host_journal_group_notifies_total").await? - notifies0,
+    }))
 }
 
 /// The sum of a figure over every process's `/metrics`.
@@ -187,6 +242,8 @@ fn spawn_serve(
         .args(["--listen", "127.0.0.1:0", "--worker-id", worker, "--max-runs", &n.to_string()])
         .args(["--llm-base-url", model, "--llm-api-key", "sk-bench", "--llm-model", "mock"])
         .args(["--sse-tails-max", &bound, "--user-max-streams", &bound, "--tenant-max-streams", &bound])
+        // One tenant sends every turn: it may hold every slot.
+        .args(["--tenant-slot-share-pct", "100"])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
@@ -258,11 +315,9 @@ async fn drive(
 ) -> anyhow::Result<()> {
     let http = reqwest::Client::new();
     let commits_before = xact_commit(pool).await?;
-    let lsn_before = wal_lsn(pool).await?;
+    let marks = sql::ServerMarks::read(pool).await?;
     let notifies_before = metric_sum(addrs, "agent_host_journal_group_notifies_total").await.unwrap_or(0.0);
     let group_before = metric_sum(addrs, "agent_host_journal_group_commits_total").await.unwrap_or(0.0);
-    let postmaster = sql::local_postmaster(pool).await?;
-    let db_cpu_before = postmaster.and_then(figures::server_cpu);
     let host_cpu_before = cpu_sum(pids);
     let rss_idle = rss_sum(pids);
     // The hosts' peak resident memory, sampled while the turns stream.
@@ -277,20 +332,29 @@ async fn drive(
         })
     };
     let t0 = Instant::now();
-    let mut clients = Vec::with_capacity(n);
-    for i in 0..n {
-        let addr = &addrs[i % addrs.len()];
-        let res = http
-            .post(format!("http://{addr}/v1/runs"))
-            .bearer_auth(token)
-            .json(&json!({ "content": format!("turn {i}"), "plugin": "chat" }))
-            .send()
-            .await?;
-        anyhow::ensure!(res.status() == 202, "enqueue answered {}", res.status());
-        let run: Value = res.json().await?;
-        let run = run["run_id"].as_str().context("run_id")?.to_string();
-        clients.push(tokio::spawn(follow(addr.to_string(), token.to_string(), run, origin, tokens)));
-    }
+    // The turns arrive ENQUEUE_CONCURRENCY at a time, each followed by its
+    // client as soon as it is accepted.
+    let posted: Vec<anyhow::Result<tokio::task::JoinHandle<anyhow::Result<Seen>>>> = futures::stream::iter(0..n)
+        .map(|i| {
+            let (http, addr) = (http.clone(), addrs[i % addrs.len()].clone());
+            async move {
+                let res = http
+                    .post(format!("http://{addr}/v1/runs"))
+                    .bearer_auth(token)
+                    .json(&json!({ "content": format!("turn {i}"), "plugin": "chat" }))
+                    .send()
+                    .await?;
+                anyhow::ensure!(res.status() == 202, "enqueue answered {}", res.status());
+                let run: Value = res.json().await?;
+                let run = run["run_id"].as_str().context("run_id")?.to_string();
+                Ok(tokio::spawn(follow(addr, token.to_string(), run, origin, tokens)))
+            }
+        })
+        .buffer_unordered(ENQUEUE_CONCURRENCY)
+        .collect()
+        .await;
+    let clients = posted.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    let steady = steady(pool, addrs, pids, n, args).await?;
     let mut delays = Vec::with_capacity(n * tokens);
     let (mut lost, mut repeated, mut disorder, mut failed) = (0, 0, 0, 0);
     for c in clients {
@@ -304,13 +368,10 @@ async fn drive(
     let took = t0.elapsed().as_secs_f64();
     sampler.abort();
     let host_cpu = cpu_sum(pids) - host_cpu_before;
-    let db_cpu = match (db_cpu_before, postmaster.and_then(figures::server_cpu)) {
-        (Some(a), Some(b)) => Some(b - a),
-        _ => None,
-    };
+    // Totals over the stretch: transactions that wrote, WAL bytes, the server's CPU (µs).
+    let server = marks.per(pool, 1.0).await?;
     let rss_peak = peak.load(Ordering::Relaxed).max(rss_sum(pids));
     let commits = xact_commit(pool).await? - commits_before;
-    let wal = wal_bytes_since(pool, &lsn_before).await?;
     let notifies = metric_sum(addrs, "agent_host_journal_group_notifies_total").await? - notifies_before;
     let group = metric_sum(addrs, "agent_host_journal_group_commits_total").await? - group_before;
     let mut per_commit = 0.0;
@@ -327,7 +388,10 @@ async fn drive(
     );
     // A live run-second: one turn streaming for one second.
     let run_seconds = (n as u64 * args.live_secs).max(1) as f64;
-    let db = db_cpu.map_or("n/a (server not local)".to_string(), |c| format!("{:.2} ms", c * 1e3 / run_seconds));
+    let db = match server.cpu_us.is_finite() {
+        true => format!("{:.2} ms", server.cpu_us / 1e3 / run_seconds),
+        false => "n/a (server not local)".to_string(),
+    };
     println!(
         "live: CPU per live run-second: hosts {:.2} ms, database {db}; hosts' resident memory {:.0} MiB idle, {:.0} MiB at peak: {:.0} KiB per live run",
         host_cpu * 1e3 / run_seconds,
@@ -336,12 +400,31 @@ async fn drive(
         rss_peak.saturating_sub(rss_idle) as f64 / 1024.0 / n as f64
     );
     println!(
-        "live: database transactions {:.0}/s (xact_commit, reads included), WAL {:.0} kB/s; journal group commits {:.1}/s ({per_commit:.1} rows each), journal NOTIFYs {:.1}/s",
+        "live: database: transactions that wrote {:.1}/s ({:.3} per live run-second), all transactions {:.0}/s (reads included), WAL {:.0} kB/s ({:.2} kB per live run-second); journal group commits {:.1}/s ({per_commit:.1} rows each), journal NOTIFYs {:.1}/s",
+        server.commits / took,
+        server.commits / run_seconds,
         commits as f64 / took,
-        wal / took / 1e3,
+        server.wal_bytes / took / 1e3,
+        server.wal_bytes / run_seconds / 1e3,
         group / took,
         notifies / took
     );
+    match steady {
+        Some(s) => println!(
+            "live: steady ({:.1} s with every turn streaming): transactions that wrote {:.1}/s, journal group commits {:.1}/s, NOTIFYs {:.1}/s, WAL {:.0} kB/s; CPU per live run-second: hosts {:.2} ms, database {}",
+            s.secs,
+            s.writes / s.secs,
+            s.group / s.secs,
+            s.notifies / s.secs,
+            s.wal / s.secs / 1e3,
+            s.host_cpu * 1e3 / (s.secs * n as f64),
+            match s.db_cpu_us.is_finite() {
+                true => format!("{:.2} ms", s.db_cpu_us / 1e3 / (s.secs * n as f64)),
+                false => "n/a".to_string(),
+            }
+        ),
+        None => println!("live: steady: never had every turn streaming at once (the turns are too short for N)"),
+    }
     println!("live: token to client, {} tokens: {}", delays.len(), percentiles(&mut delays));
     println!(
         "live: tokens lost {lost}, repeated {repeated}; frames out of order {disorder}; turns not completed {failed}"

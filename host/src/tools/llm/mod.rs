@@ -106,6 +106,13 @@ pub(crate) struct ToolSpec {
     pub parameters: Option<Value>,
 }
 
+impl ToolSpec {
+    /// Its arguments' JSON schema; an object of anything when the guest gave none.
+    fn schema(&self) -> Value {
+        self.parameters.clone().unwrap_or_else(|| json!({ "type": "object", "properties": {} }))
+    }
+}
+
 /// Checks a guest's arguments; the message says what to fix.
 pub(crate) fn parse_args(args: &Value) -> Result<LlmArgs, HostError> {
     let invalid = |m: String| HostError::Invalid(format!("llm arguments: {m}"));
@@ -386,9 +393,7 @@ impl OpenAi {
                 .tools
                 .iter()
                 .map(|t| {
-                    let parameters =
-                        t.parameters.clone().unwrap_or_else(|| json!({ "type": "object", "properties": {} }));
-                    let mut function = json!({ "name": t.name, "parameters": parameters });
+                    let mut function = json!({ "name": t.name, "parameters": t.schema() });
                     if let Some(d) = &t.description {
                         function["description"] = json!(d);
                     }

@@ -5,6 +5,7 @@
 //! folded into the same reply a chat-completions stream gives, so the guest,
 //! the journal, the limits and the fallback see no difference.
 
+use super::stream::{calls_in_order, take_text, CallSoFar};
 use super::*;
 
 /// The request body: messages as input items (an assistant's tool calls as
@@ -42,8 +43,7 @@ pub(super) fn body(args: &LlmArgs, model: &str) -> Value {
             .tools
             .iter()
             .map(|t| {
-                let parameters = t.parameters.clone().unwrap_or_else(|| json!({ "type": "object", "properties": {} }));
-                let mut tool = json!({ "type": "function", "name": t.name, "parameters": parameters, "strict": false });
+                let mut tool = json!({ "type": "function", "name": t.name, "parameters": t.schema(), "strict": false });
                 if let Some(d) = &t.description {
                     tool["description"] = json!(d);
                 }
@@ -59,14 +59,6 @@ pub(super) fn body(args: &LlmArgs, model: &str) -> Value {
         body["max_output_tokens"] = json!(n);
     }
     body
-}
-
-/// A function call as its items and deltas build it.
-#[derive(Default)]
-struct CallSoFar {
-    call_id: String,
-    name: String,
-    arguments: String,
 }
 
 /// The reply as the event stream has built it so far.
@@ -127,7 +119,7 @@ impl Fold {
                 if item.get("type").and_then(Value::as_str) == Some("function_call") {
                     let call = self.calls.entry(index).or_default();
                     if let Some(id) = str_at(item, "call_id").filter(|s| !s.is_empty()) {
-                        call.call_id = id;
+                        call.id = id;
                     }
                     if let Some(name) = str_at(item, "name").filter(|s| !s.is_empty()) {
                         call.name = name;
@@ -178,27 +170,11 @@ impl Fold {
             "error" => return Err(failed(error_message(event.get("error").unwrap_or(&event)))),
             _ => {}
         }
-        let text = text.unwrap_or_default();
-        self.bytes += text.len();
-        if self.bytes > REPLY_BYTES_MAX {
-            return Err(failed(format!("model reply exceeds {REPLY_BYTES_MAX} bytes")));
-        }
-        if text.is_empty() {
-            return Ok(None);
-        }
-        self.content.push_str(&text);
-        Ok(Some(text))
+        take_text(&mut self.content, &mut self.bytes, text.unwrap_or_default())
     }
 
     pub(super) fn finish(self, configured_model: &str) -> Result<Answer, HostError> {
-        let mut tool_calls = Vec::with_capacity(self.calls.len());
-        for (index, call) in self.calls {
-            if call.name.is_empty() {
-                return Err(failed(format!("model asked for function call #{index} without a name")));
-            }
-            let id = if call.call_id.is_empty() { format!("call_{index}") } else { call.call_id };
-            tool_calls.push(AnswerCall { id, name: call.name, arguments: call.arguments });
-        }
+        let tool_calls = calls_in_order(self.calls)?;
         let finish_reason = match self.incomplete.as_deref() {
             _ if !tool_calls.is_empty() => "tool_calls",
             None => "stop",

@@ -50,11 +50,40 @@ pub(super) struct FunctionDelta {
     arguments: Option<String>,
 }
 
+/// A tool call as the stream's fragments build it.
 #[derive(Default)]
 pub(super) struct CallSoFar {
-    id: String,
-    name: String,
-    arguments: String,
+    pub(super) id: String,
+    pub(super) name: String,
+    pub(super) arguments: String,
+}
+
+/// A folded reply's calls in their order: one without a name is the
+/// provider's error; one without an id gets `call_<index>`.
+pub(super) fn calls_in_order(calls: BTreeMap<u64, CallSoFar>) -> Result<Vec<AnswerCall>, HostError> {
+    let mut tool_calls = Vec::with_capacity(calls.len());
+    for (index, call) in calls {
+        if call.name.is_empty() {
+            return Err(failed(format!("model asked for tool call #{index} without a name")));
+        }
+        let id = if call.id.is_empty() { format!("call_{index}") } else { call.id };
+        tool_calls.push(AnswerCall { id, name: call.name, arguments: call.arguments });
+    }
+    Ok(tool_calls)
+}
+
+/// Adds a piece of text to a reply within its bound; returns it, to be
+/// streamed (`None` when empty).
+pub(super) fn take_text(content: &mut String, bytes: &mut usize, text: String) -> Result<Option<String>, HostError> {
+    *bytes += text.len();
+    if *bytes > REPLY_BYTES_MAX {
+        return Err(failed(format!("model reply exceeds {REPLY_BYTES_MAX} bytes")));
+    }
+    if text.is_empty() {
+        return Ok(None);
+    }
+    content.push_str(&text);
+    Ok(Some(text))
 }
 
 /// The reply as the stream has built it so far.
@@ -114,26 +143,11 @@ impl Reply {
                 }
             }
         }
-        self.bytes += text.len();
-        if self.bytes > REPLY_BYTES_MAX {
-            return Err(failed(format!("model reply exceeds {REPLY_BYTES_MAX} bytes")));
-        }
-        if text.is_empty() {
-            return Ok(None);
-        }
-        self.content.push_str(&text);
-        Ok(Some(text))
+        take_text(&mut self.content, &mut self.bytes, text)
     }
 
     pub(super) fn finish(self, configured_model: &str) -> Result<Answer, HostError> {
-        let mut tool_calls = Vec::with_capacity(self.calls.len());
-        for (index, call) in self.calls {
-            if call.name.is_empty() {
-                return Err(failed(format!("model asked for tool call #{index} without a name")));
-            }
-            let id = if call.id.is_empty() { format!("call_{index}") } else { call.id };
-            tool_calls.push(AnswerCall { id, name: call.name, arguments: call.arguments });
-        }
+        let tool_calls = calls_in_order(self.calls)?;
         // Some servers say "stop" even when the reply is tool calls.
         let finish_reason = match self.finish_reason.as_deref() {
             None | Some("stop") if !tool_calls.is_empty() => "tool_calls".to_string(),
