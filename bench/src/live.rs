@@ -233,6 +233,7 @@ fn spawn_serve(
     n: usize,
     model: &str,
     worker: &str,
+    turn_secs: u64,
 ) -> anyhow::Result<(std::process::Child, String)> {
     use std::io::BufRead;
     let bound = (n + 16).to_string();
@@ -244,6 +245,9 @@ fn spawn_serve(
         .args(["--sse-tails-max", &bound, "--user-max-streams", &bound, "--tenant-max-streams", &bound])
         // One tenant sends every turn: it may hold every slot.
         .args(["--tenant-slot-share-pct", "100"])
+        // A turn's one model call streams for its whole length, and more
+        // when the host is saturated: well past the default timeout.
+        .args(["--llm-timeout-ms", &(turn_secs * 4 + 120).saturating_mul(1000).to_string()])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
@@ -278,7 +282,7 @@ pub async fn live(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs, 
     let mut children = Vec::with_capacity(k);
     let mut spawned = Ok(());
     for p in 0..k {
-        match spawn_serve(url, db_args, n.div_ceil(k), &model, &format!("live-{p}")) {
+        match spawn_serve(url, db_args, n.div_ceil(k), &model, &format!("live-{p}"), args.live_secs) {
             Ok(child) => children.push(child),
             Err(e) => {
                 spawned = Err(e);
