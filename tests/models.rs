@@ -796,7 +796,8 @@ fn second_input(request: &Value) -> Vec<Value> {
 /// the two calls a "minute" apart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_wait_for_a_shared_limit_suspends_the_run_and_frees_its_slot() {
-    const W: Duration = Duration::from_millis(4000);
+    // Long enough that the echo run ends well inside it on a loaded machine.
+    const W: Duration = Duration::from_millis(8000);
     let (provider, url) = Provider::start(Box::new(|_: &[Instant]| Reply::Answer("Within the limit.".into()))).await;
     let tools = format!(
         r#"
