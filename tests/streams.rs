@@ -685,3 +685,60 @@ async fn a_client_that_stops_reading_is_cut_and_rejoins_from_its_cursor() {
     assert_eq!(seqs, j.iter().map(|(s, _, _)| *s as i64).collect::<Vec<_>>(), "no gap, no repeat");
     host.stop().await;
 }
+
+/// Issue 43: the feeds of a process share one statement per batch of
+/// reads. Each page it answers is what a read of that run alone answers
+/// (events after the cursor, bounded in count and bytes, and whether the
+/// run ended, with its last seq), in the order asked, for runs that ended,
+/// runs still running, and runs that do not exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_statement_reads_the_pages_of_many_runs_as_each_alone() {
+    use agent_host::db::journal::{Page, PageAsk};
+    let db = TestDb::new().await;
+    let mut agents = AgentRegistry::with_builtins();
+    agents.insert("blobs", Arc::new(Blobs));
+    let host =
+        crate::support::http::TestHost::start(&db, Some(Hub::start(db.url.clone())), agents, fast_config("w")).await;
+    let (code, run) = host
+        .call(
+            "POST",
+            "/v1/runs",
+            Some(json!({ "content": "go", "plugin": "blobs", "config": { "events": 6, "bytes": 1000 } })),
+        )
+        .await;
+    assert_eq!(code, 202, "{run}");
+    let ended: RunId = serde_json::from_value(run["run_id"].clone()).unwrap();
+    assert_eq!(wait_terminal(&db.pool, ended, LONG).await, "completed");
+    host.stop().await;
+    let running = claimed_runs(&db, 1).await[0].id;
+    let last = journal_payloads(&db.pool, ended).await.len() as i32;
+    let ask = |run, after, events_max, bytes_max| PageAsk { run, after, events_max, bytes_max };
+    let asks = [
+        ask(ended, 0, 500, 4 << 20),
+        ask(running, 0, 500, 4 << 20),
+        ask(ended, 2, 3, 4 << 20),
+        ask(ended, 3, 500, 1500), // cut by bytes past the first blob
+        ask(ended, 3, 500, 1),    // the first event comes whatever its size
+        ask(ended, last, 500, 4 << 20),
+        ask(RunId::new(), 0, 500, 4 << 20),
+        ask(running, 1, 500, 4 << 20),
+    ];
+    let pages = journal::pages_after(&db.pool, &asks).await.unwrap();
+    assert_eq!(pages.len(), asks.len());
+    for (a, page) in asks.iter().zip(&pages) {
+        let (events, cut) =
+            journal::events_after_bounded(&db.pool, a.run, a.after, a.events_max, a.bytes_max).await.unwrap();
+        let alone = journal::terminal_state(&db.pool, a.run).await.unwrap();
+        assert_eq!(*page, Page { events, cut, ended: alone }, "{a:?}");
+    }
+    // What each ask found, so the comparison above compared something.
+    assert_eq!(pages[0].events.len() as i32, last);
+    assert_eq!(pages[0].ended.as_ref().map(|e| e.2), Some(last));
+    assert!(!pages[1].events.is_empty() && pages[1].ended.is_none(), "{:?}", pages[1]);
+    assert_eq!(pages[2].events.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![3, 4, 5]);
+    assert!(pages[3].cut && pages[3].events.len() >= 1 && (pages[3].events.len() as i32) < last - 3);
+    assert_eq!(pages[4].events.len(), 1);
+    assert!(pages[5].events.is_empty() && pages[5].ended.is_some());
+    assert_eq!(pages[6], Page::default());
+    assert_eq!(pages[7].events.first().map(|e| e.seq), Some(2));
+}

@@ -202,6 +202,11 @@ pub async fn metrics(
         feeds.reads.load(Relaxed),
     );
     e.counter(
+        "agent_host_sse_feed_read_statements_total",
+        "Statements the feeds' reads took (the reads asked together share one).",
+        feeds.read_statements.load(Relaxed),
+    );
+    e.counter(
         "agent_host_sse_tails_lagged_total",
         "Live tails that fell behind their feed and read on their own until caught up.",
         feeds.lagged.load(Relaxed),

@@ -232,6 +232,85 @@ pub async fn events_after_bounded(
     Ok((rows.into_iter().map(|(seq, kind, payload, _)| Event { seq, kind, payload }).collect(), cut))
 }
 
+/// What one statement of [`pages_after`] found for one run.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Page {
+    /// Its events after the cursor, bounded as [`events_after_bounded`]'s.
+    pub events: Vec<Event>,
+    /// The byte bound cut the page short.
+    pub cut: bool,
+    /// The run is terminal: its status, error and last seq (as
+    /// [`terminal_state`]), read in the same snapshot as `events`.
+    pub ended: Option<(RunStatus, Option<String>, i32)>,
+}
+
+/// One run's page asked of [`pages_after`]: its events after `after`, at
+/// most `events_max` of them and `bytes_max` payload bytes past the first.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PageAsk {
+    pub run: RunId,
+    pub after: i32,
+    pub events_max: i64,
+    pub bytes_max: i64,
+}
+
+/// [`events_after_bounded`] and [`terminal_state`] for many runs in one
+/// statement; the answer has one page per ask, in order. The live feeds of
+/// a process read through this, so a wake of a thousand runs costs a
+/// statement, not a thousand (and a thousand more asking whether each run
+/// ended).
+pub async fn pages_after(db: impl PgExecutor<'_>, asks: &[PageAsk]) -> Result<Vec<Page>, sqlx::Error> {
+    let ids: Vec<RunId> = asks.iter().map(|a| a.run).collect();
+    let heads: Vec<i32> = asks.iter().map(|a| a.after).collect();
+    let limits: Vec<i64> = asks.iter().map(|a| a.events_max).collect();
+    let bytes: Vec<i64> = asks.iter().map(|a| a.bytes_max).collect();
+    type Row = (i64, Option<i32>, Option<String>, Option<Value>, Option<bool>, Option<RunStatus>, Option<String>, Option<i32>);
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT c.i, e.seq, e.type, e.payload, e.cut, t.status, t.error, t.last_seq
+         FROM unnest($1::uuid[], $2::int4[], $3::int8[], $4::int8[]) WITH ORDINALITY AS c(run_id, head, lim, bytes_max, i)
+         LEFT JOIN LATERAL (
+             SELECT seq, type, payload, cut FROM (
+                 SELECT seq, type, payload, before, bool_or(before >= c.bytes_max) OVER () AS cut
+                 FROM (
+                     SELECT seq, type, payload,
+                            coalesce(sum(octet_length(payload::text)) OVER (ORDER BY seq
+                                ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+                     FROM (SELECT seq, type, payload FROM run_event
+                           WHERE run_id = c.run_id AND seq > c.head ORDER BY seq LIMIT c.lim) r
+                 ) w
+             ) x
+             WHERE before < c.bytes_max OR before = 0
+         ) e ON true
+         LEFT JOIN LATERAL (
+             SELECT r.status, r.error,
+                    coalesce((SELECT max(seq) FROM run_event m WHERE m.run_id = r.id), 0) AS last_seq
+             FROM agent_run r
+             WHERE r.id = c.run_id AND r.status IN ('completed', 'failed', 'cancelled')
+         ) t ON true
+         ORDER BY c.i, e.seq",
+    )
+    .bind(&ids)
+    .bind(&heads)
+    .bind(&limits)
+    .bind(&bytes)
+    .fetch_all(db)
+    .await?;
+    let mut pages = vec![Page::default(); asks.len()];
+    for (i, seq, kind, payload, cut, status, error, last_seq) in rows {
+        let Some(page) = usize::try_from(i - 1).ok().and_then(|i| pages.get_mut(i)) else {
+            continue;
+        };
+        if let (Some(status), Some(last)) = (status, last_seq) {
+            page.ended = Some((status, error, last));
+        }
+        if let (Some(seq), Some(kind), Some(payload)) = (seq, kind, payload) {
+            page.cut |= cut.unwrap_or(false);
+            page.events.push(Event { seq, kind, payload });
+        }
+    }
+    Ok(pages)
+}
+
 /// The `complete` event written by a finalizer other than the claim holder
 /// (the reaper), in the transaction that flipped the status: seq is
 /// max(seq)+1, read in its own statement after the status flip locked the

@@ -24,6 +24,12 @@
 //!   `Last-Event-ID`. The timeout runs on the feed's task, because a stream
 //!   whose client stops reading is no longer polled by the server.
 //! - A feed ends when its last tail leaves (or is cut).
+//! - The feeds of a process read through one reader: the reads asked while
+//!   a statement is in flight go together in the next one
+//!   ([`journal::pages_after`], at most [`READ_BATCH_RUNS`] runs and
+//!   [`READ_BATCH_BYTES`] in one), so a wake of a thousand runs costs the
+//!   database a few statements, not a thousand (and the host as many round
+//!   trips).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,11 +37,11 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use sqlx::PgPool;
-use tokio::sync::Notify;
+use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::time::Instant;
 
 use crate::db::events::{complete_payload, COMPLETE};
-use crate::db::journal::{self, Event};
+use crate::db::journal::{self, Event, Page, PageAsk};
 use crate::db::notify::events_channel;
 use crate::db::RunId;
 use crate::hub::Hub;
@@ -47,12 +53,22 @@ pub const SLOT_EVENTS_MAX: usize = 1024;
 pub const SLOT_BYTES_MAX: usize = 1 << 20;
 /// How long a tail may take nothing while events wait for it before it is cut.
 pub const STALL_DEFAULT: Duration = Duration::from_secs(30);
+/// Runs one statement of the process's reader reads at most.
+pub const READ_BATCH_RUNS: usize = 500;
+/// Payload bytes one statement of the reader returns at most: shared among
+/// its runs (each page still has its first event, and a page cut short is
+/// read on at once), so a batch holds no more than a few pages' worth.
+pub const READ_BATCH_BYTES: i64 = 16 << 20;
+/// The least byte bound a run's page gets in a full batch.
+const READ_PAGE_BYTES_MIN: i64 = 32 << 10;
 
 /// The feeds' counters, for `/metrics` and tests.
 #[derive(Debug, Default)]
 pub struct FeedStats {
     /// Journal reads the feeds made (each serves every tail of its run).
     pub reads: AtomicU64,
+    /// Statements those reads took (one serves the reads asked together).
+    pub read_statements: AtomicU64,
     /// Tails that fell behind their feed and read on their own for a while.
     pub lagged: AtomicU64,
     /// Tails cut because their client stopped reading.
@@ -88,7 +104,9 @@ pub struct Feeds {
 #[derive(Default)]
 struct FeedsInner {
     by_run: Mutex<HashMap<RunId, Weak<Feed>>>,
-    stats: FeedStats,
+    stats: Arc<FeedStats>,
+    /// The process's reader, started by the first feed.
+    reader: std::sync::OnceLock<Reader>,
 }
 
 impl std::fmt::Debug for Feeds {
@@ -125,7 +143,12 @@ impl Feeds {
                         });
                         map.insert(run, Arc::downgrade(&f));
                         self.inner.stats.live.fetch_add(1, Ordering::Relaxed);
-                        tokio::spawn(feed_task(f.clone(), self.inner.clone(), config.clone()));
+                        let reader = self
+                            .inner
+                            .reader
+                            .get_or_init(|| Reader::start(config.pool.clone(), self.inner.stats.clone()))
+                            .clone();
+                        tokio::spawn(feed_task(f.clone(), self.inner.clone(), config.clone(), reader));
                         f
                     }
                 }
@@ -372,7 +395,64 @@ impl Drop for FeedSub {
     }
 }
 
-async fn feed_task(feed: Arc<Feed>, feeds: Arc<FeedsInner>, config: FeedConfig) {
+/// The process's journal reader: the feeds' reads, batched. A read asked
+/// while a statement is in flight waits for the next one, which takes
+/// every read waiting then; one statement is in flight at a time.
+#[derive(Clone)]
+struct Reader {
+    asks: mpsc::UnboundedSender<(PageAsk, oneshot::Sender<Result<Page, String>>)>,
+}
+
+impl Reader {
+    fn start(pool: PgPool, stats: Arc<FeedStats>) -> Reader {
+        let (asks, rx) = mpsc::unbounded_channel();
+        tokio::spawn(reader_task(pool, stats, rx));
+        Reader { asks }
+    }
+
+    async fn read(&self, ask: PageAsk) -> Result<Page, String> {
+        let (tx, rx) = oneshot::channel();
+        self.asks.send((ask, tx)).map_err(|_| "the journal reader has stopped".to_string())?;
+        rx.await.map_err(|_| "the journal reader has stopped".to_string())?
+    }
+}
+
+/// Ends when every [`Reader`] is dropped (the process's feeds with it).
+async fn reader_task(
+    pool: PgPool,
+    stats: Arc<FeedStats>,
+    mut rx: mpsc::UnboundedReceiver<(PageAsk, oneshot::Sender<Result<Page, String>>)>,
+) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < READ_BATCH_RUNS {
+            match rx.try_recv() {
+                Ok(ask) => batch.push(ask),
+                Err(_) => break,
+            }
+        }
+        let share = (READ_BATCH_BYTES / batch.len() as i64).max(READ_PAGE_BYTES_MIN);
+        let asks: Vec<PageAsk> =
+            batch.iter().map(|(a, _)| PageAsk { bytes_max: a.bytes_max.min(share), ..*a }).collect();
+        let pages = journal::pages_after(&pool, &asks).await;
+        stats.read_statements.fetch_add(1, Ordering::Relaxed);
+        match pages {
+            Ok(pages) => {
+                for ((_, answer), page) in batch.into_iter().zip(pages) {
+                    let _ = answer.send(Ok(page));
+                }
+            }
+            Err(e) => {
+                let e = e.to_string();
+                for (_, answer) in batch {
+                    let _ = answer.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+}
+
+async fn feed_task(feed: Arc<Feed>, feeds: Arc<FeedsInner>, config: FeedConfig, reader: Reader) {
     let stats = &feeds.stats;
     // Subscribed before the first read: a wake in between is queued, not lost.
     let mut wakes = match &config.hub {
@@ -397,7 +477,7 @@ async fn feed_task(feed: Arc<Feed>, feeds: Arc<FeedsInner>, config: FeedConfig) 
             if let Some(w) = &mut wakes {
                 w.drain(); // answered by this read
             }
-            if let Err(e) = read_round(&feed, &config, stats).await {
+            if let Err(e) = read_round(&feed, &config, &reader, stats).await {
                 tracing::warn!(run_id = %feed.run, error = %e, "a feed's journal read failed; its tails read on their own");
                 let mut st = feed.state.lock().unwrap();
                 for slot in st.slots.values_mut().filter(|s| s.active()) {
@@ -441,13 +521,14 @@ async fn sleep_until(at: Option<Instant>) {
 }
 
 /// Reads what is new after the feed's head (in pages) and queues it; when
-/// nothing is new, asks whether the run ended without a `complete`.
-async fn read_round(feed: &Feed, config: &FeedConfig, stats: &FeedStats) -> Result<(), sqlx::Error> {
+/// nothing is new, finds whether the run ended without a `complete` (the
+/// page says, read in the same snapshot).
+async fn read_round(feed: &Feed, config: &FeedConfig, reader: &Reader, stats: &FeedStats) -> Result<(), String> {
     loop {
         let head = feed.state.lock().unwrap().head;
-        let (mut events, cut) =
-            journal::events_after_bounded(&config.pool, feed.run, head, config.page_events_max, config.page_bytes_max)
-                .await?;
+        let ask =
+            PageAsk { run: feed.run, after: head, events_max: config.page_events_max, bytes_max: config.page_bytes_max };
+        let Page { mut events, cut, ended } = reader.read(ask).await?;
         stats.reads.fetch_add(1, Ordering::Relaxed);
         let full = cut || events.len() as i64 >= config.page_events_max;
         let got = !events.is_empty();
@@ -471,7 +552,7 @@ async fn read_round(feed: &Feed, config: &FeedConfig, stats: &FeedStats) -> Resu
             return Ok(());
         }
         // Caught up: has the run ended, and where?
-        let Some((status, error, last_seq)) = journal::terminal_state(&config.pool, feed.run).await? else {
+        let Some((status, error, last_seq)) = ended else {
             return Ok(());
         };
         if last_seq > head {
@@ -479,7 +560,7 @@ async fn read_round(feed: &Feed, config: &FeedConfig, stats: &FeedStats) -> Resu
         }
         let last = match last_seq {
             0 => None,
-            seq => journal::events_after(&config.pool, feed.run, seq - 1, 1).await?.pop(),
+            seq => journal::events_after(&config.pool, feed.run, seq - 1, 1).await.map_err(|e| e.to_string())?.pop(),
         };
         let mut st = feed.state.lock().unwrap();
         if last.is_some_and(|e| e.kind == COMPLETE) {
