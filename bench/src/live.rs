@@ -220,6 +220,12 @@ fn rss_sum(pids: &[String]) -> u64 {
     pids.iter().map(|p| figures::rss_of(p)).sum()
 }
 
+/// The hosts' proportional memory together (a page shared by n mappings,
+/// a guest's initial image, counts once).
+fn pss_sum(pids: &[String]) -> u64 {
+    pids.iter().map(|p| figures::memory_of(p).pss).sum()
+}
+
 /// The hosts' CPU seconds together.
 fn cpu_sum(pids: &[String]) -> f64 {
     pids.iter().map(|p| figures::cpu_of(p)).sum()
@@ -275,8 +281,14 @@ pub async fn live(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs, 
     let app = Router::new().route("/v1/chat/completions", post(completions)).with_state(mock.clone());
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
 
-    let wasm = std::fs::read(args.plugin_dir.join("chat.wasm")).context("chat.wasm (build the plugins first)")?;
-    library::put_plugin_with(pool, "chat", &wasm, &json!({ "tools": ["llm"] })).await?;
+    let plugin = args.live_plugin.as_str();
+    let path = match plugin {
+        "chat" => args.plugin_dir.join("chat.wasm"),
+        guest => args.guest_dir.join(format!("{guest}.wasm")),
+    };
+    let wasm = std::fs::read(&path)
+        .with_context(|| format!("{} (build the plugins first: scripts/build-plugin plugins/{plugin})", path.display()))?;
+    library::put_plugin_with(pool, plugin, &wasm, &json!({ "tools": ["llm"] })).await?;
     let token = library::token(pool).await?;
     let k = args.live_processes.max(1);
     let mut children = Vec::with_capacity(k);
@@ -324,13 +336,19 @@ async fn drive(
     let group_before = metric_sum(addrs, "agent_host_journal_group_commits_total").await.unwrap_or(0.0);
     let host_cpu_before = cpu_sum(pids);
     let rss_idle = rss_sum(pids);
-    // The hosts' peak resident memory, sampled while the turns stream.
-    let peak = Arc::new(AtomicU64::new(rss_idle));
+    let pss_idle = pss_sum(pids);
+    // The hosts' peak resident and proportional memory, sampled while the
+    // turns stream (proportional every second: its walk of the mappings
+    // costs more).
+    let (peak, pss_peak) = (Arc::new(AtomicU64::new(rss_idle)), Arc::new(AtomicU64::new(pss_idle)));
     let sampler = {
-        let (peak, pids) = (peak.clone(), pids.to_vec());
+        let (peak, pss_peak, pids) = (peak.clone(), pss_peak.clone(), pids.to_vec());
         tokio::spawn(async move {
-            loop {
+            for tick in 0u64.. {
                 peak.fetch_max(rss_sum(&pids), Ordering::Relaxed);
+                if tick % 4 == 0 {
+                    pss_peak.fetch_max(pss_sum(&pids), Ordering::Relaxed);
+                }
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
         })
@@ -345,7 +363,7 @@ async fn drive(
                 let res = http
                     .post(format!("http://{addr}/v1/runs"))
                     .bearer_auth(token)
-                    .json(&json!({ "content": format!("turn {i}"), "plugin": "chat" }))
+                    .json(&json!({ "content": format!("turn {i}"), "plugin": args.live_plugin }))
                     .send()
                     .await?;
                 anyhow::ensure!(res.status() == 202, "enqueue answered {}", res.status());
@@ -375,6 +393,7 @@ async fn drive(
     // Totals over the stretch: transactions that wrote, WAL bytes, the server's CPU (µs).
     let server = marks.per(pool, 1.0).await?;
     let rss_peak = peak.load(Ordering::Relaxed).max(rss_sum(pids));
+    let pss_peak = pss_peak.load(Ordering::Relaxed);
     let commits = xact_commit(pool).await? - commits_before;
     let notifies = metric_sum(addrs, "agent_host_journal_group_notifies_total").await? - notifies_before;
     let group = metric_sum(addrs, "agent_host_journal_group_commits_total").await? - group_before;
@@ -387,8 +406,8 @@ async fn drive(
         k => format!("{k} processes"),
     };
     println!(
-        "live: {n} concurrent chat turns ({} tokens/s for {} s each, one SSE client each), {took:.1} s on {processes}",
-        args.live_tokens_per_s, args.live_secs
+        "live: {n} concurrent {} turns ({} tokens/s for {} s each, one SSE client each), {took:.1} s on {processes}",
+        args.live_plugin, args.live_tokens_per_s, args.live_secs
     );
     // A live run-second: one turn streaming for one second.
     let run_seconds = (n as u64 * args.live_secs).max(1) as f64;
@@ -397,11 +416,14 @@ async fn drive(
         false => "n/a (server not local)".to_string(),
     };
     println!(
-        "live: CPU per live run-second: hosts {:.2} ms, database {db}; hosts' resident memory {:.0} MiB idle, {:.0} MiB at peak: {:.0} KiB per live run",
+        "live: CPU per live run-second: hosts {:.2} ms, database {db}; hosts' resident memory {:.0} MiB idle, {:.0} MiB at peak: {:.0} KiB per live run; proportional {:.0} MiB idle, {:.0} MiB at peak: {:.0} KiB per live run",
         host_cpu * 1e3 / run_seconds,
         rss_idle as f64 / 1048576.0,
         rss_peak as f64 / 1048576.0,
-        rss_peak.saturating_sub(rss_idle) as f64 / 1024.0 / n as f64
+        rss_peak.saturating_sub(rss_idle) as f64 / 1024.0 / n as f64,
+        pss_idle as f64 / 1048576.0,
+        pss_peak as f64 / 1048576.0,
+        pss_peak.saturating_sub(pss_idle) as f64 / 1024.0 / n as f64
     );
     println!(
         "live: database: transactions that wrote {:.1}/s ({:.3} per live run-second), all transactions {:.0}/s (reads included), WAL {:.0} kB/s ({:.2} kB per live run-second); journal group commits {:.1}/s ({per_commit:.1} rows each), journal NOTIFYs {:.1}/s",

@@ -129,8 +129,8 @@ pub struct BenchArgs {
     /// with and without a tenant flooding slots, schedules and streams.
     #[arg(long)]
     pub hostile_only: bool,
-    /// Only the live runs' figures: N concurrent turns of the Rust `chat`
-    /// plugin against the benchmark's streaming mock model on one `serve`
+    /// Only the live runs' figures: N concurrent turns of a `chat`
+    /// plugin (--live-plugin) against the benchmark's streaming mock model on one `serve`
     /// process, each followed by one SSE client (commits/s, NOTIFYs/s,
     /// token-to-client delay, frames lost or repeated).
     #[arg(long, value_name = "N")]
@@ -145,6 +145,11 @@ pub struct BenchArgs {
     /// takes every K-th turn).
     #[arg(long, default_value_t = 1)]
     pub live_processes: usize,
+    /// The live turns' plugin: `chat` (Rust, from --plugin-dir), or
+    /// `chat-python` or `chat-js` (from --guest-dir); all three stream the
+    /// model's text through the host the same way.
+    #[arg(long, default_value = "chat", value_parser = ["chat", "chat-python", "chat-js"])]
+    pub live_plugin: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
