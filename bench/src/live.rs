@@ -286,8 +286,9 @@ pub async fn live(pool: &PgPool, url: &str, db_args: &DbArgs, args: &BenchArgs, 
         "chat" => args.plugin_dir.join("chat.wasm"),
         guest => args.guest_dir.join(format!("{guest}.wasm")),
     };
-    let wasm = std::fs::read(&path)
-        .with_context(|| format!("{} (build the plugins first: scripts/build-plugin plugins/{plugin})", path.display()))?;
+    let wasm = std::fs::read(&path).with_context(|| {
+        format!("{} (build the plugins first: scripts/build-plugin plugins/{plugin})", path.display())
+    })?;
     library::put_plugin_with(pool, plugin, &wasm, &json!({ "tools": ["llm"] })).await?;
     let token = library::token(pool).await?;
     let k = args.live_processes.max(1);

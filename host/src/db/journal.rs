@@ -264,7 +264,8 @@ pub async fn pages_after(db: impl PgExecutor<'_>, asks: &[PageAsk]) -> Result<Ve
     let heads: Vec<i32> = asks.iter().map(|a| a.after).collect();
     let limits: Vec<i64> = asks.iter().map(|a| a.events_max).collect();
     let bytes: Vec<i64> = asks.iter().map(|a| a.bytes_max).collect();
-    type Row = (i64, Option<i32>, Option<String>, Option<Value>, Option<bool>, Option<RunStatus>, Option<String>, Option<i32>);
+    type Row =
+        (i64, Option<i32>, Option<String>, Option<Value>, Option<bool>, Option<RunStatus>, Option<String>, Option<i32>);
     let rows: Vec<Row> = sqlx::query_as(
         "SELECT c.i, e.seq, e.type, e.payload, e.cut, t.status, t.error, t.last_seq
          FROM unnest($1::uuid[], $2::int4[], $3::int8[], $4::int8[]) WITH ORDINALITY AS c(run_id, head, lim, bytes_max, i)

@@ -526,8 +526,12 @@ async fn sleep_until(at: Option<Instant>) {
 async fn read_round(feed: &Feed, config: &FeedConfig, reader: &Reader, stats: &FeedStats) -> Result<(), String> {
     loop {
         let head = feed.state.lock().unwrap().head;
-        let ask =
-            PageAsk { run: feed.run, after: head, events_max: config.page_events_max, bytes_max: config.page_bytes_max };
+        let ask = PageAsk {
+            run: feed.run,
+            after: head,
+            events_max: config.page_events_max,
+            bytes_max: config.page_bytes_max,
+        };
         let Page { mut events, cut, ended } = reader.read(ask).await?;
         stats.reads.fetch_add(1, Ordering::Relaxed);
         let full = cut || events.len() as i64 >= config.page_events_max;
