@@ -644,6 +644,45 @@ async fn tails_of_one_run_share_one_read_per_wake() {
     host.stop().await;
 }
 
+/// Issue 43: the feeds of many runs on a process share statements: 30 runs
+/// streaming at once, each with an SSE client, are woken together by their
+/// group commits, and their feeds' reads go to the database a batch at a
+/// time, while every client still gets its run's whole journal in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_feeds_of_many_runs_share_their_reads_statements() {
+    let db = TestDb::new().await;
+    let live = agent_host::stream::tail::LiveTails::new(100);
+    let l = live.clone();
+    let config = WorkerConfig { max_runs: 30, lease: LONG, ..fast_config("w") };
+    let host = Host::start_with(&db, Some(Hub::start(db.url.clone())), config, move |s| {
+        s.live_tails = l;
+    })
+    .await;
+    let mut runs = Vec::new();
+    for _ in 0..30 {
+        runs.push(enqueue(&db.pool, None, "sleep", json!({ "steps": 30, "step_ms": 30 })).await.run_id);
+    }
+    let mut clients = Vec::new();
+    for r in &runs {
+        clients.push((*r, SseClient::connect(&host.events_url(*r), &host.token, None).await));
+    }
+    for (run, mut c) in clients {
+        let frames = c.collect(LONG).await;
+        let seqs: Vec<i64> = frames.iter().map(|f| f.data["seq"].as_i64().unwrap()).collect();
+        let j = journal_payloads(&db.pool, run).await;
+        assert_eq!(seqs, (1..=j.len() as i64).collect::<Vec<_>>(), "every seq once, in order");
+    }
+    let stats = live.feeds().stats();
+    let (reads, statements) = (stats.reads.load(Ordering::Relaxed), stats.read_statements.load(Ordering::Relaxed));
+    eprintln!("30 live runs' feeds: {reads} reads in {statements} statements");
+    assert!(reads >= 30 * 5, "{reads} reads: the runs did not stream to their feeds");
+    // Woken together, the reads of a wake share a statement or two.
+    assert!(statements * 3 <= reads, "{statements} statements for {reads} reads: not shared");
+    let metrics = reqwest::get(format!("{}/metrics", host.base)).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("\nagent_host_sse_feed_read_statements_total "), "the counter is on /metrics");
+    host.stop().await;
+}
+
 /// Issue 43: a client that stops reading is cut with its cursor and
 /// rejoins from it with no gap and no repeat. The run writes far more than
 /// the sockets hold (80 events of 500 kB) while the client reads nothing:
