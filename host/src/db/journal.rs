@@ -196,6 +196,39 @@ pub async fn events_after(
         .await
 }
 
+/// One run's bounded page (`seq, type, payload, cut`, unordered) as SQL: its
+/// rows after `$after`, at most `$limit`, and as many more as fit in
+/// `$bytes` of payload past the first (always the first: a reader moves on);
+/// `cut` says rows were left for the bytes. The arguments are SQL
+/// expressions: parameters for one run, a lateral join's columns for many.
+macro_rules! bounded_page_sql {
+    ($run:literal, $after:literal, $limit:literal, $bytes:literal) => {
+        concat!(
+            "SELECT seq, type, payload, cut FROM (
+                 SELECT seq, type, payload, before, bool_or(before >= ",
+            $bytes,
+            ") OVER () AS cut
+                 FROM (
+                     SELECT seq, type, payload,
+                            coalesce(sum(octet_length(payload::text)) OVER (ORDER BY seq
+                                ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+                     FROM (SELECT seq, type, payload FROM run_event
+                           WHERE run_id = ",
+            $run,
+            " AND seq > ",
+            $after,
+            " ORDER BY seq LIMIT ",
+            $limit,
+            ") r
+                 ) w
+             ) x
+             WHERE before < ",
+            $bytes,
+            " OR before = 0"
+        )
+    };
+}
+
 /// Journal rows of a run after `after_seq`, in order, at most `limit` and
 /// at most about `bytes_max` bytes of payload (always the first row, however
 /// large: a reader moves on), and whether rows were left for the bytes: a
@@ -207,27 +240,14 @@ pub async fn events_after_bounded(
     limit: i64,
     bytes_max: i64,
 ) -> Result<(Vec<Event>, bool), sqlx::Error> {
-    let rows: Vec<(i32, String, Value, bool)> = sqlx::query_as(
-        "SELECT seq, type, payload, cut FROM (
-             SELECT seq, type, payload, before,
-                    bool_or(before >= $4) OVER () AS cut
-             FROM (
-                 SELECT seq, type, payload,
-                        coalesce(sum(octet_length(payload::text)) OVER (ORDER BY seq
-                            ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
-                 FROM (SELECT seq, type, payload FROM run_event
-                       WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3) r
-             ) w
-         ) e
-         WHERE before < $4 OR before = 0
-         ORDER BY seq",
-    )
-    .bind(run)
-    .bind(after_seq)
-    .bind(limit)
-    .bind(bytes_max)
-    .fetch_all(db)
-    .await?;
+    let rows: Vec<(i32, String, Value, bool)> =
+        sqlx::query_as(concat!(bounded_page_sql!("$1", "$2", "$3", "$4"), " ORDER BY seq"))
+            .bind(run)
+            .bind(after_seq)
+            .bind(limit)
+            .bind(bytes_max)
+            .fetch_all(db)
+            .await?;
     let cut = rows.first().is_some_and(|r| r.3);
     Ok((rows.into_iter().map(|(seq, kind, payload, _)| Event { seq, kind, payload }).collect(), cut))
 }
@@ -266,30 +286,20 @@ pub async fn pages_after(db: impl PgExecutor<'_>, asks: &[PageAsk]) -> Result<Ve
     let bytes: Vec<i64> = asks.iter().map(|a| a.bytes_max).collect();
     type Row =
         (i64, Option<i32>, Option<String>, Option<Value>, Option<bool>, Option<RunStatus>, Option<String>, Option<i32>);
-    let rows: Vec<Row> = sqlx::query_as(
+    let rows: Vec<Row> = sqlx::query_as(concat!(
         "SELECT c.i, e.seq, e.type, e.payload, e.cut, t.status, t.error, t.last_seq
          FROM unnest($1::uuid[], $2::int4[], $3::int8[], $4::int8[]) WITH ORDINALITY AS c(run_id, head, lim, bytes_max, i)
-         LEFT JOIN LATERAL (
-             SELECT seq, type, payload, cut FROM (
-                 SELECT seq, type, payload, before, bool_or(before >= c.bytes_max) OVER () AS cut
-                 FROM (
-                     SELECT seq, type, payload,
-                            coalesce(sum(octet_length(payload::text)) OVER (ORDER BY seq
-                                ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
-                     FROM (SELECT seq, type, payload FROM run_event
-                           WHERE run_id = c.run_id AND seq > c.head ORDER BY seq LIMIT c.lim) r
-                 ) w
-             ) x
-             WHERE before < c.bytes_max OR before = 0
-         ) e ON true
+         LEFT JOIN LATERAL (",
+        bounded_page_sql!("c.run_id", "c.head", "c.lim", "c.bytes_max"),
+        ") e ON true
          LEFT JOIN LATERAL (
              SELECT r.status, r.error,
                     coalesce((SELECT max(seq) FROM run_event m WHERE m.run_id = r.id), 0) AS last_seq
              FROM agent_run r
              WHERE r.id = c.run_id AND r.status IN ('completed', 'failed', 'cancelled')
          ) t ON true
-         ORDER BY c.i, e.seq",
-    )
+         ORDER BY c.i, e.seq"
+    ))
     .bind(&ids)
     .bind(&heads)
     .bind(&limits)

@@ -143,12 +143,8 @@ impl Feeds {
                         });
                         map.insert(run, Arc::downgrade(&f));
                         self.inner.stats.live.fetch_add(1, Ordering::Relaxed);
-                        let reader = self
-                            .inner
-                            .reader
-                            .get_or_init(|| Reader::start(config.pool.clone(), self.inner.stats.clone()))
-                            .clone();
-                        tokio::spawn(feed_task(f.clone(), self.inner.clone(), config.clone(), reader));
+                        self.inner.reader.get_or_init(|| Reader::start(config.pool.clone(), self.inner.stats.clone()));
+                        tokio::spawn(feed_task(f.clone(), self.inner.clone(), config.clone()));
                         f
                     }
                 }
@@ -398,7 +394,6 @@ impl Drop for FeedSub {
 /// The process's journal reader: the feeds' reads, batched. A read asked
 /// while a statement is in flight waits for the next one, which takes
 /// every read waiting then; one statement is in flight at a time.
-#[derive(Clone)]
 struct Reader {
     asks: mpsc::UnboundedSender<(PageAsk, oneshot::Sender<Result<Page, String>>)>,
 }
@@ -417,7 +412,7 @@ impl Reader {
     }
 }
 
-/// Ends when every [`Reader`] is dropped (the process's feeds with it).
+/// Ends when the process's feeds are dropped (with their [`Reader`]).
 async fn reader_task(
     pool: PgPool,
     stats: Arc<FeedStats>,
@@ -452,8 +447,9 @@ async fn reader_task(
     }
 }
 
-async fn feed_task(feed: Arc<Feed>, feeds: Arc<FeedsInner>, config: FeedConfig, reader: Reader) {
+async fn feed_task(feed: Arc<Feed>, feeds: Arc<FeedsInner>, config: FeedConfig) {
     let stats = &feeds.stats;
+    let reader = feeds.reader.get().expect("the reader starts before its first feed");
     // Subscribed before the first read: a wake in between is queued, not lost.
     let mut wakes = match &config.hub {
         Some(hub) => Some(hub.subscribe(&events_channel(feed.run)).await),
@@ -477,7 +473,7 @@ async fn feed_task(feed: Arc<Feed>, feeds: Arc<FeedsInner>, config: FeedConfig, 
             if let Some(w) = &mut wakes {
                 w.drain(); // answered by this read
             }
-            if let Err(e) = read_round(&feed, &config, &reader, stats).await {
+            if let Err(e) = read_round(&feed, &config, reader, stats).await {
                 tracing::warn!(run_id = %feed.run, error = %e, "a feed's journal read failed; its tails read on their own");
                 let mut st = feed.state.lock().unwrap();
                 for slot in st.slots.values_mut().filter(|s| s.active()) {
