@@ -114,9 +114,11 @@ async fn dev_builds_registers_and_runs_a_turn_then_again_on_each_change_and_ctrl
     let mut dev = Dev::spawn(&project, &["--prompt", "What time is it?"]);
     let long = Duration::from_secs(600);
     dev.wait_count("dev: watching", 1, long).await;
+    // The answer is on stdout, the narration on stderr: two pipes, read by
+    // two threads, so the answer may reach the log after "watching".
+    dev.wait_count("Offline reply to: What time is it? Tool clock said: it is ", 1, long).await;
     let log = dev.log();
     assert!(log.contains("dev: host at http://127.0.0.1:"), "{log}");
-    assert!(log.contains("Offline reply to: What time is it? Tool clock said: it is "), "{log}");
     assert_eq!(log.matches(" completed\n").count(), 1, "{log}");
     assert_eq!(clusters().len(), before.len() + 1, "its cluster: {:?}", clusters());
 
@@ -130,9 +132,9 @@ async fn dev_builds_registers_and_runs_a_turn_then_again_on_each_change_and_ctrl
     assert_ne!(edited, source, "the template's answer line moved");
     std::fs::write(&app, &edited).unwrap();
     dev.wait_count("dev: watching", 2, long).await;
+    dev.wait_count("Offline reply to: edited: What time is it? Tool clock said:", 1, long).await;
     let log = dev.log();
     assert!(log.contains("app.py changed"), "{log}");
-    assert!(log.contains("Offline reply to: edited: What time is it? Tool clock said:"), "{log}");
     let digests = dev.digests();
     assert_eq!(digests.len(), 2, "{log}");
     assert_ne!(digests[0], digests[1], "{log}");
@@ -146,7 +148,7 @@ async fn dev_builds_registers_and_runs_a_turn_then_again_on_each_change_and_ctrl
     assert_eq!(dev.digests().len(), 2, "a broken build registered something: {log}");
     std::fs::write(&app, edited.replace("edited: ", "fixed: ")).unwrap();
     dev.wait_count("dev: watching", 4, long).await;
-    assert!(dev.log().contains("Offline reply to: fixed: What time is it?"), "{}", dev.log());
+    dev.wait_count("Offline reply to: fixed: What time is it?", 1, long).await;
     assert_eq!(dev.digests().len(), 3, "{}", dev.log());
     assert_eq!(dev.log().matches(" completed\n").count(), 3, "{}", dev.log());
 
